@@ -1,0 +1,1 @@
+"""Benchmarks, trace replay, profiles, simulator and planner."""

@@ -1,0 +1,1 @@
+"""The model runtime every worker shares: config, loader, model, paged KV cache, sampler, tokenizer."""

@@ -1,0 +1,26 @@
+"""Attention and KV-block kernels behind one seam.
+
+Callers use the functions exported here; which implementation runs is chosen per call from the
+tensors' device (Triton kernels on CUDA where available, the torch references elsewhere) and can be
+forced with ``PDFABRIC_KERNEL_BACKEND`` (``auto``, ``torch``, ``triton``) or ``set_backend``.
+"""
+
+from pdfabric.kernels.dispatch import (
+    gather_blocks,
+    get_backend,
+    paged_attention,
+    scatter_blocks,
+    set_backend,
+    store_kv,
+)
+from pdfabric.kernels.metadata import AttentionMetadata
+
+__all__ = [
+    "AttentionMetadata",
+    "gather_blocks",
+    "get_backend",
+    "paged_attention",
+    "scatter_blocks",
+    "set_backend",
+    "store_kv",
+]

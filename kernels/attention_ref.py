@@ -1,0 +1,82 @@
+"""Torch reference for paged attention and the KV-cache write: the CPU path and the oracle for kernels.
+
+Cache layout, one tensor per layer: ``kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]``
+(index 0 keys, 1 values). Scores and softmax are computed in float32 whatever the cache dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdfabric.kernels.metadata import AttentionMetadata
+
+
+def store_kv_ref(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Writes the new tokens' keys and values into their cache slots."""
+    # key, value: [T, kv_heads, head_dim]; slot_mapping: [T]
+    _, _, _, kv_heads, head_dim = kv_cache.shape
+    flat = kv_cache.view(2, -1, kv_heads, head_dim)  # [2, num_blocks * block_size, kv_heads, head_dim]
+    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def gather_seq_kv(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``seq_len`` cached keys and values of one sequence, contiguous."""
+    _, _, block_size, kv_heads, head_dim = kv_cache.shape
+    num_blocks = -(-seq_len // block_size)
+    blocks = kv_cache[:, block_table[:num_blocks].long()]  # [2, n, block_size, kv_heads, head_dim]
+    kv = blocks.reshape(2, num_blocks * block_size, kv_heads, head_dim)[:, :seq_len]
+    return kv[0], kv[1]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    # q: [B, Lq, Hq, D]; k, v: [B, Lk, Hkv, D]; mask: [B, Lq, Lk] bool (True = may attend)
+    batch, q_len, q_heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    group = q_heads // kv_heads
+    qg = q.float().reshape(batch, q_len, kv_heads, group, head_dim)
+    scores = torch.einsum("bqhgd,bkhd->bhgqk", qg, k.float()) * scale  # [B, Hkv, G, Lq, Lk]
+    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bhgqk,bkhd->bqhgd", probs, v.float())  # [B, Lq, Hkv, G, D]
+    return out.reshape(batch, q_len, q_heads, head_dim)
+
+
+def paged_attention_ref(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its whole cached context.
+
+    The new tokens' KV must already be in the cache (``store_kv_ref``). Returns ``[T, q_heads,
+    head_dim]`` in ``q``'s dtype.
+    """
+    # q: [T, q_heads, head_dim]
+    if meta.is_decode_only:
+        return _decode_ref(q, kv_cache, meta, scale)
+    out = torch.empty_like(q)
+    start = 0
+    for s, (q_len, s_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=True)):
+        k, v = gather_seq_kv(kv_cache, meta.block_tables[s], s_len)  # [s_len, kv_heads, head_dim]
+        q_pos = torch.arange(s_len - q_len, s_len, device=q.device)
+        mask = torch.arange(s_len, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, s_len]
+        o = _attend(q[None, start : start + q_len], k[None], v[None], mask[None], scale)
+        out[start : start + q_len] = o[0].to(q.dtype)
+        start += q_len
+    return out
+
+
+def _decode_ref(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """One query per sequence: all sequences at once over block tables padded to the longest."""
+    _, _, block_size, kv_heads, head_dim = kv_cache.shape
+    max_len = meta.max_seq_len
+    num_blocks = -(-max_len // block_size)
+    tables = meta.block_tables[:, :num_blocks].long()  # [S, n]
+    kv = kv_cache[:, tables]  # [2, S, n, block_size, kv_heads, head_dim]
+    kv = kv.reshape(2, meta.num_seqs, num_blocks * block_size, kv_heads, head_dim)[:, :, :max_len]
+    mask = torch.arange(max_len, device=q.device)[None, :] < meta.seq_lens[:, None]  # [S, max_len]
+    out = _attend(q[:, None], kv[0], kv[1], mask[:, None], scale)  # [S, 1, q_heads, head_dim]
+    return out[:, 0].to(q.dtype)

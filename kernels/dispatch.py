@@ -1,0 +1,61 @@
+"""Chooses, per call, the implementation of each kernel: torch reference or Triton."""
+
+from __future__ import annotations
+
+import torch
+
+from pdfabric import envs
+from pdfabric.kernels.attention_ref import paged_attention_ref, store_kv_ref
+from pdfabric.kernels.kv_pack_ref import gather_blocks_ref, scatter_blocks_ref
+from pdfabric.kernels.metadata import AttentionMetadata
+
+BACKENDS = ("auto", "torch", "triton")
+_backend: str = envs.get("PDFABRIC_KERNEL_BACKEND")
+
+
+def set_backend(name: str) -> None:
+    """Forces a backend for every later call (``auto`` restores the device-based choice)."""
+    global _backend
+    if name not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {name!r}; expected one of {', '.join(BACKENDS)}")
+    _backend = name
+
+
+def get_backend() -> str:
+    return _backend
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    if _backend == "torch":
+        return False
+    if _backend == "triton":
+        return True
+    return t.is_cuda and _triton_ready()
+
+
+def _triton_ready() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Writes new keys/values ``[T, kv_heads, head_dim]`` into their slots of ``kv_cache``."""
+    store_kv_ref(key, value, kv_cache, slot_mapping)
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of the batch's new queries ``[T, q_heads, head_dim]`` over the paged cache."""
+    return paged_attention_ref(q, kv_cache, meta, scale)
+
+
+def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Packs ``kv_cache[:, block_ids]`` into one contiguous ``[2, n, block_size, kv_heads, head_dim]``."""
+    return gather_blocks_ref(kv_cache, block_ids, out)
+
+
+def scatter_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, packed: torch.Tensor) -> None:
+    """Unpacks ``packed`` into ``kv_cache[:, block_ids]``."""
+    scatter_blocks_ref(kv_cache, block_ids, packed)

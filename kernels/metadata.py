@@ -1,0 +1,78 @@
+"""The description of a flat batch of tokens that every attention backend reads.
+
+A forward pass sees ``T`` new tokens from ``S`` sequences laid end to end. Sequence ``s`` owns the
+query rows ``query_start_loc[s]:query_start_loc[s+1]``; after this step it has ``seq_lens[s]`` tokens
+in the paged cache (earlier chunks or decode steps plus the new ones), so its new tokens sit at
+positions ``seq_lens[s] - query_len .. seq_lens[s] - 1`` and each attends causally to everything
+before it. One layout covers a fresh prefill (``query_len == seq_len``), a chunk that continues a
+cached prompt (``query_len < seq_len``) and decode (``query_len == 1``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    # Device tensors.
+    query_start_loc: torch.Tensor  # [S + 1] int32, cumulative query lengths
+    seq_lens: torch.Tensor  # [S] int32, cached tokens per sequence after this step
+    block_tables: torch.Tensor  # [S, max_blocks] int32, padded with 0 past each table's end
+    slot_mapping: torch.Tensor  # [T] int64, flat cache slot (block * block_size + offset) per token
+    # Host copies, so references and launchers never sync on a device tensor.
+    query_lens_host: tuple[int, ...]
+    seq_lens_host: tuple[int, ...]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens_host)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_host, default=0)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(q == 1 for q in self.query_lens_host)
+
+    @staticmethod
+    def build(
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """Builds the tensors from host lists: the one place a batch description becomes tensors."""
+        if not (len(query_lens) == len(seq_lens) == len(block_tables)):
+            raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
+        slots: list[int] = []
+        for q_len, s_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
+            if not 0 < q_len <= s_len:
+                raise ValueError(f"query length {q_len} must be in 1..seq_len ({s_len})")
+            if len(table) * block_size < s_len:
+                raise ValueError(f"block table of {len(table)} blocks cannot hold {s_len} tokens")
+            for pos in range(s_len - q_len, s_len):
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+        max_blocks = max((len(t) for t in block_tables), default=0)
+        padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+        starts = [0]
+        for q_len in query_lens:
+            starts.append(starts[-1] + q_len)
+        return AttentionMetadata(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device).reshape(
+                len(block_tables), max_blocks
+            ),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_lens_host=tuple(query_lens),
+            seq_lens_host=tuple(seq_lens),
+        )

@@ -1,0 +1,1 @@
+"""Moving paged KV blocks between processes."""

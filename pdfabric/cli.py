@@ -1,0 +1,47 @@
+"""The ``pdfabric`` command line: one table of commands, each a module imported only when used.
+
+Each command module provides ``add_arguments(parser)`` and ``run(args) -> int`` and keeps heavy
+imports (torch) inside ``run`` so that ``pdfabric --help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# (words, module, one-line help)
+COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
+    (("generate",), "pdfabric.engine.generate", "single-process reference generation through the paged cache"),
+    (("bench", "engine"), "pdfabric.bench.engine_bench", "prefill and decode speed beside the machine's floors"),
+    (("bench", "transfer"), "pdfabric.bench.transfer", "KV transfer bandwidth per transport beside memcpy"),
+]
+
+
+def _usage() -> str:
+    width = max(len(" ".join(words)) for words, _, _ in COMMANDS)
+    lines = ["usage: pdfabric COMMAND [options]   (pdfabric COMMAND --help for its options)", "", "commands:"]
+    lines += [f"  {' '.join(words):<{width}}  {help_}" for words, _, help_ in COMMANDS]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for words, module, help_ in COMMANDS:
+        if argv[: len(words)] == list(words):
+            mod = importlib.import_module(module)
+            parser = argparse.ArgumentParser(prog="pdfabric " + " ".join(words), description=help_)
+            mod.add_arguments(parser)
+            args = parser.parse_args(argv[len(words) :])
+            return int(mod.run(args) or 0)
+    if argv and argv[0] == "--version":
+        from pdfabric import __version__
+
+        print(__version__)
+        return 0
+    print(_usage(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
+    return 0 if not argv or argv[0] in ("-h", "--help") else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""Every environment variable pdfabric reads, in one place; a bad value fails loudly at import."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+
+def _choice(*allowed: str) -> Callable[[str], str]:
+    def parse(value: str) -> str:
+        if value not in allowed:
+            raise ValueError(f"expected one of {', '.join(allowed)}, got {value!r}")
+        return value
+
+    return parse
+
+
+# name -> (default, parser, meaning)
+REGISTRY: dict[str, tuple[str, Callable[[str], object], str]] = {
+    "PDFABRIC_KERNEL_BACKEND": (
+        "auto",
+        _choice("auto", "torch", "triton"),
+        "attention / KV-pack kernels: auto (Triton on CUDA, torch elsewhere), torch or triton",
+    ),
+    "PDFABRIC_CACHE_DIR": (
+        str(Path.home() / ".cache" / "pdfabric"),
+        lambda v: str(Path(v).expanduser()),
+        "where the built-in default models are written",
+    ),
+}
+
+
+def get(name: str):  # noqa: ANN201 - the type is the parser's
+    """The parsed value of ``name``; raises ``ValueError`` naming the variable on a bad value."""
+    default, parse, _ = REGISTRY[name]
+    raw = os.environ.get(name, default)
+    try:
+        return parse(raw)
+    except ValueError as exc:
+        raise ValueError(f"environment variable {name}: {exc}") from None
