@@ -7,7 +7,6 @@ Cache layout, one tensor per layer: ``kv_cache: [2, num_blocks, block_size, num_
 from __future__ import annotations
 
 import torch
-
 from pdfabric.kernels.metadata import AttentionMetadata
 
 
@@ -33,7 +32,9 @@ def gather_seq_kv(
     return kv[0], kv[1]
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
     # q: [B, Lq, Hq, D]; k, v: [B, Lk, Hkv, D]; mask: [B, Lq, Lk] bool (True = may attend)
     batch, q_len, q_heads, head_dim = q.shape
     kv_heads = k.shape[2]
@@ -69,7 +70,9 @@ def paged_attention_ref(
     return out
 
 
-def _decode_ref(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _decode_ref(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
     """One query per sequence: all sequences at once over block tables padded to the longest."""
     _, _, block_size, kv_heads, head_dim = kv_cache.shape
     max_len = meta.max_seq_len

@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch
 
 
-def gather_blocks_ref(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def gather_blocks_ref(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Returns (or fills ``out`` with) ``kv_cache[:, block_ids]`` as one contiguous tensor."""
     # kv_cache: [2, num_blocks, block_size, kv_heads, head_dim]; block_ids: [n] int
     if out is None:

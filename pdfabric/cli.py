@@ -12,8 +12,16 @@ import sys
 
 # (words, module, one-line help)
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
-    (("generate",), "pdfabric.engine.generate", "single-process reference generation through the paged cache"),
-    (("bench", "engine"), "pdfabric.bench.engine_bench", "prefill and decode speed beside the machine's floors"),
+    (
+        ("generate",),
+        "pdfabric.engine.generate",
+        "single-process reference generation through the paged cache",
+    ),
+    (
+        ("bench", "engine"),
+        "pdfabric.bench.engine_bench",
+        "prefill and decode speed beside the machine's floors",
+    ),
     (("bench", "transfer"), "pdfabric.bench.transfer", "KV transfer bandwidth per transport beside memcpy"),
 ]
 

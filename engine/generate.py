@@ -1,0 +1,149 @@
+"""Single-process reference generation through the paged cache, and the ``pdfabric generate`` command.
+
+``ReferenceEngine`` is the oracle for the fabric's token-exactness: one request at a time, the prompt
+prefilled (whole or in chunks) into freshly allocated blocks, then one decode step per token, sampled
+with the same sampler the workers use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdfabric.engine.block_pool import BlockPool, BlockTables
+from pdfabric.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Generation:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str  # "stop" or "length"
+    logprobs: list[float]
+
+
+class ReferenceEngine:
+    """Loads a model directory (or preset) and generates for one prompt at a time."""
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        dtype: str | None = None,
+        num_blocks: int = 512,
+        block_size: int = 16,
+    ) -> None:
+        from pdfabric.engine.default_model import resolve_model
+        from pdfabric.engine.loader import load_model
+        from pdfabric.engine.runner import ModelRunner
+
+        self.path = resolve_model(model)
+        self.model = load_model(self.path, dtype)
+        self.config = self.model.config
+        self._tokenizer = None
+        self.runner = ModelRunner(self.model, num_blocks, block_size)
+        self.tables = BlockTables(BlockPool(num_blocks, block_size))
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - Tokenizer, imported lazily
+        """The model's tokenizer, loaded on first use (token-id callers never need one)."""
+        if self._tokenizer is None:
+            from pdfabric.engine.tokenizer import Tokenizer
+
+            self._tokenizer = Tokenizer.from_pretrained(self.path)
+        return self._tokenizer
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, chunk_size: int = 0) -> Generation:
+        """Generates for ``prompt_ids``; ``chunk_size > 0`` prefills the prompt in chunks of that size."""
+        from pdfabric.engine.runner import StepEntry
+        from pdfabric.engine.sampler import sample
+
+        if not prompt_ids:
+            raise ValueError("the prompt must hold at least one token")
+        limit = self.config.max_position_embeddings
+        if len(prompt_ids) >= limit:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in a context of {limit}")
+        stop_ids = set(params.stop_token_ids) | (
+            set() if params.ignore_eos else set(self.tokenizer.eos_token_ids)
+        )
+        seq = object()
+        out: list[int] = []
+        logprobs: list[float] = []
+        try:
+            pending, cached = list(prompt_ids), 0
+            step = chunk_size if chunk_size > 0 else len(pending)
+            while True:
+                chunk = pending[:step] if not out else pending
+                if self.tables.grow(seq, cached + len(chunk)) is None:
+                    raise RuntimeError("the KV cache is too small for this request")
+                last = len(chunk) == len(pending)
+                entry = StepEntry(tuple(chunk), cached, tuple(self.tables.table(seq)), needs_logits=last)
+                logits = self.runner.step([entry])
+                cached += len(chunk)
+                pending = pending[len(chunk) :]
+                if not last:
+                    continue
+                token = sample(logits, [params], [len(out)])[0]
+                out.append(token.token_id)
+                logprobs.append(token.logprob)
+                if token.token_id in stop_ids:
+                    return Generation(list(prompt_ids), out, "stop", logprobs)
+                if len(out) >= params.max_tokens or cached + 1 >= limit:
+                    return Generation(list(prompt_ids), out, "length", logprobs)
+                pending = [token.token_id]
+        finally:
+            self.tables.release(seq)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default="tiny", help="model directory or preset (tiny, cpu-small); default tiny"
+    )
+    parser.add_argument("--prompt", required=True, help="prompt text")
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most (default 32)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (same seed, same output)")
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), help="override the checkpoint's dtype"
+    )
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+        )
+        engine = ReferenceEngine(args.model, args.dtype)
+        text = args.prompt
+        if args.chat:
+            text = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+        prompt_ids = engine.tokenizer.encode(text)
+        result = engine.generate(prompt_ids, params)
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        print(f"pdfabric generate: error: {exc}", file=sys.stderr)
+        return 2
+    text_out = engine.tokenizer.decode(result.token_ids)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "prompt_token_ids": result.prompt_token_ids,
+                    "token_ids": result.token_ids,
+                    "text": text_out,
+                    "finish_reason": result.finish_reason,
+                }
+            )
+        )
+    else:
+        print(text_out)
+    return 0

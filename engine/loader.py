@@ -1,0 +1,81 @@
+"""Loads a Hugging Face safetensors checkpoint (single file or sharded) into ``LlamaForCausalLM``.
+
+The model is built on the meta device and the checkpoint's tensors are assigned to it by name, so
+weights exist in memory once. Every expected tensor must be present with the expected shape; anything
+missing, misshapen or unknown is an error that names it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from pdfabric.engine.config import ModelConfig
+from pdfabric.engine.model import LlamaForCausalLM
+from safetensors import safe_open
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Older checkpoints carry rotary tables; they are derived from the config, so they are skipped.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """The checkpoint does not match the model its config describes."""
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a model directory, in shard order."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index} has no weight_map")
+        files = [path / name for name in sorted(set(weight_map.values()))]
+    elif (path / "model.safetensors").is_file():
+        files = [path / "model.safetensors"]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"checkpoint shard(s) missing in {path}: {', '.join(missing)}")
+    return files
+
+
+def load_model(
+    path: str | Path, dtype: str | None = None, device: str | torch.device = "cpu"
+) -> LlamaForCausalLM:
+    """Builds the model described by ``path/config.json`` and loads its weights.
+
+    ``dtype`` overrides the checkpoint's ``torch_dtype`` (float32, bfloat16 or float16).
+    """
+    path = Path(path)
+    cfg = ModelConfig.from_pretrained(path, dtype)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    expected = {name: p.shape for name, p in model.named_parameters()}
+    target = DTYPES[cfg.dtype]
+    state: dict[str, torch.Tensor] = {}
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if name not in expected:
+                    raise CheckpointError(f"{file.name}: unexpected tensor {name!r} for {cfg.architecture}")
+                tensor = f.get_tensor(name)
+                if tensor.shape != expected[name]:
+                    raise CheckpointError(
+                        f"{file.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                        f"expected {tuple(expected[name])}"
+                    )
+                state[name] = tensor.to(device=device, dtype=target)
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise CheckpointError(f"checkpoint in {path} lacks tensor(s): {shown}")
+    model.load_state_dict(state, strict=True, assign=True)
+    model.inv_freq = model.inv_freq.to(device)
+    return model.eval().requires_grad_(False)

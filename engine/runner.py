@@ -1,0 +1,86 @@
+"""Runs one forward step for a batch described in host lists: the one place such a batch becomes tensors.
+
+Schedulers (torch-free) hand over ``StepEntry`` records; ``ModelRunner.prepare`` builds the flat
+token batch and ``AttentionMetadata``; ``ModelRunner.step`` runs the model and returns the logits of
+the entries that asked for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from pdfabric.engine.block_pool import blocks_for
+from pdfabric.engine.kv_cache import allocate_kv_cache
+from pdfabric.engine.model import LlamaForCausalLM
+from pdfabric.kernels import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class StepEntry:
+    """One sequence's share of a step: run ``token_ids`` after ``num_cached`` tokens already cached."""
+
+    token_ids: tuple[int, ...]
+    num_cached: int
+    block_table: tuple[int, ...]
+    needs_logits: bool = True
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [N] int64, rows of the hidden states to turn into logits
+
+
+class ModelRunner:
+    """Owns the model and its KV-cache tensors on one device."""
+
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int) -> None:
+        self.model = model
+        self.config = model.config
+        self.block_size = block_size
+        self.device = model.model.embed_tokens.weight.device
+        self.kv_caches = allocate_kv_cache(self.config, num_blocks, block_size, self.device)
+
+    def prepare(self, entries: list[StepEntry]) -> PreparedStep:
+        ids: list[int] = []
+        positions: list[int] = []
+        logits_rows: list[int] = []
+        for e in entries:
+            if not e.token_ids:
+                raise ValueError("a step entry must carry at least one token")
+            total = e.num_cached + len(e.token_ids)
+            if total > self.config.max_position_embeddings:
+                raise ValueError(
+                    f"sequence of {total} tokens exceeds the model's {self.config.max_position_embeddings}"
+                )
+            if blocks_for(total, self.block_size) > len(e.block_table):
+                raise ValueError(f"block table of {len(e.block_table)} blocks cannot hold {total} tokens")
+            ids.extend(e.token_ids)
+            positions.extend(range(e.num_cached, total))
+            if e.needs_logits:
+                logits_rows.append(len(ids) - 1)
+        meta = AttentionMetadata.build(
+            query_lens=[len(e.token_ids) for e in entries],
+            seq_lens=[e.num_cached + len(e.token_ids) for e in entries],
+            block_tables=[list(e.block_table) for e in entries],
+            block_size=self.block_size,
+            device=self.device,
+        )
+        as_long = {"dtype": torch.int64, "device": self.device}
+        return PreparedStep(
+            input_ids=torch.tensor(ids, **as_long),
+            positions=torch.tensor(positions, **as_long),
+            meta=meta,
+            logits_indices=torch.tensor(logits_rows, **as_long),
+        )
+
+    @torch.inference_mode()
+    def step(self, entries: list[StepEntry]) -> torch.Tensor:
+        """Runs the batch, writing its KV into the cache; returns float32 logits ``[N, vocab]`` for the
+        entries with ``needs_logits``, in order."""
+        prepared = self.prepare(entries)
+        hidden = self.model(prepared.input_ids, prepared.positions, self.kv_caches, prepared.meta)
+        return self.model.compute_logits(hidden[prepared.logits_indices])
