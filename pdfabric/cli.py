@@ -12,6 +12,8 @@ import sys
 
 # (words, module, one-line help)
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
+    (("serve",), "pdfabric.launcher", "start a router and its prefill / decode / colocated workers"),
+    (("worker",), "pdfabric.worker_cli", "run one worker that joins a router"),
     (
         ("generate",),
         "pdfabric.engine.generate",
@@ -23,6 +25,9 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
         "prefill and decode speed beside the machine's floors",
     ),
     (("bench", "transfer"), "pdfabric.bench.transfer", "KV transfer bandwidth per transport beside memcpy"),
+    (("bench", "replay"), "pdfabric.bench.replay_cmd", "replay a trace open-loop: TTFT, ITL, SLO attainment"),
+    (("bench", "goodput"), "pdfabric.bench.goodput_cmd", "highest rate meeting both SLOs (rate search)"),
+    (("bench", "compare"), "pdfabric.bench.compare_cmd", "one workload against several servers side by side"),
 ]
 
 
