@@ -1,0 +1,227 @@
+"""Continuous batching with chunked prefill, shared by every worker kind. No torch here.
+
+Each step: 1. every running sequence gets one decode token (preempting the newest running sequence
+back to the waiting queue when blocks run out), 2. waiting sequences fill the rest of the token
+budget with prefill chunks, oldest first. After the model runs, ``complete`` advances each sequence:
+a finished prompt either starts decoding (``on_prefilled="decode"``) or is parked for hand-over
+(``"handoff"``, the prefill worker), and finished sequences give their blocks back.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from pdfabric.engine.block_pool import BlockTables, blocks_for
+from pdfabric.engine.sequence import SeqState, Sequence
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch_tokens: int = 512  # tokens per forward step (decode tokens + prefill chunks)
+    max_running: int = 64  # sequences decoding at once
+    max_model_len: int = 4096
+    on_prefilled: str = "decode"  # or "handoff"
+
+    def __post_init__(self) -> None:
+        if self.max_batch_tokens < 1 or self.max_running < 1:
+            raise ValueError("max_batch_tokens and max_running must be at least 1")
+        if self.on_prefilled not in ("decode", "handoff"):
+            raise ValueError(f"on_prefilled must be 'decode' or 'handoff', got {self.on_prefilled!r}")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Run tokens ``start:stop`` of ``seq`` this step; ``sample`` when they reach its end."""
+
+    seq: Sequence
+    start: int
+    stop: int
+
+    @property
+    def sample(self) -> bool:
+        return self.stop == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, tables: BlockTables, config: SchedulerConfig) -> None:
+        self.tables = tables
+        self.config = config
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.awaiting_kv: dict[str, Sequence] = {}
+        self.handoff: dict[str, Sequence] = {}
+        self._by_id: dict[str, Sequence] = {}
+
+    # --- admission ------------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queues a sequence whose prompt must be prefilled here."""
+        self._admit(seq)
+        seq.state = SeqState.WAITING
+        self.waiting.append(seq)
+
+    def reserve(self, seq: Sequence) -> list[int] | None:
+        """Reserves blocks for a prompt whose KV arrives from elsewhere; ``None`` when short."""
+        table = (
+            self.tables.grow(seq.request_id, len(seq.prompt_ids))
+            if seq.request_id not in self._by_id
+            else None
+        )
+        if table is None:
+            return None
+        self._admit(seq)
+        seq.state = SeqState.WAITING_FOR_KV
+        self.awaiting_kv[seq.request_id] = seq
+        return list(table)
+
+    def kv_arrived(self, request_id: str, first_token: int, logprob: float) -> Sequence | None:
+        """The prompt's KV is in the reserved blocks: start decoding after ``first_token``.
+
+        Returns the sequence, finished already if its first token ended it.
+        """
+        seq = self.awaiting_kv.pop(request_id, None)
+        if seq is None:
+            return None
+        seq.num_cached = len(seq.prompt_ids)
+        self._append(seq, first_token, logprob)
+        if seq.state is not SeqState.FINISHED:
+            seq.state = SeqState.RUNNING
+            self.running.append(seq)
+        return seq
+
+    def _admit(self, seq: Sequence) -> None:
+        if seq.request_id in self._by_id:
+            raise ValueError(f"request {seq.request_id!r} is already here")
+        self._by_id[seq.request_id] = seq
+
+    # --- a step ---------------------------------------------------------------------------------
+
+    def schedule(self) -> list[Chunk]:
+        chunks: list[Chunk] = []
+        budget = self.config.max_batch_tokens
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.state is not SeqState.RUNNING:  # preempted while making room for an earlier one
+                continue
+            while not self.tables.can_grow(seq.request_id, seq.num_tokens):
+                if self._reclaim_partial(keep=set()):
+                    continue
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.state is SeqState.RUNNING:
+                self.tables.grow(seq.request_id, seq.num_tokens)
+                chunks.append(Chunk(seq, seq.num_cached, seq.num_tokens))
+                budget -= 1
+        prefills = 0
+        for seq in list(self.waiting):
+            if budget == 0 or len(self.running) + prefills >= self.config.max_running:
+                break
+            stop = min(seq.num_tokens, seq.num_cached + budget)
+            if not self.tables.can_grow(seq.request_id, stop):
+                self._reclaim_partial(keep={c.seq for c in chunks} | {seq})
+                stop = min(stop, self._room(seq))
+            if stop <= seq.num_cached:
+                break  # wait for blocks to come back; the queue keeps its order
+            self.tables.grow(seq.request_id, stop)
+            chunks.append(Chunk(seq, seq.num_cached, stop))
+            budget -= stop - seq.num_cached
+            prefills += 1
+            if stop < seq.num_tokens:
+                break  # a partly prefilled prompt stays at the head of the queue
+        return chunks
+
+    def _room(self, seq: Sequence) -> int:
+        """Tokens the sequence could hold with its own blocks plus every free one."""
+        held = len(self.tables.table(seq.request_id)) if seq.request_id in self.tables else 0
+        return (held + self.tables.pool.num_free) * self.tables.pool.block_size
+
+    def _reclaim_partial(self, keep: set[Sequence]) -> bool:
+        """Frees the blocks of partly prefilled waiting sequences (they restart later), so that a
+        queued prompt never holds blocks that running sequences or the queue's head need."""
+        freed = False
+        for seq in self.waiting:
+            if seq not in keep and seq.request_id in self.tables:
+                self.tables.release(seq.request_id)
+                seq.num_cached = 0
+                freed = True
+        return freed
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Frees a running sequence's blocks; it will be recomputed from its tokens later."""
+        self.running.remove(seq)
+        self.tables.release(seq.request_id)
+        seq.num_cached = 0
+        seq.state = SeqState.WAITING
+        self.waiting.appendleft(seq)
+
+    def complete(self, chunks: list[Chunk], sampled: list[tuple[int, float]]) -> list[Sequence]:
+        """Advances the step's sequences; ``sampled`` holds (token, logprob) for each chunk with
+        ``sample``, in order. Returns the sequences that got a new token (finished ones included)."""
+        got = iter(sampled)
+        changed: list[Sequence] = []
+        for chunk in chunks:
+            seq = chunk.seq
+            seq.num_cached = chunk.stop
+            if not chunk.sample:
+                continue
+            token, logprob = next(got)
+            if seq.state is SeqState.WAITING:
+                self.waiting.remove(seq)
+                if self.config.on_prefilled == "handoff":
+                    seq.state = SeqState.HANDOFF
+                    self.handoff[seq.request_id] = seq
+                else:
+                    seq.state = SeqState.RUNNING
+                    self.running.append(seq)
+            self._append(seq, token, logprob)
+            changed.append(seq)
+        return changed
+
+    def _append(self, seq: Sequence, token: int, logprob: float) -> None:
+        seq.output_ids.append(token)
+        seq.output_logprobs.append(logprob)
+        reason = seq.finish_reason_after(token, self.config.max_model_len)
+        if reason is not None and seq.state is not SeqState.HANDOFF:
+            self._finish(seq, reason)
+
+    # --- endings --------------------------------------------------------------------------------
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.state is SeqState.RUNNING:
+            self.running.remove(seq)
+        elif seq.state is SeqState.WAITING:
+            self.waiting.remove(seq)
+        self.awaiting_kv.pop(seq.request_id, None)
+        self.handoff.pop(seq.request_id, None)
+        self.tables.release(seq.request_id)
+        self._by_id.pop(seq.request_id, None)
+        seq.state = SeqState.FINISHED
+        seq.finish_reason = reason
+
+    def finish(self, request_id: str, reason: str) -> Sequence | None:
+        """Ends a request in any state (abort, error, hand-over done) and frees its blocks."""
+        seq = self._by_id.get(request_id)
+        if seq is not None:
+            self._finish(seq, reason)
+        return seq
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._by_id.get(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    @property
+    def queued_tokens(self) -> int:
+        return sum(s.num_tokens - s.num_cached for s in self.waiting)
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+
+__all__ = ["Chunk", "Scheduler", "SchedulerConfig", "blocks_for"]

@@ -1,0 +1,51 @@
+"""A request as a worker sees it: token ids, sampling parameters, cache progress and state."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from pdfabric.engine.sampling_params import SamplingParams
+
+
+class SeqState(enum.Enum):
+    WAITING = "waiting"  # has tokens without KV: a prompt to prefill, or a preempted sequence to recompute
+    WAITING_FOR_KV = "waiting_for_kv"  # blocks reserved; a prefill worker is pushing the prompt's KV
+    RUNNING = "running"  # decoding one token per step
+    HANDOFF = "handoff"  # prefill done; blocks held until the KV has been shipped
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    num_cached: int = 0  # leading tokens of all_ids whose KV is in the cache
+    state: SeqState = SeqState.WAITING
+    finish_reason: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_slice(self, start: int, stop: int) -> tuple[int, ...]:
+        """Tokens ``start:stop`` of prompt followed by output, without building the whole list."""
+        p = len(self.prompt_ids)
+        if stop <= p:
+            return self.prompt_ids[start:stop]
+        head = self.prompt_ids[start:] if start < p else ()
+        return head + tuple(self.output_ids[max(0, start - p) : stop - p])
+
+    def finish_reason_after(self, token_id: int, max_model_len: int) -> str | None:
+        """Why the sequence ends after appending ``token_id`` (already appended), if it does."""
+        if token_id in self.params.stop_token_ids or (
+            not self.params.ignore_eos and token_id in self.eos_token_ids
+        ):
+            return "stop"
+        if len(self.output_ids) >= self.params.max_tokens or self.num_tokens >= max_model_len:
+            return "length"
+        return None

@@ -1,0 +1,139 @@
+"""Messages on the control channel between the router and its workers (ZeroMQ ROUTER/DEALER).
+
+Workers connect to the router's one control socket and register; afterwards the router sends work
+and aborts, and workers send token batches and heartbeats. A request's prompt travels once; after
+that only new tokens and block ids move.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdfabric.engine.sampling_params import SamplingParams
+from pdfabric.wire import message
+
+# Worker kinds.
+PREFILL, DECODE, COLOCATED = "prefill", "decode", "colocated"
+KINDS = (PREFILL, DECODE, COLOCATED)
+
+
+# --- worker -> router ---------------------------------------------------------------------------
+
+
+@message(1)
+@dataclass(frozen=True)
+class Register:
+    worker_id: str
+    kind: str
+    pool: str
+    model: str
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    kv_endpoint: str  # where prefill workers push KV (decode workers only; "" otherwise)
+    pid: int
+
+
+@message(2)
+@dataclass(frozen=True)
+class Heartbeat:
+    worker_id: str
+    queued_tokens: int  # prompt tokens waiting to be prefilled
+    running: int  # sequences decoding
+    waiting: int  # sequences queued (or waiting for KV)
+    free_blocks: int
+    total_blocks: int
+    step_ms: float  # recent median step time
+
+
+@message(3)
+@dataclass(frozen=True)
+class TokenDelta:
+    """New tokens of one request; ``finish_reason`` set on its last delta from this worker."""
+
+    request_id: str
+    index: int  # position in the output of token_ids[0] (or of the finish, when there are no tokens)
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    error: str = ""
+
+
+@message(4)
+@dataclass(frozen=True)
+class StepOutputs:
+    """Everything one worker step produced, sent as one frame."""
+
+    worker_id: str
+    deltas: tuple[TokenDelta, ...]
+
+
+@message(5)
+@dataclass(frozen=True)
+class Reserved:
+    """A decode worker's answer to ``Reserve``: block ids, or an empty tuple and the reason."""
+
+    worker_id: str
+    request_id: str
+    block_ids: tuple[int, ...]
+    reason: str = ""
+
+
+@message(6)
+@dataclass(frozen=True)
+class HandedOff:
+    """A prefill worker has shipped the request's KV and no longer holds it."""
+
+    worker_id: str
+    request_id: str
+
+
+# --- router -> worker ---------------------------------------------------------------------------
+
+
+@message(20)
+@dataclass(frozen=True)
+class Generate:
+    """Run a whole request (colocated worker): prefill, then decode until it finishes."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+
+
+@message(21)
+@dataclass(frozen=True)
+class Reserve:
+    """Decode worker: reserve blocks for a prompt whose KV a prefill worker will push."""
+
+    request_id: str
+    prompt_len: int
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+
+
+@message(22)
+@dataclass(frozen=True)
+class Prefill:
+    """Prefill worker: compute the prompt, push its KV into ``block_ids`` at ``kv_endpoint``."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    kv_endpoint: str
+    block_ids: tuple[int, ...]
+
+
+@message(23)
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+    reason: str = "abort"
+
+
+@message(24)
+@dataclass(frozen=True)
+class Shutdown:
+    reason: str = ""
