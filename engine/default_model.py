@@ -101,13 +101,16 @@ def ensure_preset(preset: str, cache_dir: str | Path | None = None) -> Path:
 def write_preset(preset: str, out: Path) -> None:
     """Writes config, weights and tokenizer of ``preset`` into ``out``."""
     import torch
-    from pdfabric.engine.byte_tokenizer import BOS_ID, EOS_ID, write_byte_tokenizer
     from safetensors.torch import save_file
+
+    from pdfabric.engine.byte_tokenizer import BOS_ID, EOS_ID, IM_END_ID, write_byte_tokenizer
 
     cfg = hf_config(preset)
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     (out / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": BOS_ID, "eos_token_id": EOS_ID}, indent=2)
+        json.dumps(
+            {"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, IM_END_ID]}, indent=2
+        )  # chat turns end too
     )
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg["torch_dtype"]]
     tensors = {name: torch.from_numpy(arr).to(dtype) for name, arr in _weights(cfg).items()}

@@ -124,10 +124,11 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
         )
         engine = ReferenceEngine(args.model, args.dtype)
-        text = args.prompt
-        if args.chat:
-            text = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}])
-        prompt_ids = engine.tokenizer.encode(text)
+        if args.chat:  # the template writes its own special tokens
+            text = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+            prompt_ids = engine.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            prompt_ids = engine.tokenizer.encode(args.prompt)
         result = engine.generate(prompt_ids, params)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"pdfabric generate: error: {exc}", file=sys.stderr)
