@@ -105,10 +105,11 @@ class Generate:
 @message(21)
 @dataclass(frozen=True)
 class Reserve:
-    """Decode worker: reserve blocks for a prompt whose KV a prefill worker will push."""
+    """Decode worker: reserve blocks for a prompt whose KV a prefill worker will push. The prompt's
+    ids come along so that a preempted sequence can be recomputed locally."""
 
     request_id: str
-    prompt_len: int
+    prompt_ids: tuple[int, ...]
     params: SamplingParams
     eos_token_ids: tuple[int, ...]
 

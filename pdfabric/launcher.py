@@ -1,0 +1,264 @@
+"""``pdfabric serve``: the router in this process, each worker in a process of its own.
+
+Start-up: bind the control socket, start the workers with its address, wait until every worker has
+registered (or fail, showing why), then open the HTTP port. While serving, a worker process that
+exits is reported to the dispatcher at once, so its requests end with an error instead of waiting for
+heartbeats to time out. Ctrl-C or SIGTERM stops the HTTP site, tells the workers to shut down, and
+kills any that do not within a few seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from pdfabric.config import ServeConfig, load_serve_config
+
+log = logging.getLogger("pdfabric.serve")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="TOML deployment config (see configs/)")
+    parser.add_argument("--model", help="model directory or preset: tiny (default), cpu-small")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--prefill", type=int, help="prefill workers")
+    parser.add_argument("--decode", type=int, help="decode workers")
+    parser.add_argument("--colocated", type=int, help="colocated workers (prefill and decode in one)")
+    parser.add_argument("--host", help="HTTP address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="HTTP port (default 8000; 0 picks a free one)")
+    parser.add_argument("--control-port", type=int, help="router control port workers join (default: free)")
+    parser.add_argument("--kv-memory-mb", type=int, help="KV-cache budget per worker (default 256)")
+    parser.add_argument("--num-blocks", type=int, help="KV blocks per worker (overrides --kv-memory-mb)")
+    parser.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
+    parser.add_argument("--max-batch-tokens", type=int, help="tokens per worker step (default 512)")
+    parser.add_argument("--max-running", type=int, help="sequences decoding at once per worker (default 64)")
+    parser.add_argument("--served-model-name", help="the model name clients use (default: --model)")
+    parser.add_argument("--ready-timeout", type=float, default=120.0, help="seconds to wait for workers")
+    parser.add_argument(
+        "--log-level", default="WARNING", help="router and worker log level (default WARNING)"
+    )
+    parser.add_argument(
+        "--once",
+        metavar="PROMPT",
+        help="start, stream one completion of PROMPT to stdout through the HTTP API, then stop",
+    )
+    parser.add_argument("--max-tokens", type=int, default=32, help="max_tokens of the --once request")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    overrides = {
+        k: getattr(args, k)
+        for k in (
+            "model",
+            "dtype",
+            "prefill",
+            "decode",
+            "colocated",
+            "host",
+            "port",
+            "control_port",
+            "kv_memory_mb",
+            "num_blocks",
+            "block_size",
+            "max_batch_tokens",
+            "max_running",
+            "served_model_name",
+        )
+    }
+    if args.prefill and args.colocated is None:
+        overrides["colocated"] = 0  # asking for a disaggregated deployment replaces the default colocated one
+    try:
+        cfg = load_serve_config(args.config, overrides)
+    except (ValueError, OSError) as exc:
+        print(f"pdfabric serve: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    try:
+        return asyncio.run(serve(cfg, args.ready_timeout, args.log_level, args.once, args.max_tokens))
+    except StartupError as exc:
+        print(f"pdfabric serve: error: {exc}", file=sys.stderr)
+        return 1
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+@dataclass
+class WorkerProcess:
+    worker_id: str
+    kind: str
+    proc: subprocess.Popen[bytes]
+
+
+def worker_command(cfg: ServeConfig, kind: str, worker_id: str, join: str, log_level: str) -> list[str]:
+    w = cfg.worker
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdfabric.cli",
+        "worker",
+        "--kind",
+        kind,
+        "--join",
+        join,
+        "--model",
+        cfg.model,
+        "--pool",
+        w.pool,
+        "--worker-id",
+        worker_id,
+        "--block-size",
+        str(w.block_size),
+        "--num-blocks",
+        str(w.num_blocks),
+        "--kv-memory-mb",
+        str(w.kv_memory_mb),
+        "--max-batch-tokens",
+        str(w.max_batch_tokens),
+        "--max-running",
+        str(w.max_running),
+        "--kv-host",
+        w.kv_host,
+        "--parent-pid",
+        str(os.getpid()),
+        "--log-level",
+        log_level,
+    ]
+    if cfg.dtype:
+        cmd += ["--dtype", cfg.dtype]
+    return cmd
+
+
+async def serve(
+    cfg: ServeConfig, ready_timeout: float, log_level: str, once: str | None, max_tokens: int
+) -> int:
+    from aiohttp import web
+
+    from pdfabric.engine.default_model import resolve_model
+    from pdfabric.engine.tokenizer import Tokenizer
+    from pdfabric.router.app import build_app
+    from pdfabric.router.dispatcher import Dispatcher
+
+    model_dir = await asyncio.to_thread(resolve_model, cfg.model)  # build a preset once, before the workers
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    dispatcher = Dispatcher(f"tcp://{cfg.host}:{cfg.control_port}", cfg.worker_timeout_s)
+    await dispatcher.start()
+    workers: list[WorkerProcess] = []
+    runner: web.AppRunner | None = None
+    try:
+        for kind, count in (("prefill", cfg.prefill), ("decode", cfg.decode), ("colocated", cfg.colocated)):
+            for i in range(count):
+                worker_id = f"{kind}-{i}"
+                cmd = worker_command(cfg, kind, worker_id, dispatcher.address, log_level)
+                workers.append(WorkerProcess(worker_id, kind, subprocess.Popen(cmd)))
+        await _wait_ready(dispatcher, workers, ready_timeout)
+        runner = web.AppRunner(build_app(cfg, dispatcher, tokenizer), handler_cancellation=True)
+        await runner.setup()
+        site = web.TCPSite(runner, cfg.host, cfg.port)
+        await site.start()
+        port = runner.addresses[0][1]
+        url = f"http://{cfg.host}:{port}"
+        print(
+            f"pdfabric: serving {cfg.model_name!r} on {url} ({cfg.prefill} prefill, {cfg.decode} decode, "
+            f"{cfg.colocated} colocated workers)",
+            file=sys.stderr,
+            flush=True,
+        )
+        monitor = asyncio.create_task(_monitor(dispatcher, workers))
+        try:
+            if once is not None:
+                return await _stream_once(url, cfg.model_name, once, max_tokens)
+            await _until_signal()
+            return 0
+        finally:
+            monitor.cancel()
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        await dispatcher.close()
+        await asyncio.to_thread(_stop_all, workers)
+
+
+async def _wait_ready(dispatcher, workers: list[WorkerProcess], timeout: float) -> None:  # noqa: ANN001
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not all(w.worker_id in dispatcher.registry.workers for w in workers):
+        for w in workers:
+            code = w.proc.poll()
+            if code is not None:
+                raise StartupError(
+                    f"worker {w.worker_id} exited with code {code} during start-up (see its log above)"
+                )
+        if loop.time() > deadline:
+            missing = [w.worker_id for w in workers if w.worker_id not in dispatcher.registry.workers]
+            raise StartupError(f"workers did not register within {timeout:.0f}s: {', '.join(missing)}")
+        await asyncio.sleep(0.05)
+
+
+async def _monitor(dispatcher, workers: list[WorkerProcess]) -> None:  # noqa: ANN001
+    reported: set[str] = set()
+    while True:
+        for w in workers:
+            code = w.proc.poll()
+            if code is not None and w.worker_id not in reported:
+                reported.add(w.worker_id)
+                dispatcher.worker_gone(w.worker_id, f"process exited with code {code}")
+        await asyncio.sleep(0.1)
+
+
+async def _until_signal() -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+def _stop_all(workers: list[WorkerProcess], grace_s: float = 5.0) -> None:
+    """Workers got ``Shutdown`` from the dispatcher; terminate, then kill, those still running."""
+    for w in workers:
+        try:
+            w.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            w.proc.terminate()
+    for w in workers:
+        try:
+            w.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            w.proc.kill()
+            w.proc.wait()
+
+
+async def _stream_once(url: str, model: str, prompt: str, max_tokens: int) -> int:
+    """Streams one completion through the HTTP API, printing text as it arrives."""
+    import aiohttp
+
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0}
+    async with aiohttp.ClientSession() as session, session.post(f"{url}/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            print(f"pdfabric serve: request failed: HTTP {resp.status}: {await resp.text()}", file=sys.stderr)
+            return 1
+        async for line in resp.content:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if "error" in data:
+                print(f"\npdfabric serve: request failed: {data['error']['message']}", file=sys.stderr)
+                return 1
+            print(data["choices"][0]["text"], end="", flush=True)
+    print()
+    return 0

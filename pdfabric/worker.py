@@ -1,0 +1,177 @@
+"""What every worker process shares: model and cache set-up, the control connection, the main loop.
+
+The loop never blocks for long: it drains control messages, lets the subclass poll its transfers,
+runs one model step when there is work, and sends a heartbeat when one is due. The worker exits when
+the router says ``Shutdown`` or when the process that started it is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import zmq
+
+from pdfabric.config import WorkerConfig
+from pdfabric.control import Abort, Heartbeat, Register, Shutdown, StepOutputs, TokenDelta
+from pdfabric.engine.block_pool import BlockPool, BlockTables
+from pdfabric.engine.scheduler import Scheduler, SchedulerConfig
+from pdfabric.engine.sequence import Sequence
+from pdfabric.engine.stepper import Stepper
+from pdfabric.wire import WireError, decode, encode
+
+log = logging.getLogger("pdfabric.worker")
+
+
+class Worker:
+    """Base class; subclasses handle their message kinds and what happens to stepped sequences."""
+
+    on_prefilled = "decode"
+
+    def __init__(self, cfg: WorkerConfig, parent_pid: int = 0) -> None:
+        from pdfabric.engine.default_model import resolve_model
+        from pdfabric.engine.kv_cache import blocks_in_budget
+        from pdfabric.engine.loader import load_model
+        from pdfabric.engine.runner import ModelRunner
+
+        self.cfg = cfg
+        self.worker_id = cfg.worker_id or f"{cfg.kind}-{os.getpid()}"
+        self.parent_pid = parent_pid
+        model = load_model(resolve_model(cfg.model), cfg.dtype)
+        mcfg = model.config
+        num_blocks = cfg.num_blocks or blocks_in_budget(mcfg, cfg.block_size, cfg.kv_memory_mb * 2**20)
+        # One sequence must always fit in the pool on its own, or it could wait forever.
+        self.max_model_len = min(mcfg.max_position_embeddings, num_blocks * cfg.block_size)
+        self.runner = ModelRunner(model, num_blocks, cfg.block_size)
+        self.tables = BlockTables(BlockPool(num_blocks, cfg.block_size))
+        sched_cfg = SchedulerConfig(
+            cfg.max_batch_tokens, cfg.max_running, self.max_model_len, self.on_prefilled
+        )
+        self.scheduler = Scheduler(self.tables, sched_cfg)
+        self.stepper = Stepper(self.runner, self.scheduler)
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, self.worker_id.encode())
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.connect(cfg.join)
+        self._running = True
+        self._next_heartbeat = 0.0
+
+    # --- subclass hooks -------------------------------------------------------------------------
+
+    def kv_endpoint(self) -> str:
+        return ""
+
+    def handle(self, msg: Any) -> None:
+        raise NotImplementedError
+
+    def poll_transfers(self) -> bool:
+        """Advances KV transfers; returns True if any are in flight (the loop then stays busy)."""
+        return False
+
+    def after_step(self, changed: list[Sequence]) -> list[TokenDelta]:
+        """Turns the step's sequences into deltas for the router."""
+        return [delta_of(seq) for seq in changed]
+
+    def close(self) -> None:
+        self.sock.close(linger=1000)
+
+    # --- loop -----------------------------------------------------------------------------------
+
+    def send(self, msg: Any) -> None:
+        self.sock.send(encode(msg))
+
+    def register(self) -> None:
+        self.send(
+            Register(
+                self.worker_id,
+                self.cfg.kind,
+                self.cfg.pool,
+                self.cfg.model,
+                self.max_model_len,
+                self.cfg.block_size,
+                self.tables.pool.num_blocks,
+                self.kv_endpoint(),
+                os.getpid(),
+            )
+        )
+
+    def serve_forever(self) -> None:
+        self.register()
+        try:
+            while self._running:
+                busy = self.poll_transfers() or self.scheduler.has_work
+                self._drain(timeout_ms=0 if busy else 5)
+                if self.scheduler.has_work:
+                    deltas = self.after_step(self.stepper.step())
+                    if deltas:
+                        self.send(StepOutputs(self.worker_id, tuple(deltas)))
+                self._heartbeat()
+        finally:
+            self.close()
+
+    def _drain(self, timeout_ms: int) -> None:
+        if not self.sock.poll(timeout_ms):
+            return
+        while True:
+            try:
+                frame = self.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = decode(frame)
+            except WireError as exc:
+                log.error("dropping bad control frame: %s", exc)
+                continue
+            if isinstance(msg, Shutdown):
+                self._running = False
+                return
+            if isinstance(msg, Abort):
+                self.abort(msg.request_id, msg.reason)
+            else:
+                self.handle(msg)
+
+    def abort(self, request_id: str, reason: str) -> None:
+        self.scheduler.finish(request_id, reason)
+
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        if now < self._next_heartbeat:
+            return
+        self._next_heartbeat = now + self.cfg.heartbeat_s
+        if self.parent_pid and not _alive(self.parent_pid):
+            log.warning("parent process %d is gone; exiting", self.parent_pid)
+            self._running = False
+            return
+        s = self.scheduler
+        self.send(
+            Heartbeat(
+                self.worker_id,
+                s.queued_tokens,
+                len(s.running),
+                len(s.waiting) + len(s.awaiting_kv),
+                self.tables.pool.num_free,
+                self.tables.pool.num_blocks,
+                self.stepper.recent_step_ms,
+            )
+        )
+
+
+def delta_of(seq: Sequence) -> TokenDelta:
+    """The delta for a sequence that just got one token (and maybe finished)."""
+    index = len(seq.output_ids) - 1
+    return TokenDelta(
+        seq.request_id, index, (seq.output_ids[-1],), (seq.output_logprobs[-1],), seq.finish_reason
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,1 @@
+"""The prefill worker: chunked prefill, KV shipping to decode workers, first token."""

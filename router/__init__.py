@@ -1,0 +1,1 @@
+"""The HTTP front: OpenAI-compatible API, worker registry, request dispatch, metrics."""

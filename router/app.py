@@ -1,0 +1,287 @@
+"""The router's HTTP application: OpenAI-compatible endpoints over the dispatcher.
+
+Each handler validates (400 naming the field), tokenizes off the event loop, submits the request,
+then streams SSE chunks (or collects a JSON body) while detokenizing incrementally. Whatever ends the
+handler (finish, stop string, error, timeout, client disconnect), its ``finally`` releases the request
+so that every worker still holding it gets an ``Abort``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from pdfabric.config import ServeConfig
+from pdfabric.engine.detokenizer import IncrementalDetokenizer
+from pdfabric.engine.tokenizer import Tokenizer
+from pdfabric.router import openai_api as api
+from pdfabric.router.dispatcher import Dispatcher, RequestStream
+from pdfabric.router.metrics import RouterMetrics
+from pdfabric.router.registry import routes
+
+CONFIG = web.AppKey("config", ServeConfig)
+DISPATCHER = web.AppKey("dispatcher", Dispatcher)
+TOKENIZER = web.AppKey("tokenizer", Tokenizer)
+METRICS = web.AppKey("metrics", RouterMetrics)
+
+
+@dataclass(frozen=True)
+class Event:
+    text: str
+    token_ids: tuple[int, ...]  # the tokens this event covers
+    finish_reason: str | None = None
+    error: str = ""
+
+
+def build_app(cfg: ServeConfig, dispatcher: Dispatcher, tokenizer: Tokenizer) -> web.Application:
+    app = web.Application(client_max_size=16 * 2**20)
+    app[CONFIG], app[DISPATCHER], app[TOKENIZER] = cfg, dispatcher, tokenizer
+    app[METRICS] = RouterMetrics(dispatcher.registry)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+def error_response(err: api.ApiError) -> web.Response:
+    headers = {}
+    if err.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))
+    return web.json_response(err.body(), status=err.status, headers=headers)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, chat=True)
+
+
+async def models(request: web.Request) -> web.Response:
+    name = request.app[CONFIG].model_name
+    return web.json_response(
+        {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "pdfabric"}]}
+    )
+
+
+async def health(request: web.Request) -> web.Response:
+    registry = request.app[DISPATCHER].registry
+    workers = [
+        {
+            "id": w.worker_id,
+            "kind": w.reg.kind,
+            "pool": w.reg.pool,
+            "pid": w.reg.pid,
+            "requests": len(w.requests),
+            "free_blocks": w.free_blocks,
+            "total_blocks": w.reg.num_blocks,
+        }
+        for w in registry.workers.values()
+    ]
+    ok = bool(routes(registry, 1))
+    return web.json_response(
+        {"status": "ok" if ok else "unavailable", "workers": workers}, status=200 if ok else 503
+    )
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[METRICS].registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
+    app = request.app
+    arrival = time.monotonic()
+    metrics_ = app[METRICS]
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        metrics_.rejections.labels("invalid").inc()
+        return error_response(api.bad("the request body is not valid JSON"))
+    try:
+        parsed = api.parse_request(body, chat, (app[CONFIG].model_name,), app[TOKENIZER].vocab_size)
+        prompt_ids = await asyncio.to_thread(_tokenize, app[TOKENIZER], parsed)
+        max_tokens = _max_tokens(parsed, len(prompt_ids), app[DISPATCHER].registry.max_model_len)
+        seed = parsed.seed if parsed.seed is not None else secrets.randbelow(2**63)
+        request_id = api.new_id(chat)
+        stream = await app[DISPATCHER].submit(
+            request_id,
+            prompt_ids,
+            parsed.sampling_params(max_tokens, seed),
+            tuple(sorted(app[TOKENIZER].eos_token_ids)),
+        )
+    except api.ApiError as err:
+        metrics_.rejections.labels("invalid" if err.status < 500 else "no_capacity").inc()
+        return error_response(err)
+    model = parsed.model
+    metrics_.queue_wait.labels(model).observe(time.monotonic() - arrival)
+    metrics_.prompt_tokens.labels(model).inc(len(prompt_ids))
+    outcome = "abort"  # unless the loop below reaches a finish: the client went away
+    try:
+        detok = IncrementalDetokenizer(app[TOKENIZER], list(prompt_ids), stop=list(parsed.stop))
+        events = _events(stream, detok, app[CONFIG].request_timeout_s, metrics_, model, arrival)
+        if parsed.stream:
+            response, outcome = await _stream_sse(request, parsed, request_id, len(prompt_ids), events)
+        else:
+            response, outcome = await _collect(parsed, request_id, len(prompt_ids), events)
+        return response
+    finally:
+        app[DISPATCHER].release(request_id, "request ended")
+        metrics_.requests.labels(model, outcome).inc()
+        metrics_.e2e.labels(model).observe(time.monotonic() - arrival)
+
+
+def _tokenize(tokenizer: Tokenizer, parsed: api.ParsedRequest) -> tuple[int, ...]:
+    if parsed.prompt_ids is not None:
+        return parsed.prompt_ids
+    if parsed.chat:
+        try:
+            text = tokenizer.apply_chat_template(list(parsed.messages or ()), add_generation_prompt=True)
+        except ValueError as exc:
+            raise api.bad(str(exc), "messages") from None
+        ids = tokenizer.encode(text, add_special_tokens=False)
+    else:
+        ids = tokenizer.encode(parsed.prompt_text or "", add_special_tokens=True)
+    if not ids:
+        raise api.bad("the prompt encodes to no tokens", "messages" if parsed.chat else "prompt")
+    return tuple(ids)
+
+
+def _max_tokens(parsed: api.ParsedRequest, prompt_len: int, max_model_len: int) -> int:
+    if max_model_len == 0:
+        raise api.ApiError(503, "no worker is registered yet", kind="server_error", retry_after_s=1.0)
+    field = "messages" if parsed.chat else "prompt"
+    if prompt_len >= max_model_len:
+        raise api.bad(f"the prompt has {prompt_len} tokens; the context window is {max_model_len}", field)
+    room = max_model_len - prompt_len
+    if parsed.max_tokens is None:
+        return room
+    if parsed.max_tokens > room:
+        name = "max_completion_tokens" if parsed.chat else "max_tokens"
+        raise api.bad(
+            f"'{name}' is {parsed.max_tokens}, but the prompt ({prompt_len} tokens) leaves room for "
+            f"{room} in the {max_model_len}-token context window",
+            name,
+        )
+    return parsed.max_tokens
+
+
+async def _events(
+    stream: RequestStream,
+    detok: IncrementalDetokenizer,
+    timeout_s: float,
+    metrics_: RouterMetrics,
+    model: str,
+    arrival: float,
+) -> AsyncIterator[Event]:
+    """The request's text in order, ending with exactly one event that carries a finish reason."""
+    last = None
+    while True:
+        try:
+            delta = await asyncio.wait_for(stream.queue.get(), timeout_s)
+        except TimeoutError:
+            yield Event("", (), "error", f"no progress for {timeout_s:.0f}s")
+            return
+        if delta.finish_reason in ("error", "abort"):
+            yield Event("", (), delta.finish_reason, delta.error or "aborted by a worker")
+            return
+        if delta.token_ids:
+            now = time.monotonic()
+            if last is None:
+                metrics_.ttft.labels(model).observe(now - arrival)
+            else:
+                metrics_.itl.labels(model).observe(now - last)
+            last = now
+            metrics_.generation_tokens.labels(model).inc(len(delta.token_ids))
+        text, used = "", 0
+        for token in delta.token_ids:
+            used += 1
+            text += detok.step(token)
+            if detok.stopped:
+                yield Event(text, delta.token_ids[:used], "stop")
+                return
+        if delta.finish_reason is not None:
+            yield Event(text + detok.flush(), delta.token_ids, delta.finish_reason)
+            return
+        yield Event(text, delta.token_ids)
+
+
+async def _stream_sse(
+    request: web.Request,
+    parsed: api.ParsedRequest,
+    request_id: str,
+    prompt_len: int,
+    events: AsyncIterator[Event],
+) -> tuple[web.StreamResponse, str]:
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": request_id}
+    )
+    await response.prepare(request)
+    held: tuple[int, ...] = ()
+    created, first, completion_tokens, outcome = api.now(), True, 0, "abort"
+    async for event in events:
+        completion_tokens += len(event.token_ids)
+        if event.finish_reason == "error" or event.finish_reason == "abort":
+            err = api.ApiError(503, event.error, kind="server_error")
+            await _send(response, err.body())
+            outcome = event.finish_reason
+            break
+        held += event.token_ids  # tokens whose text is not out yet (half a character, a possible stop)
+        if event.text or event.finish_reason or first:
+            text_chunk = api.chunk(parsed, request_id, created, event.text, event.finish_reason, first, held)
+            await _send(response, text_chunk)
+            first, held = False, ()
+        if event.finish_reason is not None:
+            outcome = event.finish_reason
+    if parsed.include_usage:
+        usage_chunk = {
+            "id": request_id,
+            "object": "chat.completion.chunk" if parsed.chat else "text_completion",
+            "created": created,
+            "model": parsed.model,
+            "choices": [],
+            "usage": api.usage(prompt_len, completion_tokens),
+        }
+        await _send(response, usage_chunk)
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response, outcome
+
+
+async def _send(response: web.StreamResponse, obj: dict) -> None:
+    await response.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+
+
+async def _collect(
+    parsed: api.ParsedRequest, request_id: str, prompt_len: int, events: AsyncIterator[Event]
+) -> tuple[web.Response, str]:
+    parts: list[str] = []
+    token_ids: list[int] = []
+    async for event in events:
+        token_ids.extend(event.token_ids)
+        if event.finish_reason in ("error", "abort"):
+            return error_response(api.ApiError(503, event.error, kind="server_error")), event.finish_reason
+        parts.append(event.text)
+        if event.finish_reason is not None:
+            body = api.full_response(
+                parsed,
+                request_id,
+                api.now(),
+                "".join(parts),
+                event.finish_reason,
+                api.usage(prompt_len, len(token_ids)),
+                token_ids,
+            )
+            return web.json_response(body), event.finish_reason
+    raise AssertionError("the event stream ended without a finish")

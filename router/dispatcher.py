@@ -1,0 +1,289 @@
+"""Sends requests to workers over the control socket and routes their tokens back.
+
+A request's life in the router:
+1. ``submit`` picks a route (``registry.routes``): a colocated worker gets ``Generate``; for a
+   disaggregated pair the decode worker is asked to ``Reserve`` blocks first (the next candidate is
+   tried if it has no room), then the prefill worker gets ``Prefill`` with those block ids.
+2. Token deltas arrive from the workers (the first token from the prefill worker, the rest from the
+   decode worker), are put back in output order and handed to the request's ``RequestStream``.
+3. The request ends on the finishing delta, on ``abort`` (client gone, stop string), on an error
+   from any worker holding it, on that worker's death, or on a timeout; every worker still holding it
+   is sent ``Abort`` so its blocks come back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from pdfabric.control import (
+    Abort,
+    Generate,
+    HandedOff,
+    Heartbeat,
+    Prefill,
+    Register,
+    Reserve,
+    Reserved,
+    Shutdown,
+    StepOutputs,
+    TokenDelta,
+)
+from pdfabric.engine.sampling_params import SamplingParams
+from pdfabric.router.openai_api import ApiError
+from pdfabric.router.registry import Registry, Route, WorkerInfo, routes
+from pdfabric.wire import WireError, decode, encode
+
+log = logging.getLogger("pdfabric.router")
+
+
+@dataclass
+class RequestStream:
+    """One request's deltas, in output order, for the HTTP handler to consume."""
+
+    request_id: str
+    prompt_len: int
+    holders: set[str] = field(default_factory=set)
+    queue: asyncio.Queue[TokenDelta] = field(default_factory=asyncio.Queue)
+    next_index: int = 0
+    pending: dict[int, TokenDelta] = field(default_factory=dict)
+    finished: bool = False
+    route: str = ""
+
+    def deliver(self, delta: TokenDelta) -> None:
+        """Queues ``delta`` once everything before it has been queued."""
+        if self.finished:
+            return
+        if delta.finish_reason in ("error", "abort"):  # failures jump the queue
+            self._put(delta)
+            return
+        self.pending[delta.index] = delta
+        while self.next_index in self.pending:
+            d = self.pending.pop(self.next_index)
+            self.next_index += len(d.token_ids)
+            self._put(d)
+            if self.finished or not d.token_ids:
+                break
+
+    def fail(self, message: str) -> None:
+        self.deliver(TokenDelta(self.request_id, self.next_index, (), (), "error", message))
+
+    def _put(self, delta: TokenDelta) -> None:
+        if delta.finish_reason is not None:
+            self.finished = True
+        self.queue.put_nowait(delta)
+
+
+class Dispatcher:
+    def __init__(self, bind: str, worker_timeout_s: float, reserve_timeout_s: float = 5.0) -> None:
+        self.registry = Registry()
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        port = self.sock.bind_to_random_port(bind.rsplit(":", 1)[0]) if bind.endswith(":0") else None
+        if port is None:
+            self.sock.bind(bind)
+            self.address = bind
+        else:
+            self.address = f"{bind.rsplit(':', 1)[0]}:{port}"
+        self.worker_timeout_s = worker_timeout_s
+        self.reserve_timeout_s = reserve_timeout_s
+        self.streams: dict[str, RequestStream] = {}
+        self._reservations: dict[tuple[str, str], asyncio.Future[Reserved]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self.on_register: Callable[[WorkerInfo], None] | None = None
+
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._liveness_loop())]
+
+    async def close(self) -> None:
+        for w in list(self.registry.workers):
+            self._send(w, Shutdown("router stopping"))
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.sock.close(linger=200)
+        self.ctx.term()
+
+    # --- requests -------------------------------------------------------------------------------
+
+    async def submit(
+        self,
+        request_id: str,
+        prompt_ids: tuple[int, ...],
+        params: SamplingParams,
+        eos_token_ids: tuple[int, ...],
+    ) -> RequestStream:
+        """Starts the request on a route; raises ``ApiError`` (503) when no worker can take it."""
+        candidates = routes(self.registry, len(prompt_ids))
+        if not candidates:
+            raise ApiError(
+                503, "no worker can serve this request now", kind="server_error", retry_after_s=1.0
+            )
+        stream = RequestStream(request_id, len(prompt_ids))
+        self.streams[request_id] = stream
+        reasons = []
+        for route in candidates:
+            reason = await self._start(stream, route, prompt_ids, params, eos_token_ids)
+            if reason is None:
+                return stream
+            reasons.append(reason)
+        del self.streams[request_id]
+        raise ApiError(
+            503,
+            "no worker could take the request: " + "; ".join(reasons),
+            kind="server_error",
+            retry_after_s=1.0,
+        )
+
+    async def _start(
+        self,
+        stream: RequestStream,
+        route: Route,
+        prompt_ids: tuple[int, ...],
+        params: SamplingParams,
+        eos: tuple[int, ...],
+    ) -> str | None:
+        rid = stream.request_id
+        if route.colocated is not None:
+            self._hold(stream, route.colocated)
+            stream.route = route.colocated.worker_id
+            self._send(route.colocated.worker_id, Generate(rid, prompt_ids, params, eos))
+            return None
+        assert route.decode is not None and route.prefill is not None
+        decode_id = route.decode.worker_id
+        future: asyncio.Future[Reserved] = asyncio.get_running_loop().create_future()
+        self._reservations[(decode_id, rid)] = future
+        self._send(decode_id, Reserve(rid, prompt_ids, params, eos))
+        try:
+            reply = await asyncio.wait_for(future, self.reserve_timeout_s)
+        except TimeoutError:
+            self._send(decode_id, Abort(rid, "reserve timed out"))
+            return f"{decode_id} did not answer a reservation in {self.reserve_timeout_s:.0f}s"
+        finally:
+            self._reservations.pop((decode_id, rid), None)
+        if not reply.block_ids:
+            return f"{decode_id}: {reply.reason}"
+        if route.prefill.worker_id not in self.registry.workers or stream.finished:
+            self._send(decode_id, Abort(rid, "prefill worker gone"))
+            return f"{route.prefill.worker_id} is gone"
+        self._hold(stream, route.decode)
+        self._hold(stream, route.prefill)
+        stream.route = f"{route.prefill.worker_id}->{decode_id}"
+        self._send(
+            route.prefill.worker_id,
+            Prefill(rid, prompt_ids, params, eos, route.decode.reg.kv_endpoint, reply.block_ids),
+        )
+        return None
+
+    def _hold(self, stream: RequestStream, worker: WorkerInfo) -> None:
+        stream.holders.add(worker.worker_id)
+        worker.requests.add(stream.request_id)
+
+    def release(self, request_id: str, abort_reason: str | None) -> None:
+        """Forgets a request; if ``abort_reason`` is given, tells every worker still holding it."""
+        stream = self.streams.pop(request_id, None)
+        if stream is None:
+            return
+        for worker_id in stream.holders:
+            info = self.registry.workers.get(worker_id)
+            if info is not None:
+                info.requests.discard(request_id)
+                if abort_reason is not None:
+                    self._send(worker_id, Abort(request_id, abort_reason))
+
+    # --- workers --------------------------------------------------------------------------------
+
+    def worker_gone(self, worker_id: str, why: str) -> None:
+        """Drops a worker; each request it held ends with an error."""
+        info = self.registry.remove(worker_id)
+        if info is None:
+            return
+        log.warning("worker %s gone: %s", worker_id, why)
+        for rid in info.requests:
+            stream = self.streams.get(rid)
+            if stream is not None:
+                stream.holders.discard(worker_id)
+                stream.fail(f"worker {worker_id} failed: {why}")
+        for (w, _), fut in list(self._reservations.items()):
+            if w == worker_id and not fut.done():
+                fut.set_result(Reserved(worker_id, "", (), f"worker gone: {why}"))
+
+    def _send(self, worker_id: str, msg: object) -> None:
+        try:
+            self.sock.send_multipart([worker_id.encode(), encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # unroutable (worker gone) or its queue full
+            log.warning("cannot send %s to %s: %s", type(msg).__name__, worker_id, exc)
+
+    async def _recv_loop(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart()
+            if len(frames) != 2:
+                log.error("dropping a control message of %d frames", len(frames))
+                continue
+            try:
+                msg = decode(frames[1])
+            except WireError as exc:
+                log.error("bad control frame from %r: %s", frames[0], exc)
+                continue
+            try:
+                self._on_message(msg)
+            except Exception:  # one bad message must not stop the router from hearing its workers
+                log.exception("error handling %s", type(msg).__name__)
+
+    def _on_message(self, msg: object) -> None:
+        if isinstance(msg, StepOutputs):
+            for delta in msg.deltas:
+                self._on_delta(msg.worker_id, delta)
+        elif isinstance(msg, HandedOff):
+            stream = self.streams.get(msg.request_id)
+            if stream is not None:
+                stream.holders.discard(msg.worker_id)
+            info = self.registry.workers.get(msg.worker_id)
+            if info is not None:
+                info.requests.discard(msg.request_id)
+        elif isinstance(msg, Heartbeat):
+            if not self.registry.heartbeat(msg):
+                self._send(msg.worker_id, Shutdown("unknown worker: register first"))
+        elif isinstance(msg, Reserved):
+            fut = self._reservations.get((msg.worker_id, msg.request_id))
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+            elif msg.block_ids:  # the reservation was given up on: give the blocks back
+                self._send(msg.worker_id, Abort(msg.request_id, "reservation no longer wanted"))
+        elif isinstance(msg, Register):
+            info = self.registry.register(msg)
+            log.info(
+                "worker %s registered (%s, pool %s, %d blocks)",
+                msg.worker_id,
+                msg.kind,
+                msg.pool,
+                msg.num_blocks,
+            )
+            if self.on_register is not None:
+                self.on_register(info)
+        else:
+            log.error("unexpected %s on the control socket", type(msg).__name__)
+
+    def _on_delta(self, worker_id: str, delta: TokenDelta) -> None:
+        stream = self.streams.get(delta.request_id)
+        if stream is None:
+            return  # already ended (aborted, failed or timed out)
+        if delta.finish_reason is not None:
+            stream.holders.discard(worker_id)
+            info = self.registry.workers.get(worker_id)
+            if info is not None:
+                info.requests.discard(delta.request_id)
+        stream.deliver(delta)
+
+    async def _liveness_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.worker_timeout_s / 4))
+            for worker_id in self.registry.expired(self.worker_timeout_s):
+                self.worker_gone(worker_id, f"no heartbeat for {self.worker_timeout_s:.0f}s")

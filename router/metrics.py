@@ -1,0 +1,90 @@
+"""Prometheus metrics of the router, plus each registered worker's gauges from its heartbeats."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from pdfabric.control import KINDS
+from pdfabric.router.registry import Registry
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class _WorkerGauges(Collector):
+    """Read at scrape time, so a worker that is gone disappears from the next scrape."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = ["worker", "pool", "kind"]
+        free = GaugeMetricFamily("pdfabric_kv_blocks_free", "Free KV blocks per worker", labels=labels)
+        total = GaugeMetricFamily("pdfabric_kv_blocks_total", "KV blocks per worker", labels=labels)
+        running = GaugeMetricFamily(
+            "pdfabric_running_sequences", "Sequences decoding per worker", labels=labels
+        )
+        queued = GaugeMetricFamily(
+            "pdfabric_queued_tokens", "Prompt tokens waiting per worker", labels=labels
+        )
+        count = GaugeMetricFamily("pdfabric_workers", "Registered workers", labels=["pool", "kind"])
+        per_pool: dict[tuple[str, str], int] = {}
+        for w in self.registry.workers.values():
+            key = [w.worker_id, w.reg.pool, w.reg.kind]
+            total.add_metric(key, w.reg.num_blocks)
+            free.add_metric(key, w.free_blocks)
+            if w.load is not None:
+                running.add_metric(key, w.load.running)
+                queued.add_metric(key, w.load.queued_tokens)
+            per_pool[(w.reg.pool, w.reg.kind)] = per_pool.get((w.reg.pool, w.reg.kind), 0) + 1
+        for kind in KINDS:
+            per_pool.setdefault(("default", kind), 0)
+        for (pool, kind), n in sorted(per_pool.items()):
+            count.add_metric([pool, kind], n)
+        yield from (free, total, running, queued, count)
+
+
+class RouterMetrics:
+    def __init__(self, registry: Registry) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            "pdfabric_ttft_seconds", "Time to first token", ["model"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "pdfabric_itl_seconds",
+            "Gap between streamed tokens",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pdfabric_e2e_seconds",
+            "Request latency, arrival to last token",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "pdfabric_queue_wait_seconds",
+            "Arrival to dispatch to a worker",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(
+            "pdfabric_requests", "Finished requests by outcome", ["model", "outcome"], registry=r
+        )
+        self.prompt_tokens = Counter(
+            "pdfabric_prompt_tokens", "Prompt tokens of accepted requests", ["model"], registry=r
+        )
+        self.generation_tokens = Counter(
+            "pdfabric_generation_tokens", "Tokens generated", ["model"], registry=r
+        )
+        self.rejections = Counter(
+            "pdfabric_rejections", "Requests refused, by reason", ["reason"], registry=r
+        )
+        r.register(_WorkerGauges(registry))

@@ -1,0 +1,309 @@
+"""Parsing and validating OpenAI-style request bodies, and the shapes of responses and errors.
+
+Everything a client can get wrong is caught here and reported as HTTP 400 with an OpenAI-style error
+body that names the field. The result is a ``ParsedRequest`` the dispatcher can run as it is.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pdfabric.engine.sampling_params import SamplingParams
+
+MAX_STOP_STRINGS = 16
+
+
+class ApiError(Exception):
+    """An error answered to the client with ``status`` and an OpenAI-style body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.kind = kind
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}
+        }
+
+
+def bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param)
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    chat: bool
+    model: str
+    prompt_text: str | None  # text to tokenize (completions with a text prompt, or the rendered chat)
+    prompt_ids: tuple[int, ...] | None  # token ids given directly
+    messages: tuple[dict[str, str], ...] | None
+    max_tokens: int | None  # None: until the context is full
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    stream: bool
+    include_usage: bool
+    logprobs: int
+    return_token_ids: bool = False  # extension: each choice also carries the generated token ids
+
+    def sampling_params(self, max_tokens: int, seed: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=seed,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            logprobs=self.logprobs,
+        )
+
+
+def _typed(body: dict[str, Any], name: str, types: type | tuple[type, ...], default: Any) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    # bool is an int in Python; a JSON true is never a valid number here.
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise bad(f"'{name}' must be {_type_name(types)}, got a boolean", name)
+    if not isinstance(value, types):
+        raise bad(f"'{name}' must be {_type_name(types)}, got {type(value).__name__}", name)
+    return value
+
+
+def _type_name(types: type | tuple[type, ...]) -> str:
+    names = {
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        bool: "a boolean",
+        list: "an array",
+        dict: "an object",
+    }
+    seq = types if isinstance(types, tuple) else (types,)
+    return " or ".join(dict.fromkeys(names.get(t, t.__name__) for t in seq))
+
+
+def parse_request(body: Any, chat: bool, served_models: tuple[str, ...], vocab_size: int) -> ParsedRequest:
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    model = _typed(body, "model", str, None)
+    if model is None:
+        raise bad("'model' is required", "model")
+    if model not in served_models:
+        raise bad(f"model {model!r} is not served here; available: {', '.join(served_models)}", "model")
+    n = _typed(body, "n", int, 1)
+    if n != 1:
+        raise bad("only n=1 is supported", "n")
+    prompt_text, prompt_ids, messages = None, None, None
+    if chat:
+        messages = _messages(body)
+    else:
+        prompt_text, prompt_ids = _prompt(body, vocab_size)
+    max_name = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+    max_tokens = _typed(body, max_name, int, 16 if not chat else None)
+    if max_tokens is not None and max_tokens < 1:
+        raise bad(f"'{max_name}' must be at least 1, got {max_tokens}", max_name)
+    temperature = float(_typed(body, "temperature", (int, float), 1.0))
+    if not 0.0 <= temperature <= 2.0:
+        raise bad(f"'temperature' must be between 0 and 2, got {temperature}", "temperature")
+    top_p = float(_typed(body, "top_p", (int, float), 1.0))
+    if not 0.0 < top_p <= 1.0:
+        raise bad(f"'top_p' must be in (0, 1], got {top_p}", "top_p")
+    seed = _typed(body, "seed", int, None)
+    if seed is not None and not 0 <= seed < 2**63:
+        raise bad("'seed' must be in [0, 2**63)", "seed")
+    stream = _typed(body, "stream", bool, False)
+    options = _typed(body, "stream_options", dict, {})
+    if options and not stream:
+        raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    include_usage = _typed(options, "include_usage", bool, False)
+    logprobs = _logprobs(body, chat)
+    return ParsedRequest(
+        chat=chat,
+        model=model,
+        prompt_text=prompt_text,
+        prompt_ids=prompt_ids,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        stop=_stop(body),
+        stop_token_ids=_stop_token_ids(body, vocab_size),
+        ignore_eos=_typed(body, "ignore_eos", bool, False),
+        stream=stream,
+        include_usage=include_usage,
+        logprobs=logprobs,
+        return_token_ids=_typed(body, "return_token_ids", bool, False),
+    )
+
+
+def _prompt(body: dict[str, Any], vocab_size: int) -> tuple[str | None, tuple[int, ...] | None]:
+    if "prompt" not in body or body["prompt"] is None:
+        raise bad("'prompt' is required", "prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad("'prompt' must not be empty", "prompt")
+        return prompt, None
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not prompt:
+            raise bad("'prompt' must not be empty", "prompt")
+        out_of_range = [t for t in prompt if not 0 <= t < vocab_size]
+        if out_of_range:
+            raise bad(
+                f"'prompt' holds token id {out_of_range[0]} outside the vocabulary (0..{vocab_size - 1})",
+                "prompt",
+            )
+        return None, tuple(prompt)
+    raise bad(
+        "'prompt' must be a string or an array of token ids (batches of several prompts are not supported)",
+        "prompt",
+    )
+
+
+def _messages(body: dict[str, Any]) -> tuple[dict[str, str], ...]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("'messages' must be a non-empty array", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad(f"'messages[{i}]' must be an object with a string 'role'", f"messages[{i}]")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            if len(parts) != len(content) or not all(isinstance(p, str) for p in parts):
+                raise bad(f"'messages[{i}].content' parts must all be text", f"messages[{i}].content")
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise bad(f"'messages[{i}].content' must be a string", f"messages[{i}].content")
+        out.append({"role": m["role"], "content": content})
+    return tuple(out)
+
+
+def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise bad("'stop' must be a non-empty string or an array of them", "stop")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise bad(f"'stop' holds at most {MAX_STOP_STRINGS} strings", "stop")
+    return tuple(stop)
+
+
+def _stop_token_ids(body: dict[str, Any], vocab_size: int) -> tuple[int, ...]:
+    ids = _typed(body, "stop_token_ids", list, [])
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids):
+        raise bad("'stop_token_ids' must be token ids inside the vocabulary", "stop_token_ids")
+    return tuple(ids)
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> int:
+    for name in ("logprobs", "top_logprobs"):
+        if body.get(name) not in (None, False, 0):
+            raise bad(f"'{name}' is not supported by this server", name)
+    return 0
+
+
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+
+
+def chunk(
+    req: ParsedRequest,
+    request_id: str,
+    created: int,
+    text: str | None,
+    finish_reason: str | None,
+    first: bool = False,
+    token_ids: tuple[int, ...] = (),
+) -> dict[str, Any]:
+    """One streamed chunk."""
+    if req.chat:
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if text:
+            delta["content"] = text
+        choice: dict[str, Any] = {
+            "index": 0,
+            "delta": delta,
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    if req.return_token_ids:
+        choice["token_ids"] = list(token_ids)
+    return {"id": request_id, "object": obj, "created": created, "model": req.model, "choices": [choice]}
+
+
+def usage(prompt_tokens: int, completion_tokens: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+    if extra:
+        out.update(extra)
+    return out
+
+
+def full_response(
+    req: ParsedRequest,
+    request_id: str,
+    created: int,
+    text: str,
+    finish_reason: str,
+    usage_: dict[str, Any],
+    token_ids: list[int],
+) -> dict[str, Any]:
+    """The body of a non-streaming response."""
+    if req.chat:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    if req.return_token_ids:
+        choice["token_ids"] = token_ids
+    return {
+        "id": request_id,
+        "object": obj,
+        "created": created,
+        "model": req.model,
+        "choices": [choice],
+        "usage": usage_,
+    }
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,379 @@
+"""Predicts a request's TTFT and ITL on each candidate route and ranks the routes that fit its budgets.
+
+A route is a (decode, prefill) pair of disaggregated workers or one colocated worker. For a prompt of
+P tokens, from each worker's fitted ``WorkerProfile`` and reported ``WorkerLoad``:
+
+1. prefill side (per prefill worker): queue wait = compute of the prompt tokens queued ahead of it,
+   compute = the prompt's own chunks, transfer = P * kv_bytes_per_token / measured bytes per second;
+   TTFT = (wait + compute + transfer) * (1 + safety_margin). The route fits if TTFT is within budget
+   and the wait within ``max_queue_share`` of it, which keeps worker queues short so that a backlog
+   waits in the router, where priorities and fair shares order it;
+2. decode side (per decode worker): ITL = one decode step with every sequence it holds or has reserved,
+   plus this one, and their context plus P tokens, times (1 + safety_margin); the batch must stay
+   within the worker's limit and the prompt must fit in its free KV;
+3. colocated: prefill chunks share steps with the running decode batch, so its TTFT counts a decode
+   step in every chunk step and its ITL is a *mixed* step: decode at batch + 1 plus a prefill chunk
+   of ``colocated_prefill_share`` of the token budget left over (any later prompt is chunked into the
+   same steps, so this is what its tokens will see whenever prompts arrive);
+4. the routes that fit both budgets are ranked by pool cost, then by load (the larger of TTFT/budget
+   and ITL/budget); routes within ``tie_tolerance`` of the best one are equals and are put in a
+   seeded, per-call shuffled order, so load spreads deterministically;
+5. when none fits, the ranking says why (the failing constraint of the route that would fit soonest),
+   how long until a new request would fit (``drain_ms``, the ``Retry-After``) and how long this one
+   would wait in the router for a fit (``wait_ms``; waiting eats its TTFT budget, so a route whose
+   TTFT is over budget now never fits by waiting).
+
+Pure: no clocks, processes or I/O, so the router and the simulator in ``bench/`` share it.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from pdfabric.control import COLOCATED, DECODE, PREFILL
+from pdfabric.profile import WorkerProfile, queued_attention
+
+# Why a route does not fit. The ``*_unreachable`` ones would not fit even on an idle worker.
+TTFT, ITL, BATCH_FULL, KV_FULL = "ttft", "itl", "batch_full", "kv_full"
+TTFT_UNREACHABLE, ITL_UNREACHABLE, NO_WORKERS = "ttft_unreachable", "itl_unreachable", "no_workers"
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """A request's latency budgets in milliseconds."""
+
+    ttft_ms: float
+    itl_ms: float
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_ms", "itl_ms"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be a positive number, got {v!r}")
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """What a worker last reported (plus what the router has sent it since)."""
+
+    queued_tokens: int = 0  # prompt tokens not yet prefilled
+    running: int = 0  # sequences decoding
+    waiting: int = 0  # sequences not decoding yet: queued prompts, or reservations awaiting KV
+    context_tokens: int = 0  # tokens held by the running and waiting sequences, in all
+    free_kv_tokens: int = 0  # free blocks x block size
+    kv_bytes_per_s: float = 0.0  # measured KV transfer rate (0: not measured yet)
+
+    def with_prefill(self, prompt_len: int) -> WorkerLoad:
+        """This load once a prompt of ``prompt_len`` tokens is queued for prefill here."""
+        return replace(self, queued_tokens=self.queued_tokens + prompt_len, waiting=self.waiting + 1)
+
+    def with_decode(self, prompt_len: int) -> WorkerLoad:
+        """This load once a sequence of ``prompt_len`` tokens has reserved its KV here."""
+        return replace(
+            self,
+            waiting=self.waiting + 1,
+            context_tokens=self.context_tokens + prompt_len,
+            free_kv_tokens=max(0, self.free_kv_tokens - prompt_len),
+        )
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One worker as the predictor sees it: its profile, its load and its effective limits."""
+
+    worker_id: str
+    kind: str  # PREFILL, DECODE or COLOCATED
+    pool: str
+    profile: WorkerProfile
+    load: WorkerLoad
+    max_batch: int  # most sequences decoding at once (the pool's limit if lower than the worker's)
+    chunk_tokens: int  # tokens per step (the pool's chunk budget if lower than the worker's)
+    kv_bytes_per_token: int = 0  # KV bytes one prompt token takes (what a transfer moves)
+    cost: float = 1.0  # the pool's relative cost; cheaper routes are preferred
+
+    def __post_init__(self) -> None:
+        if self.kind not in (PREFILL, DECODE, COLOCATED):
+            raise ValueError(f"kind must be prefill, decode or colocated, got {self.kind!r}")
+        if self.max_batch < 1 or self.chunk_tokens < 1 or self.kv_bytes_per_token < 0 or self.cost < 0:
+            raise ValueError(f"{self.worker_id}: max_batch and chunk_tokens must be >= 1, cost >= 0")
+
+
+@dataclass(frozen=True)
+class PredictorConfig:
+    safety_margin: float = 0.1  # predictions are inflated by this fraction
+    tie_tolerance: float = 0.05  # routes whose load is within this of the best are equals
+    default_kv_bytes_per_s: float = 1e9  # transfer rate assumed before any is measured
+    colocated_prefill_share: float = 1.0  # share of a colocated step's spare budget taken by prefill
+    mean_remaining_tokens: int = 128  # assumed output still to come per running sequence (drain time)
+    max_queue_share: float = 0.5  # queued work ahead may take at most this share of the TTFT budget
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.max_queue_share <= 1:
+            raise ValueError("max_queue_share must be in (0, 1]")
+        if self.safety_margin < 0 or not 0 <= self.tie_tolerance <= 1:
+            raise ValueError("safety_margin must be >= 0 and tie_tolerance in [0, 1]")
+        if self.default_kv_bytes_per_s <= 0 or self.mean_remaining_tokens < 1:
+            raise ValueError("default_kv_bytes_per_s must be > 0 and mean_remaining_tokens >= 1")
+        if not 0 <= self.colocated_prefill_share <= 1:
+            raise ValueError("colocated_prefill_share must be in [0, 1]")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A route that fits, with its predicted latencies (ms). ``prefill`` is the colocated worker's
+    id for a colocated route (and ``decode`` the same id)."""
+
+    decode: str
+    prefill: str
+    colocated: bool
+    ttft_ms: float
+    itl_ms: float
+    queue_ms: float
+    prefill_ms: float
+    transfer_ms: float
+    cost: float
+    load: float  # max(ttft / ttft budget, itl / itl budget), in [0, 1]
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """Feasible routes, best first; when there are none, why, and in how long one should fit."""
+
+    choices: tuple[Choice, ...]
+    reason: str = ""  # "" when there are choices
+    drain_ms: float = 0.0  # predicted time until a new request like this one would fit (Retry-After)
+    wait_ms: float = 0.0  # predicted time this request would wait in the router before one fits
+    unreachable: bool = False  # True: no route would fit even if every worker were idle
+    reasons: tuple[tuple[str, int], ...] = ()  # how many routes failed for each reason
+
+    @property
+    def fits(self) -> bool:
+        return bool(self.choices)
+
+
+@dataclass(frozen=True)
+class _Side:
+    """One worker's share of a prediction (ms), whether it fits, and if not why and how long until it
+    would (``math.inf``: never)."""
+
+    worker: Candidate
+    queue_ms: float = 0.0
+    compute_ms: float = 0.0
+    itl_ms: float = 0.0
+    reason: str = ""
+    drain_ms: float = 0.0
+
+
+def rank(
+    prompt_len: int, budgets: Budgets, candidates: Sequence[Candidate], config: PredictorConfig, turn: int = 0
+) -> Ranking:
+    """Ranks every route for a prompt of ``prompt_len`` tokens. ``turn`` (e.g. a request counter)
+    picks the order among equals, reproducibly for a given ``config.seed``."""
+    if prompt_len < 1:
+        raise ValueError(f"prompt_len must be at least 1, got {prompt_len}")
+    margin = 1 + config.safety_margin
+    prefills = [_prefill_side(c, prompt_len, margin) for c in candidates if c.kind == PREFILL]
+    decodes = [_decode_side(c, prompt_len, budgets, config) for c in candidates if c.kind == DECODE]
+    fits: list[Choice] = []
+    misses: list[tuple[float, float, str]] = []  # (drain ms, wait ms, reason) of each route that misses
+    for p in prefills:
+        for d in decodes:
+            rate = _link_rate(p.worker, d.worker, config)
+            transfer_ms = prompt_len * p.worker.kv_bytes_per_token / rate * 1e3 * margin
+            own = p.compute_ms + transfer_ms
+            miss = _judge(p.queue_ms, own, own, budgets.ttft_ms, config.max_queue_share, d)
+            if miss is not None:
+                misses.append(miss)
+            else:
+                cost = (p.worker.cost + d.worker.cost) / 2
+                fits.append(_choice(d.worker, p.worker, p, d.itl_ms, transfer_ms, cost, budgets))
+    for c in candidates:
+        if c.kind == COLOCATED:
+            side, idle_ms = _colocated_side(c, prompt_len, budgets, config)
+            miss = _judge(
+                side.queue_ms, side.compute_ms, idle_ms, budgets.ttft_ms, config.max_queue_share, side
+            )
+            if miss is not None:
+                misses.append(miss)
+            else:
+                fits.append(_choice(c, c, side, side.itl_ms, 0.0, c.cost, budgets))
+    if fits:
+        return Ranking(_order(fits, config, turn))
+    counts = tuple(sorted(Counter(r for _, _, r in misses).items()))
+    if not misses:
+        return Ranking((), NO_WORKERS, 0.0, 0.0, False, counts)
+    drain, _, reason = min(misses)
+    wait = min(w for _, w, _ in misses)
+    return Ranking((), reason, drain, wait, math.isinf(drain), counts)
+
+
+def _judge(
+    queue_ms: float, own_ms: float, floor_ms: float, ttft_budget: float, share: float, side: _Side
+) -> tuple[float, float, str] | None:
+    """None if a route fits; else (drain ms for a new request, wait ms for this one, reason).
+
+    ``own_ms`` is the prompt's compute (and transfer) after ``queue_ms`` of queued work; ``floor_ms``
+    the same on an idle worker; ``side`` the batch side's verdict. A route fits when TTFT is within
+    budget and the queue ahead within ``share`` of it. A request waiting in the router loses from its
+    TTFT budget what it waits, so only the share cap and the batch side can clear by waiting.
+    """
+    if floor_ms > ttft_budget:
+        return math.inf, math.inf, TTFT_UNREACHABLE
+    if math.isinf(side.drain_ms):
+        return math.inf, math.inf, side.reason
+    limit = share * ttft_budget
+    ttft_drain = max(queue_ms + own_ms - ttft_budget, queue_ms - limit, 0.0)
+    if not side.reason and ttft_drain == 0.0:
+        return None
+    if queue_ms + own_ms > ttft_budget:
+        wait = math.inf
+    else:
+        share_wait = max(0.0, queue_ms - limit) / (1 - share) if share < 1 else 0.0
+        wait = max(side.drain_ms, share_wait)
+        if wait + own_ms > ttft_budget:
+            wait = math.inf
+    return max(side.drain_ms, ttft_drain), wait, side.reason or TTFT
+
+
+def _choice(
+    decode: Candidate,
+    prefill: Candidate,
+    side: _Side,
+    itl_ms: float,
+    transfer_ms: float,
+    cost: float,
+    budgets: Budgets,
+) -> Choice:
+    ttft = side.queue_ms + side.compute_ms + transfer_ms
+    load = max(ttft / budgets.ttft_ms, itl_ms / budgets.itl_ms)
+    colocated = decode is prefill
+    return Choice(
+        decode.worker_id,
+        prefill.worker_id,
+        colocated,
+        ttft,
+        itl_ms,
+        side.queue_ms,
+        side.compute_ms,
+        transfer_ms,
+        cost,
+        load,
+    )
+
+
+def _prefill_side(c: Candidate, prompt_len: int, margin: float) -> _Side:
+    """Queue wait and compute on a prefill worker (the transfer depends on the decode side)."""
+    load = c.load
+    attention = queued_attention(load.queued_tokens, load.waiting)
+    queued = c.profile.prefill_seconds(load.queued_tokens, c.chunk_tokens, attention)
+    own = c.profile.prefill_seconds(prompt_len, c.chunk_tokens)
+    return _Side(c, queue_ms=queued * 1e3 * margin, compute_ms=own * 1e3 * margin)
+
+
+def _decode_side(c: Candidate, prompt_len: int, budgets: Budgets, config: PredictorConfig) -> _Side:
+    """ITL on a decode worker with this sequence added, and the wait until it would fit."""
+    margin = 1 + config.safety_margin
+
+    def itl(batch: int, context: float) -> float:
+        return c.profile.decode_step_seconds(batch, round(context)) * 1e3 * margin
+
+    return _batch_side(c, prompt_len, budgets, config, itl, _Side(c))
+
+
+def _colocated_side(
+    c: Candidate, prompt_len: int, budgets: Budgets, config: PredictorConfig
+) -> tuple[_Side, float]:
+    """Queue wait, compute and ITL on a colocated worker, and its prompt's compute when idle (ms).
+
+    Prompt tokens get the step budget the decode batch leaves, and every such step also runs the
+    decode batch; each decode step carries a prefill chunk of the budget the batch leaves, times
+    ``colocated_prefill_share``.
+    """
+    load, profile, margin = c.load, c.profile, 1 + config.safety_margin
+    decode_s = profile.decode_step_seconds(load.running, load.context_tokens) if load.running else 0.0
+    spare = max(1, c.chunk_tokens - load.running)  # prompt tokens per step beside the decode batch
+    attention = queued_attention(load.queued_tokens, load.waiting)
+    queue_s = profile.prefill_seconds(load.queued_tokens, spare, attention)
+    queue_s += math.ceil(load.queued_tokens / spare) * decode_s
+    own_s = profile.prefill_seconds(prompt_len, spare) + math.ceil(prompt_len / spare) * decode_s
+
+    def itl(batch: int, context: float) -> float:
+        chunk = round(max(0, c.chunk_tokens - batch) * config.colocated_prefill_share)
+        mixed = profile.prefill_seconds(chunk, chunk) if chunk else 0.0
+        return (profile.decode_step_seconds(batch, round(context)) + mixed) * 1e3 * margin
+
+    side = _Side(c, queue_ms=queue_s * 1e3 * margin, compute_ms=own_s * 1e3 * margin)
+    idle_ms = profile.prefill_seconds(prompt_len, c.chunk_tokens) * 1e3 * margin
+    return _batch_side(c, prompt_len, budgets, config, itl, side), idle_ms
+
+
+def _batch_side(
+    c: Candidate,
+    prompt_len: int,
+    budgets: Budgets,
+    config: PredictorConfig,
+    itl: Callable[[int, float], float],
+    side: _Side,
+) -> _Side:
+    """Fills in ``side``'s ITL and, when the new sequence does not fit the worker's batch, KV or ITL
+    budget, the reason and the wait until enough held sequences have finished."""
+    load = c.load
+    held = load.running + load.waiting
+    now_itl = itl(held + 1, load.context_tokens + prompt_len)
+    side = replace(side, itl_ms=now_itl)
+    if itl(1, prompt_len) > budgets.itl_ms:
+        return replace(side, reason=ITL_UNREACHABLE, drain_ms=math.inf)
+    if held + 1 > c.max_batch:
+        reason = BATCH_FULL
+    elif load.free_kv_tokens < prompt_len:
+        reason = KV_FULL
+    elif now_itl > budgets.itl_ms:
+        reason = ITL
+    else:
+        return side
+    # Which k of the held sequences must finish first, then how long that takes: with remaining
+    # lengths spread evenly up to twice their mean, k of n running sequences finish in
+    # 2 * mean * k / n steps.
+    per_seq = load.context_tokens / held if held else 0.0
+    step_ms = c.profile.decode_step_seconds(max(1, held), load.context_tokens) * 1e3
+    for k in range(1, held + 1):
+        batch, context = held - k + 1, load.context_tokens - k * per_seq + prompt_len
+        room = load.free_kv_tokens + k * per_seq >= prompt_len
+        if batch <= c.max_batch and room and itl(batch, context) <= budgets.itl_ms:
+            steps = 2 * config.mean_remaining_tokens * k / max(1, load.running)
+            return replace(side, reason=reason, drain_ms=steps * step_ms)
+    return replace(side, reason=reason, drain_ms=math.inf)
+
+
+def _link_rate(p: Candidate, d: Candidate, config: PredictorConfig) -> float:
+    """KV bytes per second between two workers: the slower measured end, else the default."""
+    known = [r for r in (p.load.kv_bytes_per_s, d.load.kv_bytes_per_s) if r > 0]
+    return min(known) if known else config.default_kv_bytes_per_s
+
+
+def _order(fits: list[Choice], config: PredictorConfig, turn: int) -> tuple[Choice, ...]:
+    """Cheapest first, then least loaded; the equals of the best are shuffled by (seed, turn)."""
+    fits.sort(key=lambda ch: (ch.cost, ch.load, ch.decode, ch.prefill))
+    best = fits[0]
+    equal = [ch for ch in fits if ch.cost == best.cost and ch.load <= best.load + config.tie_tolerance]
+    rest = fits[len(equal) :]
+    random.Random(config.seed * 1_000_003 + turn).shuffle(equal)
+    return tuple(equal + rest)
+
+
+class Predictor:
+    """``rank`` with a turn counter, so that successive requests spread among equal routes."""
+
+    def __init__(self, config: PredictorConfig | None = None) -> None:
+        self.config = config or PredictorConfig()
+        self.turn = 0
+
+    def rank(self, prompt_len: int, budgets: Budgets, candidates: Sequence[Candidate]) -> Ranking:
+        ranking = rank(prompt_len, budgets, candidates, self.config, self.turn)
+        self.turn += 1
+        return ranking

@@ -1,0 +1,88 @@
+"""Starting and stopping a real fabric (router and worker processes) on loopback for tests."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get_json(url: str, timeout: float = 5.0) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+@contextlib.contextmanager
+def running_fabric(*flags: str, timeout: float = 120.0) -> Iterator[str]:
+    """Starts ``pdfabric serve FLAGS`` on a free port; yields its base URL; always stops it."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "pdfabric.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *flags]
+    proc = subprocess.Popen(cmd, env={**os.environ}, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"pdfabric serve exited with code {proc.returncode} during start-up")
+            try:
+                if get_json(url + "/health", timeout=1.0)[0] == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("the fabric did not become healthy in time")
+            time.sleep(0.1)
+        yield url
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        # Workers follow the router; make sure none outlives the test.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def metric_values(url: str, name: str) -> dict[str, float]:
+    """``{labels: value}`` of one metric family from the router's /metrics."""
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            key, _, value = line.rpartition(" ")
+            out[key[len(name) :]] = float(value)
+    return out
+
+
+def wait_blocks_free(url: str, timeout: float = 15.0) -> None:
+    """Waits until every worker reports all its KV blocks free; fails with the last reading."""
+    deadline = time.monotonic() + timeout
+    while True:
+        free = metric_values(url, "pdfabric_kv_blocks_free")
+        total = metric_values(url, "pdfabric_kv_blocks_total")
+        if free and free == total:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"KV blocks not all free: free={free} total={total}")
+        time.sleep(0.1)
