@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from pdfabric.engine.config import ModelConfig
 from pdfabric.engine.loader import DTYPES
 

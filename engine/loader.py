@@ -11,9 +11,10 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+
 from pdfabric.engine.config import ModelConfig
 from pdfabric.engine.model import LlamaForCausalLM
-from safetensors import safe_open
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Older checkpoints carry rotary tables; they are derived from the config, so they are skipped.

@@ -12,9 +12,10 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import nn
+
 from pdfabric.engine.config import ModelConfig, RopeScaling
 from pdfabric.kernels import AttentionMetadata, paged_attention, store_kv
-from torch import nn
 
 
 class RMSNorm(nn.Module):

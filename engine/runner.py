@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from pdfabric.engine.block_pool import blocks_for
 from pdfabric.engine.kv_cache import allocate_kv_cache
 from pdfabric.engine.model import LlamaForCausalLM

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from pdfabric.engine.sampling_params import SamplingParams
 
 _GOLDEN = 0x9E3779B97F4A7C15
