@@ -7,6 +7,7 @@ Cache layout, one tensor per layer: ``kv_cache: [2, num_blocks, block_size, num_
 from __future__ import annotations
 
 import torch
+
 from pdfabric.kernels.metadata import AttentionMetadata
 
 

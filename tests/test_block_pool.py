@@ -3,6 +3,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from pdfabric.engine.block_pool import BlockPool, BlockTables, blocks_for
 
 

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+
 from pdfabric.engine.config import ModelConfig
 from pdfabric.engine.loader import CheckpointError, load_model
-from safetensors.torch import load_file, save_file
 
 
 def _copy(src: Path, dst: Path) -> Path:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from pdfabric.engine.generate import ReferenceEngine
 from pdfabric.engine.loader import load_model
 from pdfabric.engine.runner import ModelRunner, StepEntry

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from pdfabric.engine.sampler import sample
 from pdfabric.engine.sampling_params import SamplingParams
 
