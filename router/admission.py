@@ -170,6 +170,8 @@ class AdmissionConfig:
         return cls(**data)
 
     def slo_class(self, name: str) -> SloClass:
+        if name not in self._class_of:
+            raise ValueError(f"unknown class {name!r}; declared: {', '.join(self._class_of)}")
         return self._class_of[name]
 
     def tenant(self, name: str) -> Tenant:
@@ -224,3 +226,201 @@ def resolve(config: AdmissionConfig, slo: object, tenant: str = "") -> Resolved:
     ttft = given.get("ttft_ms") or t.ttft_ms or cls.ttft_ms or config.ttft_ms
     itl = given.get("itl_ms") or t.itl_ms or cls.itl_ms or config.itl_ms
     return Resolved(Budgets(ttft, itl), cls, t)
+
+
+# --- the wait queue -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """A request asking for admission. ``arrived`` is on the caller's clock (seconds); ``cost`` is
+    what it takes from its tenant's fair share (1 per request, or e.g. its tokens / 1000)."""
+
+    request_id: str
+    tenant: str
+    slo_class: str
+    budgets: Budgets
+    prompt_len: int
+    arrived: float
+    cost: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.prompt_len < 1 or not (math.isfinite(self.cost) and self.cost > 0):
+            raise ValueError(f"{self.request_id}: prompt_len must be >= 1 and cost > 0")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What happened to a ticket: ADMIT (with the routes to try, best first), QUEUE or REJECT (with
+    the reason and, for a rejection, how long the client should wait before retrying)."""
+
+    ticket: Ticket
+    action: str
+    reason: str = ""
+    retry_after_ms: int = 0
+    ranking: Ranking | None = None
+    waited_ms: float = 0.0
+
+
+# Predicts the routes for a ticket under the given (remaining) budgets. When it returns a ranking that
+# fits, the ticket is admitted, so the caller must count that request in the loads it predicts from
+# on later calls (e.g. with ``WorkerLoad.with_prefill`` / ``with_decode`` on its first choice).
+FitFn = Callable[[Ticket, Budgets], Ranking]
+
+
+@dataclass
+class _Waiting:
+    ticket: Ticket
+    priority: int
+    deadline: float
+    start: float  # virtual start tag: the order among tenants
+    finish: float
+    seq: int
+    last: Ranking
+
+
+class AdmissionQueue:
+    """The bounded wait queue with priorities, weighted fair sharing between tenants and deadlines."""
+
+    def __init__(self, config: AdmissionConfig) -> None:
+        self.config = config
+        self._waiting: dict[str, _Waiting] = {}
+        self._vtime = 0.0  # virtual time: the start tag of the last admitted request
+        self._finish: dict[str, float] = {}  # tenant -> finish tag of its last request
+        self._seq = 0
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def queued(self, tenant: str) -> int:
+        return sum(1 for w in self._waiting.values() if w.ticket.tenant == tenant)
+
+    def next_deadline(self) -> float | None:
+        """When ``poll`` must run next at the latest (the earliest deadline), or None."""
+        return min((w.deadline for w in self._waiting.values()), default=None)
+
+    def arrive(self, ticket: Ticket, now: float, fit: FitFn) -> list[Outcome]:
+        """Decides a new request; the outcomes of waiting requests admitted or expired first come
+        before the new one's (which is always the last)."""
+        if ticket.request_id in self._waiting:
+            raise ValueError(f"request {ticket.request_id!r} is already waiting")
+        cls = self.config.slo_class(ticket.slo_class)
+        outcomes = self.poll(now, fit)
+        budgets = _remaining(ticket, now)
+        if budgets is None:
+            return [*outcomes, self._reject(ticket, now, DEADLINE, None)]
+        ranking = fit(ticket, budgets)
+        if ranking.fits:
+            start, _ = self._tags(ticket)
+            self._vtime = max(self._vtime, start)
+            return [*outcomes, Outcome(ticket, ADMIT, ranking=ranking, waited_ms=_ms(now - ticket.arrived))]
+        deadline = ticket.arrived + min(cls.max_wait_ms, ticket.budgets.ttft_ms) / 1e3
+        if ranking.unreachable or cls.max_wait_ms == 0 or ranking.wait_ms > (deadline - now) * 1e3:
+            return [*outcomes, self._reject(ticket, now, ranking.reason, ranking)]
+        if len(self._waiting) >= self.config.queue_capacity:
+            victim = self._victim(ticket, cls.priority)
+            if victim is None:
+                return [*outcomes, self._reject(ticket, now, QUEUE_FULL, ranking)]
+            outcomes.append(self._drop(victim, now, QUEUE_FULL))
+        start, finish = self._tags(ticket)
+        self._seq += 1
+        self._waiting[ticket.request_id] = _Waiting(
+            ticket, cls.priority, deadline, start, finish, self._seq, ranking
+        )
+        return [*outcomes, Outcome(ticket, QUEUE, ranking.reason, ranking=ranking)]
+
+    def poll(self, now: float, fit: FitFn) -> list[Outcome]:
+        """Rejects expired requests, then admits waiting ones in order while routes fit. Call it when
+        load changes (a heartbeat, a request ending) and at ``next_deadline()``."""
+        outcomes = [self._drop(w, now, DEADLINE) for w in list(self._waiting.values()) if w.deadline <= now]
+        order = sorted(self._waiting.values(), key=lambda w: (-w.priority, w.start, w.seq))
+        misses = 0
+        for w in order:
+            budgets = _remaining(w.ticket, now)
+            if budgets is None:
+                outcomes.append(self._drop(w, now, DEADLINE))
+                continue
+            ranking = fit(w.ticket, budgets)
+            if ranking.fits:
+                del self._waiting[w.ticket.request_id]
+                self._vtime = max(self._vtime, w.start)
+                waited = _ms(now - w.ticket.arrived)
+                outcomes.append(Outcome(w.ticket, ADMIT, ranking=ranking, waited_ms=waited))
+            elif ranking.unreachable or math.isinf(ranking.wait_ms):
+                w.last = ranking
+                outcomes.append(self._drop(w, now, ranking.reason))
+            else:
+                w.last = ranking
+                misses += 1
+                if misses >= self.config.poll_probes:
+                    break
+        self._finish = {t: f for t, f in self._finish.items() if f > self._vtime}
+        return outcomes
+
+    def cancel(self, request_id: str) -> Ticket | None:
+        """Forgets a waiting request (its client went away); returns it if it was waiting."""
+        w = self._waiting.pop(request_id, None)
+        if w is None:
+            return None
+        self._refund(w)
+        return w.ticket
+
+    # --- helpers --------------------------------------------------------------------------------
+
+    def _weight(self, ticket: Ticket) -> float:
+        return self.config.tenant(ticket.tenant).weight
+
+    def _tags(self, ticket: Ticket) -> tuple[float, float]:
+        """Start-time fair queuing: a tenant's next request starts where its last one finished, or
+        now (virtual time) if it has been idle; it finishes ``cost / weight`` later."""
+        start = max(self._vtime, self._finish.get(ticket.tenant, 0.0))
+        finish = start + ticket.cost / self._weight(ticket)
+        self._finish[ticket.tenant] = finish
+        return start, finish
+
+    def _victim(self, ticket: Ticket, priority: int) -> _Waiting | None:
+        """The waiting request an arrival may displace from a full queue, if any: the newest one of
+        the lowest priority below the arrival's, else of the tenant most over its share."""
+        lower = [w for w in self._waiting.values() if w.priority < priority]
+        if lower:
+            return max(lower, key=lambda w: (-w.priority, w.seq))
+        counts: dict[str, int] = {}
+        for w in self._waiting.values():
+            if w.priority == priority:
+                counts[w.ticket.tenant] = counts.get(w.ticket.tenant, 0) + 1
+        if not counts:
+            return None
+        share = {t: n / self.config.tenant(t).weight for t, n in counts.items()}
+        top = max(share, key=lambda t: (share[t], t))
+        mine = (counts.get(ticket.tenant, 0) + 1) / self._weight(ticket)
+        if top == ticket.tenant or share[top] <= mine:
+            return None
+        return max((w for w in self._waiting.values() if w.ticket.tenant == top), key=lambda w: w.seq)
+
+    def _drop(self, w: _Waiting, now: float, reason: str) -> Outcome:
+        del self._waiting[w.ticket.request_id]
+        self._refund(w)
+        return self._reject(w.ticket, now, reason, w.last)
+
+    def _refund(self, w: _Waiting) -> None:
+        """Gives a tenant back the virtual time of its newest request, if that one never ran."""
+        if self._finish.get(w.ticket.tenant) == w.finish:
+            self._finish[w.ticket.tenant] = w.start
+
+    def _reject(self, ticket: Ticket, now: float, reason: str, ranking: Ranking | None) -> Outcome:
+        cfg = self.config
+        if ranking is None or ranking.unreachable:
+            retry = cfg.max_retry_ms if ranking is not None else cfg.min_retry_ms
+        else:
+            retry = min(cfg.max_retry_ms, max(cfg.min_retry_ms, math.ceil(ranking.drain_ms)))
+        return Outcome(ticket, REJECT, reason, retry, ranking, _ms(now - ticket.arrived))
+
+
+def _remaining(ticket: Ticket, now: float) -> Budgets | None:
+    """The ticket's budgets with the time it has waited taken from its TTFT budget (None: spent)."""
+    left = ticket.budgets.ttft_ms - _ms(now - ticket.arrived)
+    return Budgets(left, ticket.budgets.itl_ms) if left > 0 else None
+
+
+def _ms(seconds: float) -> float:
+    return max(0.0, seconds * 1e3)
