@@ -7,7 +7,10 @@ missing, misshapen or unknown is an error that names it.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -16,9 +19,20 @@ from safetensors import safe_open
 from pdfabric.engine.config import ModelConfig
 from pdfabric.engine.model import LlamaForCausalLM
 
+log = logging.getLogger("pdfabric.engine")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Older checkpoints carry rotary tables; they are derived from the config, so they are skipped.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@functools.cache
+def cpu_has_half_math() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX); read once from /proc/cpuinfo."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(flag in flags for flag in ("avx512_bf16", "amx_bf16"))
 
 
 class CheckpointError(ValueError):
@@ -50,10 +64,16 @@ def load_model(
 ) -> LlamaForCausalLM:
     """Builds the model described by ``path/config.json`` and loads its weights.
 
-    ``dtype`` overrides the checkpoint's ``torch_dtype`` (float32, bfloat16 or float16).
+    ``dtype`` overrides the checkpoint's ``torch_dtype`` (float32, bfloat16 or float16). Without it, a
+    half-precision checkpoint is computed in float32 on a CPU that lacks native half-precision math.
     """
     path = Path(path)
     cfg = ModelConfig.from_pretrained(path, dtype)
+    on_cpu = torch.device(device).type == "cpu"
+    if dtype is None and on_cpu and cfg.dtype != "float32" and not cpu_has_half_math():
+        # Half-precision matmuls are emulated on such CPUs and run an order of magnitude slower.
+        log.info("%s: computing in float32 (this CPU has no native %s matmul)", path.name, cfg.dtype)
+        cfg = dataclasses.replace(cfg, dtype="float32")
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     expected = {name: p.shape for name, p in model.named_parameters()}
