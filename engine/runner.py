@@ -42,6 +42,7 @@ class ModelRunner:
         self.model = model
         self.config = model.config
         self.block_size = block_size
+        self.num_blocks = num_blocks
         self.device = model.model.embed_tokens.weight.device
         self.kv_caches = allocate_kv_cache(self.config, num_blocks, block_size, self.device)
 

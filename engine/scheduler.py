@@ -217,6 +217,11 @@ class Scheduler:
         return bool(self.running or self.waiting)
 
     @property
+    def context_tokens(self) -> int:
+        """Tokens of every sequence held here (their KV is, or will be, in the cache)."""
+        return sum(seq.num_tokens for seq in self._by_id.values())
+
+    @property
     def queued_tokens(self) -> int:
         return sum(s.num_tokens - s.num_cached for s in self.waiting)
 

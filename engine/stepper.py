@@ -9,7 +9,8 @@ from collections import deque
 from pdfabric.engine.runner import ModelRunner, StepEntry
 from pdfabric.engine.sampler import sample
 from pdfabric.engine.scheduler import Chunk, Scheduler
-from pdfabric.engine.sequence import Sequence
+from pdfabric.engine.sequence import SeqState, Sequence
+from pdfabric.profile import ProfileBuilder, StepShape
 
 
 class Stepper:
@@ -17,12 +18,14 @@ class Stepper:
         self.runner = runner
         self.scheduler = scheduler
         self._recent_ms: deque[float] = deque(maxlen=32)
+        self.profile = ProfileBuilder()
 
     def step(self) -> list[Sequence]:
         """Runs one step if there is work; returns the sequences that got a token."""
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
+        shape = step_shape(chunks)
         start = time.perf_counter()
         logits = self.runner.step([self._entry(c) for c in chunks])
         sampled_chunks = [c for c in chunks if c.sample]
@@ -32,7 +35,9 @@ class Stepper:
             [len(c.seq.output_ids) for c in sampled_chunks],
         )
         changed = self.scheduler.complete(chunks, [(p.token_id, p.logprob) for p in picks])
-        self._recent_ms.append((time.perf_counter() - start) * 1e3)
+        seconds = time.perf_counter() - start
+        self._recent_ms.append(seconds * 1e3)
+        self.profile.observe(shape, seconds)
         return changed
 
     def _entry(self, chunk: Chunk) -> StepEntry:
@@ -47,3 +52,11 @@ class Stepper:
     @property
     def recent_step_ms(self) -> float:
         return statistics.median(self._recent_ms) if self._recent_ms else 0.0
+
+
+def step_shape(chunks: list[Chunk]) -> StepShape:
+    """What a step runs, in the terms of the latency profile: decode tokens of running sequences
+    (by their length after the step) and prefill chunks (cached tokens, new tokens)."""
+    decoding = [c for c in chunks if c.seq.state is SeqState.RUNNING]
+    prefilling = [(c.start, c.stop - c.start) for c in chunks if c.seq.state is not SeqState.RUNNING]
+    return StepShape.of(prefilling, [c.stop for c in decoding])

@@ -27,6 +27,7 @@ class WorkerConfig:
     max_running: int = 64
     kv_host: str = "127.0.0.1"  # address a decode worker binds its KV endpoint on
     heartbeat_s: float = 0.25
+    profile_seconds: float = 5.0  # start-up profiling budget (0: none; the profile is then learnt online)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdfabric.engine.sampling_params import SamplingParams
+from pdfabric.profile import WorkerProfile
 from pdfabric.wire import message
 
 # Worker kinds.
@@ -32,6 +33,10 @@ class Register:
     num_blocks: int
     kv_endpoint: str  # where prefill workers push KV (decode workers only; "" otherwise)
     pid: int
+    max_running: int
+    max_batch_tokens: int
+    kv_bytes_per_token: int
+    profile: WorkerProfile  # fitted from the start-up profiling run
 
 
 @message(2)
@@ -44,6 +49,9 @@ class Heartbeat:
     free_blocks: int
     total_blocks: int
     step_ms: float  # recent median step time
+    context_tokens: int  # tokens held by the sequences here (running, waiting, awaiting KV)
+    kv_bytes_per_s: float  # recent KV transfer rate (0: none measured yet)
+    profile: WorkerProfile  # refined online from real steps
 
 
 @message(3)

@@ -39,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
     parser.add_argument("--max-batch-tokens", type=int, help="tokens per worker step (default 512)")
     parser.add_argument("--max-running", type=int, help="sequences decoding at once per worker (default 64)")
+    parser.add_argument("--profile-seconds", type=float, help="start-up profiling time per worker (s)")
     parser.add_argument("--served-model-name", help="the model name clients use (default: --model)")
     parser.add_argument("--ready-timeout", type=float, default=120.0, help="seconds to wait for workers")
     parser.add_argument(
@@ -71,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
             "max_batch_tokens",
             "max_running",
             "served_model_name",
+            "profile_seconds",
         )
     }
     if args.prefill and args.colocated is None:
@@ -106,40 +108,17 @@ class WorkerProcess:
 
 def worker_command(cfg: ServeConfig, kind: str, worker_id: str, join: str, log_level: str) -> list[str]:
     w = cfg.worker
-    cmd = [
-        sys.executable,
-        "-m",
-        "pdfabric.cli",
-        "worker",
-        "--kind",
-        kind,
-        "--join",
-        join,
-        "--model",
-        cfg.model,
-        "--pool",
-        w.pool,
-        "--worker-id",
-        worker_id,
-        "--block-size",
-        str(w.block_size),
-        "--num-blocks",
-        str(w.num_blocks),
-        "--kv-memory-mb",
-        str(w.kv_memory_mb),
-        "--max-batch-tokens",
-        str(w.max_batch_tokens),
-        "--max-running",
-        str(w.max_running),
-        "--kv-host",
-        w.kv_host,
-        "--parent-pid",
-        str(os.getpid()),
-        "--log-level",
-        log_level,
-    ]
+    flags = {
+        "--kind": kind, "--join": join, "--model": cfg.model, "--pool": w.pool, "--worker-id": worker_id,
+        "--block-size": w.block_size, "--num-blocks": w.num_blocks, "--kv-memory-mb": w.kv_memory_mb,
+        "--max-batch-tokens": w.max_batch_tokens, "--max-running": w.max_running, "--kv-host": w.kv_host,
+        "--parent-pid": os.getpid(), "--log-level": log_level, "--profile-seconds": w.profile_seconds,
+    }  # fmt: skip
     if cfg.dtype:
-        cmd += ["--dtype", cfg.dtype]
+        flags["--dtype"] = cfg.dtype
+    cmd = [sys.executable, "-m", "pdfabric.cli", "worker"]
+    for flag, value in flags.items():
+        cmd += [flag, str(value)]
     return cmd
 
 

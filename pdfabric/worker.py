@@ -95,10 +95,37 @@ class Worker:
                 self.tables.pool.num_blocks,
                 self.kv_endpoint(),
                 os.getpid(),
+                self.cfg.max_running,
+                self.cfg.max_batch_tokens,
+                self.runner.config.kv_bytes_per_token,
+                self.stepper.profile.profile(force=True),
             )
         )
 
+    def profile_startup(self) -> None:
+        """Seeds the latency profile with a short measured grid of step shapes (bounded in time)."""
+        from pdfabric.engine.profiler import run_plan
+        from pdfabric.profile import profiling_plan
+
+        if self.cfg.profile_seconds <= 0:
+            return
+        plan = profiling_plan(
+            self.cfg.max_batch_tokens,
+            self.cfg.max_running,
+            self.max_model_len,
+            self.tables.pool.num_blocks * self.cfg.block_size,
+        )
+        done = run_plan(self.runner, plan, self.stepper.profile, self.cfg.profile_seconds)
+        log.info(
+            "%s: profiled %d steps in %.1fs%s",
+            self.worker_id,
+            done.steps,
+            done.seconds,
+            "" if done.complete else " (time budget reached; the profile refines online)",
+        )
+
     def serve_forever(self) -> None:
+        self.profile_startup()
         self.register()
         try:
             while self._running:
@@ -155,8 +182,15 @@ class Worker:
                 self.tables.pool.num_free,
                 self.tables.pool.num_blocks,
                 self.stepper.recent_step_ms,
+                s.context_tokens,
+                self.kv_rate(),
+                self.stepper.profile.profile(),
             )
         )
+
+    def kv_rate(self) -> float:
+        """Recent KV transfer bytes per second (transfer-capable workers override)."""
+        return 0.0
 
 
 def delta_of(seq: Sequence) -> TokenDelta:

@@ -26,6 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
     parser.add_argument("--log-level", default="INFO", help="log level (default INFO)")
+    parser.add_argument(
+        "--profile-seconds",
+        type=float,
+        default=5.0,
+        help="start-up profiling budget in seconds (0: none; default 5)",
+    )
 
 
 def build(cfg: WorkerConfig, parent_pid: int = 0):  # noqa: ANN201 - a Worker subclass
@@ -58,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
             max_batch_tokens=args.max_batch_tokens,
             max_running=args.max_running,
             kv_host=args.kv_host,
+            profile_seconds=args.profile_seconds,
         )
     except ValueError as exc:
         print(f"pdfabric worker: error: {exc}", file=sys.stderr)
