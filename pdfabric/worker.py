@@ -56,6 +56,8 @@ class Worker:
         self.sock.setsockopt(zmq.IDENTITY, self.worker_id.encode())
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.connect(cfg.join)
+        self._poller = zmq.Poller()
+        self._poller.register(self.sock, zmq.POLLIN)
         self._running = True
         self._next_heartbeat = 0.0
 
@@ -67,9 +69,12 @@ class Worker:
     def handle(self, msg: Any) -> None:
         raise NotImplementedError
 
-    def poll_transfers(self) -> bool:
-        """Advances KV transfers; returns True if any are in flight (the loop then stays busy)."""
-        return False
+    def poll_transfers(self) -> None:
+        """Advances KV transfers (their sockets wake the loop, see ``watch``)."""
+
+    def watch(self, sock: zmq.Socket) -> None:
+        """Lets ``sock``'s incoming messages wake the main loop."""
+        self._poller.register(sock, zmq.POLLIN)
 
     def after_step(self, changed: list[Sequence]) -> list[TokenDelta]:
         """Turns the step's sequences into deltas for the router."""
@@ -129,8 +134,8 @@ class Worker:
         self.register()
         try:
             while self._running:
-                busy = self.poll_transfers() or self.scheduler.has_work
-                self._drain(timeout_ms=0 if busy else 5)
+                self.poll_transfers()
+                self._drain(timeout_ms=0 if self.scheduler.has_work else 5)
                 if self.scheduler.has_work:
                     deltas = self.after_step(self.stepper.step())
                     if deltas:
@@ -140,7 +145,8 @@ class Worker:
             self.close()
 
     def _drain(self, timeout_ms: int) -> None:
-        if not self.sock.poll(timeout_ms):
+        """Waits up to ``timeout_ms`` for a control or transfer message, then handles control ones."""
+        if not self._poller.poll(timeout_ms):
             return
         while True:
             try:

@@ -19,6 +19,7 @@ from tests.fabric import get_json, running_fabric, wait_blocks_free
 
 DEPLOYMENTS = {
     "colocated": ("--colocated", "1"),
+    "disaggregated": ("--prefill", "1", "--decode", "1"),
 }
 
 
