@@ -1,25 +1,36 @@
 """``pdfabric bench compare``: the same workload against several deployments, one after another, and
 one side-by-side report.
 
-Deployments are given as ``--deployment NAME=URL`` (any OpenAI-compatible server: a running pdfabric
-router, vLLM, ...). Starting and stopping pdfabric deployments from a config file is not available yet:
-a ``NAME=CONFIG`` entry is refused with a message saying so. ``--mode replay`` (default) replays the
-workload once per deployment; ``--mode goodput`` runs the goodput search per deployment.
+Deployments are given as ``--deployment NAME=TARGET``, run one after another in the order given:
+
+- ``NAME=http://HOST:PORT``: any OpenAI-compatible server that is already running (a pdfabric router,
+  vLLM, ...);
+- ``NAME=path/to/config.toml`` or ``NAME=serve:FLAGS``: a pdfabric deployment that compare starts
+  itself (``pdfabric serve --config FILE`` or ``pdfabric serve FLAGS`` on a free loopback port), runs
+  the workload against, and stops before the next one starts, so that deployments never share the
+  machine (see ``bench/deploy.py``).
+
+``--mode replay`` (default) replays the workload once per deployment; ``--mode goodput`` runs the
+goodput search per deployment.
 
 Outputs in ``--out``: one folder per deployment (the files ``bench replay`` or ``bench goodput`` would
 write) and, for the comparison, ``report.json``, ``summary.md``, ``ttft_cdf.png``, ``itl_cdf.png`` and
 ``slo_scale.png`` (replay mode) or ``attainment_vs_rate.png`` and ``goodput.png`` (goodput mode).
+A started deployment's folder also holds ``server.log``, the server's and its workers' output.
 """
 
 from __future__ import annotations
 
 import argparse
-import re
+import shlex
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pdfabric.bench.deploy import DeployError, Deployment, parse_deployments
 from pdfabric.bench.goodput_cmd import add_search_arguments
 from pdfabric.bench.options import add_client_arguments, add_slo_arguments, add_workload_arguments
 
@@ -31,47 +42,25 @@ if TYPE_CHECKING:
     from pdfabric.bench.records import RequestRecord
     from pdfabric.bench.workload import Workload
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--deployment", action="append", required=True, metavar="NAME=URL",
-                        help="a deployment to compare (repeat the flag); URL is the server's base URL")
+    parser.add_argument("--deployment", action="append", required=True, metavar="NAME=TARGET",
+                        help="a deployment to compare (repeat the flag); TARGET is a running server's base "
+                             "URL, a pdfabric config .toml, or serve:FLAGS (both started and stopped here)")
     parser.add_argument("--deployment-model", action="append", default=[], metavar="NAME=MODEL",
-                        help="model name for one deployment, when it differs from --model")
+                        help="model name for one deployment, when it differs from --model (or, for a "
+                             "started deployment, from the name it announces)")
     parser.add_argument("--mode", choices=("replay", "goodput"), default="replay",
                         help="replay the workload once, or search each deployment's goodput")
+    parser.add_argument("--start-timeout", type=float, default=180.0, metavar="S",
+                        help="seconds a started deployment may take to become ready (default 180)")
+    parser.add_argument("--stop-grace", type=float, default=15.0, metavar="S",
+                        help="seconds between SIGTERM and SIGKILL when stopping a started deployment "
+                             "(default 15)")
     add_workload_arguments(parser)
     add_client_arguments(parser, url=False)
     add_slo_arguments(parser)
     add_search_arguments(parser)
     parser.add_argument("--out", required=True, metavar="DIR", help="directory for the report files")
-
-
-def parse_deployments(specs: list[str], models: list[str]) -> list[tuple[str, str, str | None]]:
-    """``[(name, url, model or None)]`` from the flags; raises ``ValueError`` on a bad entry."""
-    out: list[tuple[str, str, str | None]] = []
-    model_of: dict[str, str] = {}
-    for spec in models:
-        name, sep, model = spec.partition("=")
-        if not sep or not model:
-            raise ValueError(f"--deployment-model must be NAME=MODEL, got {spec!r}")
-        model_of[name] = model
-    for spec in specs:
-        name, sep, target = spec.partition("=")
-        if not sep or not _NAME.match(name):
-            raise ValueError(f"--deployment must be NAME=URL with a plain name, got {spec!r}")
-        if not target.startswith(("http://", "https://")):
-            raise ValueError(
-                f"--deployment {name}={target}: starting pdfabric deployments from a config is not "
-                "available yet; start the server yourself and pass its URL (NAME=http://host:port)"
-            )
-        if any(name == n for n, _, _ in out):
-            raise ValueError(f"deployment name {name!r} is given twice")
-        out.append((name, target, model_of.pop(name, None)))
-    if model_of:
-        raise ValueError(f"--deployment-model names unknown deployments: {sorted(model_of)}")
-    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,10 +74,12 @@ def run(args: argparse.Namespace) -> int:
     )
 
     try:
-        deployments = parse_deployments(args.deployment, args.deployment_model)
+        deployments = parse_deployments(args.deployment, args.deployment_model, args.model)
         workload = workload_from_args(args)
         slo = slo_from_args(args)
-        clients = {name: client_from_args(args, url, model) for name, url, model in deployments}
+        for d in deployments:
+            if d.url is not None:
+                client_from_args(args, d.url, d.model)  # checks the client options before anything runs
         plan = _Plan(workload, slo, prompt_config(args), *search_config(args),
                      default_bracket(workload, args) if args.mode == "goodput" else (0.0, 0.0))
     except ValueError as exc:
@@ -97,16 +88,48 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, dict[str, Any]] = {}
     ok_records: dict[str, list[RequestRecord]] = {}
     interrupted = False
-    for name, client in clients.items():
-        results[name], ok_records[name], interrupted = _run_one(args, plan, name, client, out / name)
+    failed: dict[str, str] = {}
+    for dep in deployments:
+        try:
+            with _target(args, dep, out / dep.name) as (client, described):
+                results[dep.name], ok_records[dep.name], interrupted = _run_one(
+                    args, plan, dep.name, client, described, out / dep.name)
+        except DeployError as exc:
+            print(f"error: deployment {dep.name}: {exc}", file=sys.stderr)
+            failed[dep.name] = str(exc).splitlines()[0]
+            break
+        except KeyboardInterrupt:
+            interrupted = True
         if interrupted:
-            print(f"interrupted during {name}: the comparison is partial", file=sys.stderr)
+            print(f"interrupted during {dep.name}: the comparison is partial", file=sys.stderr)
             break
     report = comparison_report(results, args.mode, slo.to_json(), args.target, workload.describe(),
-                               interrupted)
+                               interrupted, failed)
     _write_comparison(out, report, results, ok_records, slo, args.target)
     print((out / "summary.md").read_text())
-    return 130 if interrupted else 0
+    return 130 if interrupted else 1 if failed else 0
+
+
+@contextmanager
+def _target(
+    args: argparse.Namespace, dep: Deployment, out: Path
+) -> Iterator[tuple[ClientConfig, dict[str, Any]]]:
+    """The client config for ``dep`` and what the report says about it; a started deployment runs
+    for exactly as long as the ``with`` block."""
+    from pdfabric.bench.deploy import started
+    from pdfabric.bench.options import client_from_args
+
+    if dep.server is None:
+        assert dep.url is not None  # parse_deployments gives a deployment a URL or a server
+        yield client_from_args(args, dep.url, dep.model), dep.describe()
+        return
+    print(f"{dep.name}: starting pdfabric {shlex.join(dep.server.command()[3:])}", file=sys.stderr)
+    with started(dep.server, out / "server.log", args.start_timeout, args.stop_grace) as server:
+        print(f"{dep.name}: serving {server.model!r} on {server.url} after {server.startup_s:.1f}s",
+              file=sys.stderr)
+        yield client_from_args(args, server.url, dep.model or server.model), {
+            **dep.describe(), **server.describe()}
+    print(f"{dep.name}: stopped", file=sys.stderr)
 
 
 @dataclass(frozen=True)
@@ -120,7 +143,8 @@ class _Plan:
 
 
 def _run_one(
-    args: argparse.Namespace, plan: _Plan, name: str, client: ClientConfig, out: Path
+    args: argparse.Namespace, plan: _Plan, name: str, client: ClientConfig, deployment: dict[str, Any],
+    out: Path,
 ) -> tuple[dict[str, Any], list[RequestRecord], bool]:
     """Replay or search one deployment into ``out``; (its report, its ok records, interrupted?)."""
     from pdfabric.bench.client import replay
@@ -132,7 +156,7 @@ def _run_one(
     from pdfabric.bench.report import build_report, write_json, write_run
 
     meta = {"command": f"compare/{args.mode}", "label": name, "target": client_meta(client),
-            "workload": plan.workload.describe()}
+            "deployment": deployment, "workload": plan.workload.describe()}
     progress = not args.no_progress
     if args.mode == "replay":
         bar = Progress(len(plan.workload), name, enabled=progress)
@@ -190,12 +214,13 @@ def comparison_report(
     target: float,
     workload: dict[str, Any],
     interrupted: bool,
+    failed: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """The side-by-side ``report.json``: per deployment, its headline numbers and its folder."""
     keys = ("requests", "ttft_ms", "itl_ms", "tpot_ms", "e2e_ms", "throughput", "attainment")
     deps: dict[str, Any] = {}
     for name, rep in results.items():
-        row: dict[str, Any] = {"dir": name, "target": rep["target"]}
+        row: dict[str, Any] = {"dir": name, "target": rep["target"], "deployment": rep.get("deployment")}
         if mode == "replay":
             row.update({k: rep[k] for k in keys})
             row["min_slo_scale"] = rep["slo_scale"]["min_scale_for_target"]
@@ -206,7 +231,8 @@ def comparison_report(
         row["warnings"] = rep["warnings"]
         deps[name] = row
     return {"command": "compare", "mode": mode, "slo": slo, "attainment_target": target,
-            "workload": workload, "deployments": deps, "partial": interrupted}
+            "workload": workload, "deployments": deps, "failed": failed or {},
+            "partial": interrupted or bool(failed)}
 
 
 def comparison_md(report: dict[str, Any]) -> str:
@@ -237,6 +263,20 @@ def comparison_md(report: dict[str, Any]) -> str:
                          f"{g['first_failing_rps']} | {len(g['trials'])} |")
     lines.append("")
     lines.append("Latencies in ms. Per-deployment details are in each deployment's folder.")
+    lines += ["", "Deployments:", ""] + [f"- {name}: {_describe_target(d)}"
+                                         for name, d in report["deployments"].items()]
+    for name, why in report["failed"].items():
+        lines += ["", f"**{name} failed**: {why}"]
     if report["partial"]:
-        lines += ["", "**Partial comparison**: interrupted."]
+        why = "a deployment failed." if report["failed"] else "interrupted."
+        lines += ["", f"**Partial comparison**: {why}"]
     return "\n".join(lines) + "\n"
+
+
+def _describe_target(row: dict[str, Any]) -> str:
+    dep = row.get("deployment") or {}
+    if dep.get("kind") != "started":
+        return f"`{row['target']['url']}` (running server)"
+    what = [f"config `{dep['config']}`"] if dep.get("config") else []
+    what += [f"flags `{' '.join(dep['flags'])}`"] if dep.get("flags") else []
+    return f"{', '.join(what)}, started by compare (served at {dep['url']}, ready after {dep['startup_s']}s)"

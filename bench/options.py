@@ -54,7 +54,9 @@ def add_client_arguments(p: argparse.ArgumentParser, url: bool = True) -> None:
     g = p.add_argument_group("server and client")
     if url:
         g.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
-    g.add_argument("--model", required=True, help="model name sent in each request")
+    g.add_argument("--model", required=url,
+                   help="model name sent in each request" if url else
+                   "model name sent to URL deployments (started ones use the name they announce)")
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
     g.add_argument("--max-run-time", type=float, metavar="S",
                    help="bound on one replay's wall time (default: last arrival + request timeout)")

@@ -224,13 +224,6 @@ def test_compare_command_side_by_side(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "| fast |" in capsys.readouterr().out
 
 
-def test_compare_refuses_config_deployments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc = cli.main(["bench", "compare", "--deployment", "disagg=configs/cpu-small.toml", "--model", "m",
-                   "--trace", "synthetic", "--rate", "1", "--out", str(tmp_path)])
-    assert rc == 2
-    assert "not available yet" in capsys.readouterr().err
-
-
 def test_ctrl_c_writes_a_partial_report(tmp_path: Path) -> None:
     out = tmp_path / "partial"
     with serving(FakeServer(ttft_s=0.01)) as url:
