@@ -27,6 +27,7 @@ class WorkerConfig:
     max_running: int = 64
     kv_host: str = "127.0.0.1"  # address a decode worker binds its KV endpoint on
     heartbeat_s: float = 0.25
+    threads: int = 0  # torch threads (0: the launcher gives each worker its share of the cores)
     profile_seconds: float = 5.0  # start-up profiling budget (0: none; the profile is then learnt online)
 
     def __post_init__(self) -> None:
@@ -35,8 +36,8 @@ class WorkerConfig:
         for name in ("block_size", "kv_memory_mb", "max_batch_tokens", "max_running"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.num_blocks < 0:
-            raise ValueError(f"num_blocks must be >= 0, got {self.num_blocks}")
+        if self.num_blocks < 0 or self.threads < 0:
+            raise ValueError(f"num_blocks and threads must be >= 0, got {self.num_blocks}, {self.threads}")
         if self.heartbeat_s <= 0:
             raise ValueError(f"heartbeat_s must be positive, got {self.heartbeat_s}")
 

@@ -116,6 +116,9 @@ def worker_command(cfg: ServeConfig, kind: str, worker_id: str, join: str, log_l
     }  # fmt: skip
     if cfg.dtype:
         flags["--dtype"] = cfg.dtype
+    # Workers on one host share its cores; each taking all of them oversubscribes the CPU badly.
+    workers = cfg.prefill + cfg.decode + cfg.colocated
+    flags["--threads"] = w.threads or max(1, (os.cpu_count() or 1) // workers)
     cmd = [sys.executable, "-m", "pdfabric.cli", "worker"]
     for flag, value in flags.items():
         cmd += [flag, str(value)]

@@ -37,6 +37,10 @@ class Worker:
         from pdfabric.engine.runner import ModelRunner
 
         self.cfg = cfg
+        if cfg.threads:
+            import torch
+
+            torch.set_num_threads(cfg.threads)
         self.worker_id = cfg.worker_id or f"{cfg.kind}-{os.getpid()}"
         self.parent_pid = parent_pid
         model = load_model(resolve_model(cfg.model), cfg.dtype)
