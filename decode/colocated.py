@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdfabric.control import Generate, StepOutputs, TokenDelta
+from pdfabric.control import Generate
 from pdfabric.engine.sequence import Sequence
 from pdfabric.worker import Worker, log
 
@@ -24,8 +24,6 @@ class ColocatedWorker(Worker):
         if not isinstance(msg, Generate):
             log.error("colocated worker ignores %s", type(msg).__name__)
             return
-        if len(msg.prompt_ids) >= self.max_model_len:
-            error = f"prompt of {len(msg.prompt_ids)} tokens does not fit this worker's {self.max_model_len}"
-            self.send(StepOutputs(self.worker_id, (TokenDelta(msg.request_id, 0, (), (), "error", error),)))
+        if not self.fits(msg.request_id, len(msg.prompt_ids)):
             return
         self.scheduler.add(Sequence(msg.request_id, msg.prompt_ids, msg.params, frozenset(msg.eos_token_ids)))

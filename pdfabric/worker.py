@@ -173,6 +173,14 @@ class Worker:
     def abort(self, request_id: str, reason: str) -> None:
         self.scheduler.finish(request_id, reason)
 
+    def fits(self, request_id: str, prompt_len: int) -> bool:
+        """Whether a prompt leaves room for a token here; if not, the request ends with an error."""
+        if prompt_len < self.max_model_len:
+            return True
+        error = f"prompt of {prompt_len} tokens does not fit this worker's {self.max_model_len}"
+        self.send(StepOutputs(self.worker_id, (TokenDelta(request_id, 0, (), (), "error", error),)))
+        return False
+
     def _heartbeat(self) -> None:
         now = time.monotonic()
         if now < self._next_heartbeat:

@@ -36,9 +36,7 @@ class PrefillWorker(Worker):
         if not isinstance(msg, Prefill):
             log.error("prefill worker ignores %s", type(msg).__name__)
             return
-        if len(msg.prompt_ids) >= self.max_model_len:
-            error = f"prompt of {len(msg.prompt_ids)} tokens does not fit this worker's {self.max_model_len}"
-            self.send(StepOutputs(self.worker_id, (TokenDelta(msg.request_id, 0, (), (), "error", error),)))
+        if not self.fits(msg.request_id, len(msg.prompt_ids)):
             return
         self._targets[msg.request_id] = (msg.kv_endpoint, msg.block_ids)
         self.scheduler.add(Sequence(msg.request_id, msg.prompt_ids, msg.params, frozenset(msg.eos_token_ids)))
