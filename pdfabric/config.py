@@ -27,6 +27,7 @@ class WorkerConfig:
     max_running: int = 64
     kv_host: str = "127.0.0.1"  # address a decode worker binds its KV endpoint on
     heartbeat_s: float = 0.25
+    device: str = "auto"  # auto (cuda when available, else cpu), cpu, cuda or cuda:N
     threads: int = 0  # torch threads (0: the launcher gives each worker its share of the cores)
     profile_seconds: float = 5.0  # start-up profiling budget (0: none; the profile is then learnt online)
 
@@ -36,6 +37,8 @@ class WorkerConfig:
         for name in ("block_size", "kv_memory_mb", "max_batch_tokens", "max_running"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.device != "auto" and self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.num_blocks < 0 or self.threads < 0:
             raise ValueError(f"num_blocks and threads must be >= 0, got {self.num_blocks}, {self.threads}")
         if self.heartbeat_s <= 0:
@@ -51,9 +54,10 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     control_port: int = 0  # 0: a free port chosen at start
-    prefill: int = 0
-    decode: int = 0
-    colocated: int = 1
+    # Worker counts; a config or command line that sets any of them sets the others to 0.
+    prefill: int = 1
+    decode: int = 1
+    colocated: int = 0
     worker: WorkerConfig = field(default_factory=lambda: WorkerConfig(kind="colocated"))
     worker_timeout_s: float = 10.0  # heartbeats missing this long: the worker is gone
     request_timeout_s: float = 600.0  # a request with no progress this long ends with an error
@@ -94,9 +98,14 @@ def load_serve_config(path: str | Path | None, overrides: dict[str, Any]) -> Ser
         bad = set(table) - allowed
         if bad:
             raise ValueError(f"{path}: unknown key(s) in [{name}]: {', '.join(sorted(bad))}")
-    for key, value in overrides.items():
-        if value is None:
-            continue
+    given = {k: v for k, v in overrides.items() if v is not None}
+    counts = ("prefill", "decode", "colocated")
+    if any(k in given for k in counts):  # the command line's deployment replaces the file's
+        for k in counts:
+            serve.pop(k, None)
+    if any(k in serve or k in given for k in counts):
+        serve.update({k: serve.get(k, 0) for k in counts})
+    for key, value in given.items():
         (serve if key in serve_keys else worker)[key] = value
     cfg = ServeConfig(**serve)
     return replace(cfg, worker=WorkerConfig(kind="colocated", model=cfg.model, dtype=cfg.dtype, **worker))

@@ -75,8 +75,6 @@ def run(args: argparse.Namespace) -> int:
             "profile_seconds",
         )
     }
-    if args.prefill and args.colocated is None:
-        overrides["colocated"] = 0  # asking for a disaggregated deployment replaces the default colocated one
     try:
         cfg = load_serve_config(args.config, overrides)
     except (ValueError, OSError) as exc:
@@ -113,6 +111,7 @@ def worker_command(cfg: ServeConfig, kind: str, worker_id: str, join: str, log_l
         "--block-size": w.block_size, "--num-blocks": w.num_blocks, "--kv-memory-mb": w.kv_memory_mb,
         "--max-batch-tokens": w.max_batch_tokens, "--max-running": w.max_running, "--kv-host": w.kv_host,
         "--parent-pid": os.getpid(), "--log-level": log_level, "--profile-seconds": w.profile_seconds,
+        "--device": w.device,
     }  # fmt: skip
     if cfg.dtype:
         flags["--dtype"] = cfg.dtype
@@ -154,6 +153,7 @@ async def serve(
         await site.start()
         port = runner.addresses[0][1]
         url = f"http://{cfg.host}:{port}"
+        print(f"ready: {url}", flush=True)
         print(
             f"pdfabric: serving {cfg.model_name!r} on {url} ({cfg.prefill} prefill, {cfg.decode} decode, "
             f"{cfg.colocated} colocated workers)",

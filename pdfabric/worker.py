@@ -43,7 +43,7 @@ class Worker:
             torch.set_num_threads(cfg.threads)
         self.worker_id = cfg.worker_id or f"{cfg.kind}-{os.getpid()}"
         self.parent_pid = parent_pid
-        model = load_model(resolve_model(cfg.model), cfg.dtype)
+        model = load_model(resolve_model(cfg.model), cfg.dtype, _device(cfg.device))
         mcfg = model.config
         num_blocks = cfg.num_blocks or blocks_in_budget(mcfg, cfg.block_size, cfg.kv_memory_mb * 2**20)
         # One sequence must always fit in the pool on its own, or it could wait forever.
@@ -217,6 +217,14 @@ def delta_of(seq: Sequence) -> TokenDelta:
     return TokenDelta(
         seq.request_id, index, (seq.output_ids[-1],), (seq.output_logprobs[-1],), seq.finish_reason
     )
+
+
+def _device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
 
 
 def _alive(pid: int) -> bool:

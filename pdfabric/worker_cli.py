@@ -27,6 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
     parser.add_argument("--log-level", default="INFO", help="log level (default INFO)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda or cuda:N")
     parser.add_argument(
         "--profile-seconds",
         type=float,
@@ -67,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
             kv_host=args.kv_host,
             profile_seconds=args.profile_seconds,
             threads=args.threads,
+            device=args.device,
         )
     except ValueError as exc:
         print(f"pdfabric worker: error: {exc}", file=sys.stderr)

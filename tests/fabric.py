@@ -30,9 +30,10 @@ def get_json(url: str, timeout: float = 5.0) -> tuple[int, dict]:
 
 
 @contextlib.contextmanager
-def running_fabric(*flags: str, timeout: float = 120.0) -> Iterator[str]:
-    """Starts ``pdfabric serve FLAGS`` on a free port; yields its base URL; always stops it."""
-    port = free_port()
+def running_fabric(*flags: str, port: int = 0, timeout: float = 120.0) -> Iterator[str]:
+    """Starts ``pdfabric serve FLAGS`` on ``port`` (default: a free one); yields its base URL; always
+    stops it and its workers."""
+    port = port or free_port()
     cmd = [sys.executable, "-m", "pdfabric.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *flags]
     proc = subprocess.Popen(cmd, env={**os.environ}, start_new_session=True)
     url = f"http://127.0.0.1:{port}"

@@ -6,16 +6,19 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import aiohttp
 import pytest
 
 from pdfabric.engine.generate import ReferenceEngine
 from pdfabric.engine.sampling_params import SamplingParams
-from tests.fabric import get_json, running_fabric, wait_blocks_free
+from tests.fabric import free_port, get_json, running_fabric, wait_blocks_free
 
 DEPLOYMENTS = {
     "colocated": ("--colocated", "1"),
@@ -55,9 +58,10 @@ async def _stream(url: str, body: dict) -> tuple[list[int], str, str | None, dic
 
 
 def test_concurrent_greedy_requests_match_reference(fabric: str, reference: ReferenceEngine) -> None:
-    prompts = [[5 + i] * (3 + 7 * i) for i in range(6)]
+    # 16 prompts from 3 to 108 tokens: one block, several blocks, partial last blocks (block size 16).
+    prompts = [[5 + i] * (3 + 7 * i) for i in range(16)]
     bodies = [
-        {"prompt": p, "max_tokens": 8 + 3 * i, "temperature": 0, "ignore_eos": True}
+        {"prompt": p, "max_tokens": 8 + (3 * i) % 20, "temperature": 0, "ignore_eos": True}
         for i, p in enumerate(prompts)
     ]
 
@@ -131,6 +135,21 @@ def test_openai_client_chat_and_completions(fabric: str) -> None:
         model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0
     )
     assert chat.choices[0].finish_reason in ("stop", "length") and chat.usage.completion_tokens <= 5
+    completion = client.completions.create(
+        model="tiny", prompt="hello", max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert completion.choices[0].finish_reason == "length" and completion.usage.completion_tokens == 4
+    chat_chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=3,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert chat_chunks[0].choices[0].delta.role == "assistant"
+    assert chat_chunks[-1].choices[0].finish_reason == "length"
     chunks = list(
         client.completions.create(
             model="tiny",
@@ -202,9 +221,14 @@ def test_client_disconnect_frees_blocks(fabric: str) -> None:
     wait_blocks_free(fabric)
 
 
-def test_worker_death_ends_requests_with_an_error() -> None:
-    with running_fabric("--model", "tiny", "--colocated", "1") as url:
-        pid = get_json(url + "/health")[1]["workers"][0]["pid"]
+@pytest.mark.parametrize(
+    "flags, victim",
+    [(("--colocated", "1"), "colocated-0"), (("--prefill", "1", "--decode", "1"), "decode-0")],
+)
+def test_worker_death_ends_requests_with_an_error(flags: tuple[str, ...], victim: str) -> None:
+    with running_fabric("--model", "tiny", *flags) as url:
+        workers = get_json(url + "/health")[1]["workers"]
+        pid = next(w["pid"] for w in workers if w["id"] == victim)
 
         async def stream_until_error() -> tuple[str, float]:
             body = {
@@ -224,6 +248,28 @@ def test_worker_death_ends_requests_with_an_error() -> None:
             return "", 0.0
 
         message, delay = asyncio.run(asyncio.wait_for(stream_until_error(), 30))
-        assert "colocated-0" in message and delay < 10
+        assert victim in message and delay < 10
         status, body = get_json(url + "/health")
-        assert status == 503 and body["workers"] == []
+        assert status == 503 and victim not in [w["id"] for w in body["workers"]]
+
+        async def after_death() -> int:  # a non-streaming request now fails fast with a 503
+            body = {"model": "tiny", "prompt": "x", "max_tokens": 2}
+            async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json=body) as r:
+                return r.status
+
+        assert asyncio.run(asyncio.wait_for(after_death(), 30)) == 503
+
+
+def test_readme_serve_and_curl_work(tmp_path: Path) -> None:
+    """The README's `pdfabric serve` plus its `curl -N` streaming example, as written there."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    curl = re.search(r"^(curl -N .*?)\n(?!\s)", readme, re.S | re.M)
+    assert curl is not None, "the README lost its curl example"
+    port = free_port()
+    command = curl.group(1).replace("\\\n", " ").replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+    with running_fabric(port=port):  # `pdfabric serve` with its defaults, on a free port
+        out = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    events = [line for line in out.stdout.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) >= 3
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] in ("stop", "length")
