@@ -7,6 +7,7 @@ Cache layout, one tensor per layer: ``kv_cache: [2, num_blocks, block_size, num_
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from pdfabric.kernels.metadata import AttentionMetadata
 
@@ -28,7 +29,10 @@ def gather_seq_kv(
     """The first ``seq_len`` cached keys and values of one sequence, contiguous."""
     _, _, block_size, kv_heads, head_dim = kv_cache.shape
     num_blocks = -(-seq_len // block_size)
-    blocks = kv_cache[:, block_table[:num_blocks].long()]  # [2, n, block_size, kv_heads, head_dim]
+    # index_select, not advanced indexing: several times faster on the CPU for this gather.
+    blocks = kv_cache.index_select(
+        1, block_table[:num_blocks].long()
+    )  # [2, n, block_size, kv_heads, head_dim]
     kv = blocks.reshape(2, num_blocks * block_size, kv_heads, head_dim)[:, :seq_len]
     return kv[0], kv[1]
 
@@ -36,16 +40,17 @@ def gather_seq_kv(
 def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    # q: [B, Lq, Hq, D]; k, v: [B, Lk, Hkv, D]; mask: [B, Lq, Lk] bool (True = may attend)
-    batch, q_len, q_heads, head_dim = q.shape
-    kv_heads = k.shape[2]
-    group = q_heads // kv_heads
-    qg = q.float().reshape(batch, q_len, kv_heads, group, head_dim)
-    scores = torch.einsum("bqhgd,bkhd->bhgqk", qg, k.float()) * scale  # [B, Hkv, G, Lq, Lk]
-    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhgqk,bkhd->bqhgd", probs, v.float())  # [B, Lq, Hkv, G, D]
-    return out.reshape(batch, q_len, q_heads, head_dim)
+    # q: [B, Lq, Hq, D]; k, v: [B, Lk, Hkv, D]; mask: [B, Lq, Lk] bool (True = may attend; every
+    # query row attends to at least itself, so no row is fully masked). Returns [B, Lq, Hq, D] float32.
+    out = F.scaled_dot_product_attention(
+        q.float().transpose(1, 2),  # [B, Hq, Lq, D]
+        k.float().transpose(1, 2),  # [B, Hkv, Lk, D]
+        v.float().transpose(1, 2),
+        attn_mask=mask[:, None],  # [B, 1, Lq, Lk]
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.transpose(1, 2)
 
 
 def paged_attention_ref(
@@ -79,7 +84,7 @@ def _decode_ref(
     max_len = meta.max_seq_len
     num_blocks = -(-max_len // block_size)
     tables = meta.block_tables[:, :num_blocks].long()  # [S, n]
-    kv = kv_cache[:, tables]  # [2, S, n, block_size, kv_heads, head_dim]
+    kv = kv_cache.index_select(1, tables.reshape(-1))  # [2, S * n, block_size, kv_heads, head_dim]
     kv = kv.reshape(2, meta.num_seqs, num_blocks * block_size, kv_heads, head_dim)[:, :, :max_len]
     mask = torch.arange(max_len, device=q.device)[None, :] < meta.seq_lens[:, None]  # [S, max_len]
     out = _attend(q[:, None], kv[0], kv[1], mask[:, None], scale)  # [S, 1, q_heads, head_dim]
