@@ -1,6 +1,14 @@
-"""Chooses, per call, the implementation of each kernel: torch reference or Triton."""
+"""Chooses, per call, the implementation of each kernel: torch reference or Triton.
+
+``auto`` runs the Triton kernels on CUDA tensors (when Triton imports) and the torch references
+everywhere else; ``torch`` always runs the references; ``triton`` always runs the kernels, which on
+CPU tensors needs ``TRITON_INTERPRET=1`` set before the kernel modules are first imported. The
+kernel modules are imported on first use, so a CPU-only process never imports Triton.
+"""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -33,6 +41,7 @@ def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda and _triton_ready()
 
 
+@functools.cache
 def _triton_ready() -> bool:
     try:
         import triton  # noqa: F401
@@ -41,21 +50,45 @@ def _triton_ready() -> bool:
     return True
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def store_kv(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Writes new keys/values ``[T, kv_heads, head_dim]`` into their slots of ``kv_cache``."""
-    store_kv_ref(key, value, kv_cache, slot_mapping)
+    if _use_triton(kv_cache):
+        from pdfabric.kernels.store_kv_triton import store_kv_triton
+
+        store_kv_triton(key, value, kv_cache, slot_mapping)
+    else:
+        store_kv_ref(key, value, kv_cache, slot_mapping)
 
 
-def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
     """Causal attention of the batch's new queries ``[T, q_heads, head_dim]`` over the paged cache."""
+    if _use_triton(q):
+        from pdfabric.kernels.paged_attention_triton import paged_attention_triton
+
+        return paged_attention_triton(q, kv_cache, meta, scale)
     return paged_attention_ref(q, kv_cache, meta, scale)
 
 
-def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def gather_blocks(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Packs ``kv_cache[:, block_ids]`` into one contiguous ``[2, n, block_size, kv_heads, head_dim]``."""
+    if _use_triton(kv_cache):
+        from pdfabric.kernels.kv_pack_triton import gather_blocks_triton
+
+        return gather_blocks_triton(kv_cache, block_ids, out)
     return gather_blocks_ref(kv_cache, block_ids, out)
 
 
 def scatter_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, packed: torch.Tensor) -> None:
     """Unpacks ``packed`` into ``kv_cache[:, block_ids]``."""
-    scatter_blocks_ref(kv_cache, block_ids, packed)
+    if _use_triton(kv_cache):
+        from pdfabric.kernels.kv_pack_triton import scatter_blocks_triton
+
+        scatter_blocks_triton(kv_cache, block_ids, packed)
+    else:
+        scatter_blocks_ref(kv_cache, block_ids, packed)

@@ -1,0 +1,132 @@
+"""Kernel bandwidth on a CUDA device: paged decode attention and KV block pack/unpack.
+
+Decode attention is memory-bound: its floor is reading every cached key and value once. For each
+(batch, context) shape the report gives the Triton kernel's time and achieved bandwidth (KV bytes
+read / time), the same for torch ``scaled_dot_product_attention`` on KV already gathered into dense
+tensors (the gather not timed), the torch reference (gather included), and the device-to-device copy
+bandwidth measured in the same run (bytes read + written / time). Block gather/scatter are reported
+as bytes read + written / time beside the same copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--q-heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="bfloat16")
+    parser.add_argument("--shapes", default="1x32768,8x8192,32x4096,64x2048,128x1024,128x4096,256x2048",
+                        help="comma-separated BATCHxCONTEXT decode shapes")
+    parser.add_argument("--pack-blocks", type=int, default=2048, help="blocks per gather/scatter call")
+    parser.add_argument("--json", type=str, default=None, help="write the results here as JSON")
+
+
+def _time_ms(fn: Any) -> float:
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def _copy_bandwidth(torch: Any, nbytes: int = 1 << 30) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _time_ms(lambda: dst.copy_(src)) / 1e6  # GB/s
+
+
+def _decode_row(torch: Any, args: argparse.Namespace, batch: int, ctx: int) -> dict[str, Any]:
+    import torch.nn.functional as F
+
+    from pdfabric.kernels.attention_ref import paged_attention_ref
+    from pdfabric.kernels.paged_attention_triton import choose_num_splits, paged_attention_triton
+    from pdfabric.kernels.testing import make_batch
+
+    dtype = getattr(torch, args.dtype)
+    q, kv, meta = make_batch([1] * batch, [ctx] * batch, args.q_heads, args.kv_heads, args.head_dim,
+                             args.block_size, dtype, seed=batch, device="cuda")
+    scale = args.head_dim**-0.5
+    kv_bytes = 2 * batch * ctx * args.kv_heads * args.head_dim * kv.element_size()
+    blocks = meta.block_tables.long()  # [S, n]
+    dense = kv[:, blocks].reshape(2, batch, -1, args.kv_heads, args.head_dim)[:, :, :ctx]
+    k = dense[0].transpose(1, 2).contiguous()  # [S, Hkv, ctx, D]
+    v = dense[1].transpose(1, 2).contiguous()
+    qs = q[:, :, None]  # [S, Hq, 1, D]
+
+    def sdpa() -> torch.Tensor:
+        return F.scaled_dot_product_attention(qs, k, v, scale=scale, enable_gqa=True)
+
+    out = paged_attention_triton(q, kv, meta, scale)
+    err = (out.float() - sdpa()[:, :, 0].float()).abs().max().item()
+    t_tri = _time_ms(lambda: paged_attention_triton(q, kv, meta, scale))
+    t_sdpa = _time_ms(sdpa)
+    t_ref = _time_ms(lambda: paged_attention_ref(q, kv, meta, scale)) if kv_bytes < (4 << 30) else None
+    splits = choose_num_splits(batch * args.kv_heads, ctx, q.device)
+    return {
+        "batch": batch, "context": ctx, "kv_mb": kv_bytes / 1e6, "splits": splits,
+        "triton_us": t_tri * 1e3, "triton_gbs": kv_bytes / t_tri / 1e6,
+        "sdpa_us": t_sdpa * 1e3, "sdpa_gbs": kv_bytes / t_sdpa / 1e6,
+        "ref_us": None if t_ref is None else t_ref * 1e3, "max_abs_err_vs_sdpa": err,
+    }
+
+
+def _pack_rows(torch: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+    from pdfabric.kernels.kv_pack_ref import gather_blocks_ref, scatter_blocks_ref
+    from pdfabric.kernels.kv_pack_triton import gather_blocks_triton, scatter_blocks_triton
+
+    dtype = getattr(torch, args.dtype)
+    n = args.pack_blocks
+    kv = torch.randn(2, 4 * n, args.block_size, args.kv_heads, args.head_dim, device="cuda").to(dtype)
+    ids = torch.randperm(4 * n, device="cuda")[:n]
+    out = torch.empty((2, n, *kv.shape[2:]), dtype=dtype, device="cuda")
+    moved = 2 * out.numel() * out.element_size()  # read + write
+    cases = {
+        "gather triton": lambda: gather_blocks_triton(kv, ids, out),
+        "gather torch": lambda: gather_blocks_ref(kv, ids, out),
+        "scatter triton": lambda: scatter_blocks_triton(kv, ids, out),
+        "scatter torch": lambda: scatter_blocks_ref(kv, ids, out),
+    }
+    rows = []
+    for name, fn in cases.items():
+        t = _time_ms(fn)
+        rows.append({"op": name, "blocks": n, "mb": out.numel() * out.element_size() / 1e6,
+                     "us": t * 1e3, "gbs": moved / t / 1e6})
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench kernels needs a CUDA device")
+        return 2
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    copy_gbs = _copy_bandwidth(torch)
+    decode = [_decode_row(torch, args, b, c) for b, c in shapes]
+    pack = _pack_rows(torch, args)
+
+    print(f"device: {torch.cuda.get_device_name()}  copy bandwidth (read+write): {copy_gbs:.0f} GB/s")
+    print(f"decode: q_heads={args.q_heads} kv_heads={args.kv_heads} head_dim={args.head_dim} "
+          f"block_size={args.block_size} {args.dtype}")
+    print(f"{'batch':>5} {'ctx':>6} {'KV MB':>8} {'splits':>6} {'triton us':>10} {'GB/s':>6} {'%copy':>6} "
+          f"{'sdpa us':>9} {'GB/s':>6} {'ref us':>9}")
+    for r in decode:
+        ref = "-" if r["ref_us"] is None else f"{r['ref_us']:.0f}"
+        print(f"{r['batch']:>5} {r['context']:>6} {r['kv_mb']:>8.0f} {r['splits']:>6} "
+              f"{r['triton_us']:>10.1f} "
+              f"{r['triton_gbs']:>6.0f} {100 * r['triton_gbs'] / copy_gbs:>5.0f}% {r['sdpa_us']:>9.1f} "
+              f"{r['sdpa_gbs']:>6.0f} {ref:>9}")
+    print(f"{'op':<15} {'blocks':>6} {'MB':>7} {'us':>8} {'GB/s':>6} {'%copy':>6}")
+    for r in pack:
+        print(f"{r['op']:<15} {r['blocks']:>6} {r['mb']:>7.0f} {r['us']:>8.1f} {r['gbs']:>6.0f} "
+              f"{100 * r['gbs'] / copy_gbs:>5.0f}%")
+    if args.json:
+        result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                  "copy_gbs": copy_gbs, "args": vars(args), "decode": decode, "pack": pack}
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0

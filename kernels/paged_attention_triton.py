@@ -1,0 +1,230 @@
+"""Triton paged attention: decode and chunked prefill over the paged KV cache, with split-K.
+
+One kernel serves every batch that ``AttentionMetadata`` describes. A program owns one sequence, one
+tile of its new query tokens, one KV head and one slice ("split") of the context:
+
+1. its rows are the tile's tokens times the query heads that share the KV head (grouped-query
+   attention packs the group into the rows, so each key block is read once per group);
+2. it walks the split's keys in tiles of ``BLOCK_N`` tokens, finding each token's cache block through
+   the block table, with an online softmax in float32 (causal within the chunk, full over the cached
+   prefix, since a query at position ``p`` sees keys ``0..p``);
+3. with one split it writes the normalised output; with several it writes the unnormalised partial
+   sum and its running max and denominator, and ``_merge_splits_kernel`` combines the splits.
+
+Split-K keeps the GPU busy when a decode batch has few sequences but long contexts. The reference is
+``attention_ref.paged_attention_ref``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from pdfabric.kernels.launch_checks import FLOAT_DTYPES, check_block_tables, check_kv_cache, require
+from pdfabric.kernels.metadata import AttentionMetadata
+
+_LOG2E = 1.4426950408889634
+_BLOCK_N = 64  # keys per inner step
+_PREFILL_ROWS = 64  # query rows (tokens x group heads) per prefill tile
+_MIN_SPLIT_TOKENS = 256  # a split never covers fewer keys than this
+_MAX_SPLITS = 64
+
+
+@triton.jit
+def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST:  # the CPU interpreter multiplies bf16 tiles wrongly; products of bf16 are exact in fp32
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _paged_attn_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_m_ptr, part_l_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_ptr,
+    qk_scale, head_dim, q_heads, split_len, num_splits,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
+    KV_BLOCK: tl.constexpr, GROUP: tl.constexpr, TILE_TOKENS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    tile = tl.program_id(1)
+    kv_head = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    tile_tok = tile * TILE_TOKENS
+    if tile_tok < q_len:
+        seq_len = tl.load(seq_lens_ptr + seq)
+        rows = tl.arange(0, BLOCK_M)
+        tok = tile_tok + rows // GROUP  # [BLOCK_M] query token within the sequence
+        head = kv_head * GROUP + rows % GROUP  # [BLOCK_M] query head
+        row_ok = (rows < TILE_TOKENS * GROUP) & (tok < q_len)
+        q_pos = seq_len - q_len + tok  # [BLOCK_M] absolute position: sees keys 0..q_pos
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < head_dim
+        q_rows = (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh  # [BLOCK_M]
+        q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        # q: [BLOCK_M, BLOCK_D]
+
+        kv_stop = seq_len - q_len + tl.minimum(tile_tok + TILE_TOKENS, q_len)  # causal end of the tile
+        kv_lo = split * split_len
+        kv_hi = tl.minimum(kv_lo + split_len, kv_stop)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 domain
+        l_i = tl.zeros([BLOCK_M], tl.float32)  # running denominator
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        for start in range(kv_lo, kv_hi, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+            n_ok = n < kv_hi
+            block = tl.load(table + n // KV_BLOCK, mask=n_ok, other=0)
+            kv_off = block.to(tl.int64) * stride_kb + (n % KV_BLOCK) * stride_ks + kv_head * stride_kh
+            k = tl.load(k_ptr + kv_off[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+            # k: [BLOCK_D, BLOCK_N]
+            s = _dot(q, k, DOT_PRECISION, UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N]
+            s = tl.where(n_ok[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
+            p = tl.exp2(s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + kv_off[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            # v: [BLOCK_N, BLOCK_D]
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
+            m_i = m_new
+
+        if SPLIT:
+            part = ((q_start + tok).to(tl.int64) * q_heads + head) * num_splits + split  # [BLOCK_M]
+            # partials: m, l [T, q_heads, num_splits]; o [T, q_heads, num_splits, head_dim]
+            tl.store(part_m_ptr + part, m_i, mask=row_ok)
+            tl.store(part_l_ptr + part, l_i, mask=row_ok)
+            tl.store(part_o_ptr + part[:, None] * head_dim + d[None, :], acc,
+                     mask=row_ok[:, None] & d_ok[None, :])
+        else:
+            out_rows = (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh  # [BLOCK_M]
+            o = acc / l_i[:, None]
+            tl.store(out_ptr + out_rows[:, None] + d[None, :], o.to(out_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr, part_o_ptr, part_m_ptr, part_l_ptr, head_dim, num_splits, q_heads, stride_ot, stride_oh,
+    MAX_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    row = token.to(tl.int64) * q_heads + head
+    sp = tl.arange(0, MAX_SPLITS)
+    sp_ok = sp < num_splits
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+    m = tl.load(part_m_ptr + row * num_splits + sp, mask=sp_ok, other=float("-inf"))  # [MAX_SPLITS]
+    l_part = tl.load(part_l_ptr + row * num_splits + sp, mask=sp_ok, other=0.0)
+    # Split 0 always holds key 0, which every query sees, so the max is finite.
+    w = tl.where(sp_ok, tl.exp2(m - tl.max(m, 0)), 0.0)  # [MAX_SPLITS]
+    o = tl.load(part_o_ptr + (row * num_splits + sp)[:, None] * head_dim + d[None, :],
+                mask=sp_ok[:, None] & d_ok[None, :], other=0.0)  # [MAX_SPLITS, BLOCK_D]
+    res = tl.sum(o * w[:, None], 0) / tl.sum(l_part * w, 0)  # [BLOCK_D]
+    dst = out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + d
+    tl.store(dst, res.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+# The kernels were built for the CPU interpreter (TRITON_INTERPRET=1 when this module was imported).
+INTERPRETED = isinstance(_paged_attn_kernel, InterpretedFunction)
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(programs: int, max_seq_len: int, device: torch.device) -> int:
+    """Enough splits to give the device about two programs per multiprocessor, none shorter than
+    ``_MIN_SPLIT_TOKENS`` keys."""
+    want = -(-2 * _sm_count(device) // max(programs, 1))
+    return max(1, min(want, -(-max_seq_len // _MIN_SPLIT_TOKENS), _MAX_SPLITS))
+
+
+def _check(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+    require(q.dim() == 3, f"q must be [tokens, q_heads, head_dim], got {tuple(q.shape)}")
+    require(q.dtype in FLOAT_DTYPES, f"q dtype {q.dtype} is not fp16, bf16 or fp32")
+    require(q.stride(-1) == 1, f"q must have unit stride on head_dim, got {q.stride()}")
+    check_kv_cache(kv_cache)
+    require(kv_cache.dtype == q.dtype, f"q is {q.dtype} but kv_cache is {kv_cache.dtype}")
+    require(kv_cache.device == q.device, f"q is on {q.device} but kv_cache is on {kv_cache.device}")
+    _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
+    require(q.shape[2] == head_dim, f"q head_dim {q.shape[2]} != kv_cache head_dim {head_dim}")
+    require(q.shape[1] % kv_heads == 0, f"q_heads {q.shape[1]} is not a multiple of kv_heads {kv_heads}")
+    require(q.shape[0] == meta.num_tokens, f"q has {q.shape[0]} tokens, metadata {meta.num_tokens}")
+    for name in ("query_start_loc", "seq_lens", "block_tables"):
+        t = getattr(meta, name)
+        require(t.device == q.device, f"metadata {name} is on {t.device}, q on {q.device}")
+        require(t.dtype == torch.int32, f"metadata {name} must be int32, got {t.dtype}")
+    require(tuple(meta.query_start_loc.shape) == (meta.num_seqs + 1,), "query_start_loc must be [S + 1]")
+    require(tuple(meta.seq_lens.shape) == (meta.num_seqs,), "seq_lens must be [S]")
+    check_block_tables(meta.block_tables, meta.seq_lens_host, block_size, num_blocks)
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Same contract as ``paged_attention_ref``; ``num_splits`` overrides the split-K heuristic."""
+    # q: [T, q_heads, head_dim]; kv_cache: [2, num_blocks, block_size, kv_heads, head_dim]
+    _check(q, kv_cache, meta)
+    num_tokens, q_heads, head_dim = q.shape
+    block_size, kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    out = torch.empty((num_tokens, q_heads, head_dim), dtype=q.dtype, device=q.device)  # [T, Hq, D]
+    if num_tokens == 0:
+        return out
+    group = q_heads // kv_heads
+    max_q_len = max(meta.query_lens_host)
+    if max_q_len == 1:
+        block_m = max(16, triton.next_power_of_2(group))
+        tile_tokens = 1
+    else:
+        block_m = max(_PREFILL_ROWS, triton.next_power_of_2(group))
+        tile_tokens = block_m // group
+    q_tiles = -(-max_q_len // tile_tokens)
+    programs = meta.num_seqs * q_tiles * kv_heads
+    splits = num_splits or choose_num_splits(programs, meta.max_seq_len, q.device)
+    require(1 <= splits <= _MAX_SPLITS, f"num_splits must be in 1..{_MAX_SPLITS}, got {splits}")
+    split_len = triton.cdiv(triton.cdiv(max(meta.max_seq_len, 1), splits), _BLOCK_N) * _BLOCK_N
+    splits = triton.cdiv(max(meta.max_seq_len, 1), split_len)
+    use_split = splits > 1
+    if use_split:
+        part_o = torch.empty((num_tokens, q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+        part_m = torch.empty((num_tokens, q_heads, splits), dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+    else:
+        part_o = part_m = part_l = out  # unused
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, head_dim]
+    _paged_attn_kernel[(meta.num_seqs, q_tiles, kv_heads * splits)](
+        q, k_cache, v_cache, out, part_o, part_m, part_l,
+        meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        scale * _LOG2E, head_dim, q_heads, split_len, splits,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        out.stride(0), out.stride(1), meta.block_tables.stride(0),
+        KV_BLOCK=block_size, GROUP=group, TILE_TOKENS=tile_tokens,
+        BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_D=block_d,
+        SPLIT=use_split, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        UPCAST=INTERPRETED and q.dtype == torch.bfloat16,
+        num_warps=4, num_stages=2,
+    )
+    if use_split:
+        _merge_splits_kernel[(num_tokens, q_heads)](
+            out, part_o, part_m, part_l, head_dim, splits, q_heads, out.stride(0), out.stride(1),
+            MAX_SPLITS=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d,
+        )
+    return out

@@ -1,0 +1,233 @@
+"""The Triton kernels against their torch references on the CPU, through Triton's interpreter.
+
+Isolation: ``triton.jit`` decides when a function is decorated, at import, whether it is compiled or
+interpreted, by reading ``TRITON_INTERPRET``; that includes Triton's own library functions
+(``tl.max``, ``tl.sum``), decorated when ``triton`` is first imported. So the interpreter works only
+in a process that had the variable set before anything imported Triton, which a shared pytest
+process cannot promise. ``test_kernels_in_interpreter_process`` therefore runs this file in a child
+pytest process with ``TRITON_INTERPRET=1``; in the parent the cases below are skipped, and in the
+child the runner is. Nothing leaks: the parent's environment and modules are never touched. To
+debug one case, run ``TRITON_INTERPRET=1 pytest tests/test_kernels_interpreter.py -k NAME``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdfabric.kernels import dispatch
+from pdfabric.kernels.attention_ref import paged_attention_ref, store_kv_ref
+from pdfabric.kernels.kv_pack_ref import gather_blocks_ref, scatter_blocks_ref
+from pdfabric.kernels.testing import assert_close, make_batch
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+in_child = pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 child process")
+
+if INTERPRETING:
+    pytest.importorskip("triton")
+    from pdfabric.kernels import kv_pack_triton as pack
+    from pdfabric.kernels import paged_attention_triton as pa
+    from pdfabric.kernels import store_kv_triton as store
+
+
+@pytest.mark.skipif(INTERPRETING, reason="this is the child process")
+def test_kernels_in_interpreter_process() -> None:
+    """Runs this file's cases in a fresh process whose Triton is imported in interpreter mode."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", __file__]
+    proc = subprocess.run(
+        cmd, env=env, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=600, check=False
+    )
+    assert proc.returncode == 0, f"interpreter cases failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-2000:]}"
+    assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.fixture(autouse=True)
+def _triton_backend() -> Iterator[None]:
+    """In the child, forces the public entry points to Triton for each case; restores the choice."""
+    saved = dispatch.get_backend()
+    if INTERPRETING:
+        dispatch.set_backend("triton")
+    yield
+    dispatch.set_backend(saved)
+
+
+# (query_lens, seq_lens): one-token contexts, lengths off the block size, a context over many blocks
+DECODE = ([1, 1, 1, 1], [1, 17, 16, 150])
+# fresh prefill, a chunk continuing a cached prompt, decode steps, a one-token prompt
+MIXED = ([20, 7, 1, 1], [20, 45, 33, 1])
+
+
+@in_child
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_decode_gqa(group: int) -> None:
+    q, kv, meta = make_batch(
+        *DECODE, q_heads=2 * group, kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32, seed=group
+    )
+    out = pa.paged_attention_triton(q, kv, meta, 0.2)
+    assert_close(out, paged_attention_ref(q, kv, meta, 0.2))
+
+
+@in_child
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_decode_dtypes_and_splits(dtype: torch.dtype, num_splits: int | None) -> None:
+    # 16-token blocks, head_dim 24 (padded to 32 inside the kernel), 3 query heads per KV head
+    q, kv, meta = make_batch(
+        [1, 1, 1], [1, 300, 97], q_heads=6, kv_heads=2, head_dim=24, block_size=16, dtype=dtype, seed=7
+    )
+    out = pa.paged_attention_triton(q, kv, meta, 24**-0.5, num_splits)
+    assert_close(out, paged_attention_ref(q, kv, meta, 24**-0.5))
+
+
+@in_child
+@pytest.mark.parametrize(
+    ("dtype", "group", "block_size", "num_splits"),
+    [
+        (torch.float32, 1, 16, None),
+        (torch.float16, 4, 8, None),
+        (torch.bfloat16, 2, 16, 2),
+        (torch.float32, 3, 32, 2),
+    ],
+)
+@in_child
+def test_mixed_prefill_chunks(
+    dtype: torch.dtype, group: int, block_size: int, num_splits: int | None
+) -> None:
+    q, kv, meta = make_batch(
+        *MIXED, q_heads=group, kv_heads=1, head_dim=32, block_size=block_size, dtype=dtype, seed=group
+    )
+    out = pa.paged_attention_triton(q, kv, meta, 0.17, num_splits)
+    assert_close(out, paged_attention_ref(q, kv, meta, 0.17))
+
+
+@in_child
+@pytest.mark.parametrize("seed", range(6))
+def test_random_batches(seed: int) -> None:
+    """Random mixes of decode steps and prefill chunks, one long context over ~60 blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [int(x) for x in torch.randint(1, 70, (4,), generator=gen)] + [1000]
+    query_lens = [
+        int(torch.randint(1, s + 1, (1,), generator=gen)) if i % 2 else 1 for i, s in enumerate(seq_lens)
+    ]
+    group = (1, 2, 4, 8)[seed % 4]
+    dtype = (torch.float32, torch.float16, torch.bfloat16)[seed % 3]
+    q, kv, meta = make_batch(
+        query_lens,
+        seq_lens,
+        q_heads=group,
+        kv_heads=1,
+        head_dim=16,
+        block_size=(16, 8, 32)[seed % 3],
+        dtype=dtype,
+        seed=seed,
+    )
+    assert_close(dispatch.paged_attention(q, kv, meta, 0.25), paged_attention_ref(q, kv, meta, 0.25))
+
+
+@in_child
+def test_strided_query_and_dispatch() -> None:
+    """q as a view into a fused projection, through the public entry point forced to Triton."""
+    _, kv, meta = make_batch(
+        *MIXED, q_heads=4, kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32, seed=3
+    )
+    qkv = torch.randn(meta.num_tokens, 8, 32)  # [T, Hq + 2 * Hkv, D]
+    q = qkv[:, :4]  # [T, Hq, D], token stride 8 * 32
+    assert not q.is_contiguous()
+    assert_close(dispatch.paged_attention(q, kv, meta, 0.3), paged_attention_ref(q, kv, meta, 0.3))
+
+
+@in_child
+def test_split_heuristic_covers_context() -> None:
+    assert pa.choose_num_splits(programs=1, max_seq_len=100, device=torch.device("cpu")) == 1
+    assert pa.choose_num_splits(programs=1, max_seq_len=4096, device=torch.device("cpu")) == 2
+    assert pa.choose_num_splits(programs=8, max_seq_len=4096, device=torch.device("cpu")) == 1
+
+
+@in_child
+@pytest.mark.parametrize(
+    ("src_dtype", "cache_dtype"),
+    [(torch.float32, torch.float32), (torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16)],
+)
+def test_store_kv(src_dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
+    kv_ref = torch.randn(2, 6, 4, 2, 24).to(cache_dtype)  # [2, nb, bs, Hkv, D]
+    kv_tri = kv_ref.clone()
+    slots = torch.tensor([5, 0, 23, 9, 10], dtype=torch.int64)
+    fused = torch.randn(5, 6, 24).to(src_dtype)  # [T, Hq + 2 * Hkv, D]: key and value as strided views
+    key, value = fused[:, 2:4], fused[:, 4:6]
+    store_kv_ref(key, value, kv_ref, slots)
+    store.store_kv_triton(key, value, kv_tri, slots)
+    torch.testing.assert_close(kv_tri, kv_ref, atol=0, rtol=0)
+
+
+@in_child
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+def test_gather_then_scatter(ids_dtype: torch.dtype) -> None:
+    kv = torch.randn(2, 9, 8, 2, 16).to(torch.float16)  # [2, nb, bs, Hkv, D]
+    ids = torch.tensor([7, 2, 3, 0], dtype=ids_dtype)
+    packed = pack.gather_blocks_triton(kv, ids)
+    torch.testing.assert_close(packed, gather_blocks_ref(kv, ids), atol=0, rtol=0)
+    out = torch.empty_like(packed)
+    assert pack.gather_blocks_triton(kv, ids, out) is out
+    torch.testing.assert_close(out, packed, atol=0, rtol=0)
+
+    dst_ref, dst_tri = torch.zeros_like(kv), torch.zeros_like(kv)
+    dst_ids = torch.tensor([1, 8, 4, 5], dtype=ids_dtype)
+    frame = packed.float() * 2  # a float32 frame into a float16 cache
+    scatter_blocks_ref(dst_ref, dst_ids, frame)
+    pack.scatter_blocks_triton(dst_tri, dst_ids, frame)
+    torch.testing.assert_close(dst_tri, dst_ref, atol=0, rtol=0)
+
+
+@in_child
+def test_bad_block_table_is_rejected_before_launch() -> None:
+    q, kv, meta = make_batch(
+        [1, 1], [5, 40], q_heads=2, kv_heads=1, head_dim=16, block_size=16, dtype=torch.float32
+    )
+    tables = meta.block_tables.clone()
+    tables[1, 2] = kv.shape[1]  # one past the last block
+    bad = type(meta)(
+        meta.query_start_loc,
+        meta.seq_lens,
+        tables,
+        meta.slot_mapping,
+        meta.query_lens_host,
+        meta.seq_lens_host,
+    )
+    with pytest.raises(ValueError, match="block_tables"):
+        pa.paged_attention_triton(q, kv, bad, 1.0)
+    tables[1, 2] = meta.block_tables[1, 2]
+    tables[0, 1] = 10_000  # padding past sequence 0's single block is never read
+    ok = type(meta)(
+        meta.query_start_loc,
+        meta.seq_lens,
+        tables,
+        meta.slot_mapping,
+        meta.query_lens_host,
+        meta.seq_lens_host,
+    )
+    assert_close(pa.paged_attention_triton(q, kv, ok, 1.0), paged_attention_ref(q, kv, meta, 1.0))
+
+
+@in_child
+def test_bad_arguments_are_rejected() -> None:
+    q, kv, meta = make_batch([1], [5], q_heads=2, kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32)
+    with pytest.raises(ValueError, match="kv_cache is torch.float16"):
+        pa.paged_attention_triton(q, kv.half(), meta, 1.0)
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        pa.paged_attention_triton(torch.randn(1, 3, 16), kv, meta, 1.0)
+    with pytest.raises(ValueError, match="unit stride"):
+        pa.paged_attention_triton(torch.randn(1, 2, 32)[:, :, ::2], kv, meta, 1.0)
+    with pytest.raises(ValueError, match="block_ids holds 99"):
+        pack.gather_blocks_triton(kv, torch.tensor([0, 99]))
+    with pytest.raises(ValueError, match="packed must be"):
+        pack.scatter_blocks_triton(kv, torch.tensor([0]), torch.zeros(2, 2, 16, 2, 16))
+    with pytest.raises(ValueError, match="slot_mapping holds -1"):
+        store.store_kv_triton(torch.zeros(1, 2, 16), torch.zeros(1, 2, 16), kv, torch.tensor([-1]))
