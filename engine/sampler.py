@@ -54,7 +54,8 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, index: int) -> int:
         drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    gen = torch.Generator(device=logits.device).manual_seed(step_seed(p.seed, index))
+    # The noise is always drawn on the CPU, so a seed gives the same tokens on CPU and GPU workers.
+    gen = torch.Generator().manual_seed(step_seed(p.seed, index))
     # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p without a cumsum search.
-    noise = torch.empty_like(probs).exponential_(generator=gen)
+    noise = torch.empty(probs.shape).exponential_(generator=gen).to(probs.device)
     return int((probs / noise).argmax())
