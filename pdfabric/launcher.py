@@ -19,7 +19,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from pdfabric.config import ServeConfig, load_serve_config
+from pdfabric.config import ServeConfig, WorkerConfig, load_serve_config
+from pdfabric.control import KINDS
 
 log = logging.getLogger("pdfabric.serve")
 
@@ -104,10 +105,9 @@ class WorkerProcess:
     proc: subprocess.Popen[bytes]
 
 
-def worker_command(cfg: ServeConfig, kind: str, worker_id: str, join: str, log_level: str) -> list[str]:
-    w = cfg.worker
+def worker_command(cfg: ServeConfig, w: WorkerConfig, worker_id: str, join: str, log_level: str) -> list[str]:
     flags = {
-        "--kind": kind, "--join": join, "--model": cfg.model, "--pool": w.pool, "--worker-id": worker_id,
+        "--kind": w.kind, "--join": join, "--model": cfg.model, "--pool": w.pool, "--worker-id": worker_id,
         "--block-size": w.block_size, "--num-blocks": w.num_blocks, "--kv-memory-mb": w.kv_memory_mb,
         "--max-batch-tokens": w.max_batch_tokens, "--max-running": w.max_running, "--kv-host": w.kv_host,
         "--parent-pid": os.getpid(), "--log-level": log_level, "--profile-seconds": w.profile_seconds,
@@ -116,7 +116,7 @@ def worker_command(cfg: ServeConfig, kind: str, worker_id: str, join: str, log_l
     if cfg.dtype:
         flags["--dtype"] = cfg.dtype
     # Workers on one host share its cores; each taking all of them oversubscribes the CPU badly.
-    workers = cfg.prefill + cfg.decode + cfg.colocated
+    workers = sum(cfg.count(kind) for kind in KINDS)
     flags["--threads"] = w.threads or max(1, (os.cpu_count() or 1) // workers)
     cmd = [sys.executable, "-m", "pdfabric.cli", "worker"]
     for flag, value in flags.items():
@@ -136,16 +136,15 @@ async def serve(
 
     model_dir = await asyncio.to_thread(resolve_model, cfg.model)  # build a preset once, before the workers
     tokenizer = Tokenizer.from_pretrained(model_dir)
-    dispatcher = Dispatcher(f"tcp://{cfg.host}:{cfg.control_port}", cfg.worker_timeout_s)
+    address = f"tcp://{cfg.host}:{cfg.control_port}"
+    dispatcher = Dispatcher(address, cfg.worker_timeout_s, admission=cfg.routing, predictor=cfg.predictor)
     await dispatcher.start()
     workers: list[WorkerProcess] = []
     runner: web.AppRunner | None = None
     try:
-        for kind, count in (("prefill", cfg.prefill), ("decode", cfg.decode), ("colocated", cfg.colocated)):
-            for i in range(count):
-                worker_id = f"{kind}-{i}"
-                cmd = worker_command(cfg, kind, worker_id, dispatcher.address, log_level)
-                workers.append(WorkerProcess(worker_id, kind, subprocess.Popen(cmd)))
+        for worker_id, worker in cfg.launch_plan():
+            cmd = worker_command(cfg, worker, worker_id, dispatcher.address, log_level)
+            workers.append(WorkerProcess(worker_id, worker.kind, subprocess.Popen(cmd)))
         await _wait_ready(dispatcher, workers, ready_timeout)
         runner = web.AppRunner(build_app(cfg, dispatcher, tokenizer), handler_cancellation=True)
         await runner.setup()
@@ -155,8 +154,8 @@ async def serve(
         url = f"http://{cfg.host}:{port}"
         print(f"ready: {url}", flush=True)
         print(
-            f"pdfabric: serving {cfg.model_name!r} on {url} ({cfg.prefill} prefill, {cfg.decode} decode, "
-            f"{cfg.colocated} colocated workers)",
+            f"pdfabric: serving {cfg.model_name!r} on {url} ({cfg.count('prefill')} prefill, "
+            f"{cfg.count('decode')} decode, {cfg.count('colocated')} colocated workers)",
             file=sys.stderr,
             flush=True,
         )

@@ -114,8 +114,10 @@ class PoolConfig:
         )
 
 
+# Loose by default: a deployment without budgets is routed by predicted load and only turns away requests
+# that could not start for a long time. Tight budgets are opted into per request, tenant or class.
 _DEFAULT_CLASSES = (
-    SloClass("interactive", priority=10, max_wait_ms=1000.0),
+    SloClass("interactive", priority=10, max_wait_ms=10_000.0),
     SloClass("batch", priority=0, ttft_ms=60_000.0, itl_ms=1000.0, max_wait_ms=60_000.0),
 )
 
@@ -124,8 +126,8 @@ _DEFAULT_CLASSES = (
 class AdmissionConfig:
     """Budgets, classes, tenants, pools and the wait queue's limits (the ``[routing]`` table)."""
 
-    ttft_ms: float = 2000.0
-    itl_ms: float = 200.0
+    ttft_ms: float = 30_000.0
+    itl_ms: float = 5_000.0
     default_class: str = "interactive"
     classes: tuple[SloClass, ...] = _DEFAULT_CLASSES
     tenants: tuple[Tenant, ...] = ()

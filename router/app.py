@@ -13,8 +13,9 @@ import json
 import math
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -23,9 +24,12 @@ from pdfabric.config import ServeConfig
 from pdfabric.engine.detokenizer import IncrementalDetokenizer
 from pdfabric.engine.tokenizer import Tokenizer
 from pdfabric.router import openai_api as api
+from pdfabric.router.admission import BudgetError, resolve
+from pdfabric.router.breakdown import TokenTimes, breakdown
 from pdfabric.router.dispatcher import Dispatcher, RequestStream
 from pdfabric.router.metrics import RouterMetrics
-from pdfabric.router.registry import routes
+from pdfabric.router.registry import has_route
+from pdfabric.router.routing import Rejected
 
 CONFIG = web.AppKey("config", ServeConfig)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
@@ -57,6 +61,7 @@ def error_response(err: api.ApiError) -> web.Response:
     headers = {}
     if err.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))
+        headers["retry-after-ms"] = str(max(1, round(err.retry_after_s * 1e3)))
     return web.json_response(err.body(), status=err.status, headers=headers)
 
 
@@ -89,7 +94,7 @@ async def health(request: web.Request) -> web.Response:
         }
         for w in registry.workers.values()
     ]
-    ok = bool(routes(registry, 1))
+    ok = has_route(registry)
     return web.json_response(
         {"status": "ok" if ok else "unavailable", "workers": workers}, status=200 if ok else 503
     )
@@ -111,6 +116,11 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
         return error_response(api.bad("the request body is not valid JSON"))
     try:
         parsed = api.parse_request(body, chat, (app[CONFIG].model_name,), app[TOKENIZER].vocab_size)
+        try:
+            tenant = request.headers.get("X-Tenant", "default")
+            resolved = resolve(app[CONFIG].routing, body.get("slo"), tenant)
+        except BudgetError as exc:
+            raise api.bad(str(exc), exc.param) from None
         prompt_ids = await asyncio.to_thread(_tokenize, app[TOKENIZER], parsed)
         max_tokens = _max_tokens(parsed, len(prompt_ids), app[DISPATCHER].registry.max_model_len)
         seed = parsed.seed if parsed.seed is not None else secrets.randbelow(2**63)
@@ -120,19 +130,33 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
             prompt_ids,
             parsed.sampling_params(max_tokens, seed),
             tuple(sorted(app[TOKENIZER].eos_token_ids)),
+            resolved,
         )
+    except Rejected as err:
+        metrics_.rejections.labels(err.reason).inc()
+        return error_response(err)
     except api.ApiError as err:
         metrics_.rejections.labels("invalid" if err.status < 500 else "no_capacity").inc()
         return error_response(err)
     model = parsed.model
-    metrics_.queue_wait.labels(model).observe(time.monotonic() - arrival)
+    dispatched = time.monotonic()
+    metrics_.queue_wait.labels(model).observe(dispatched - arrival)
     metrics_.prompt_tokens.labels(model).inc(len(prompt_ids))
     outcome = "abort"  # unless the loop below reaches a finish: the client went away
     try:
         detok = IncrementalDetokenizer(app[TOKENIZER], list(prompt_ids), stop=list(parsed.stop))
-        events = _events(stream, detok, app[CONFIG].request_timeout_s, metrics_, model, arrival)
+        times = TokenTimes()
+        events = _events(stream, detok, app[CONFIG].request_timeout_s, metrics_, model, arrival, times)
         if parsed.stream:
-            response, outcome = await _stream_sse(request, parsed, request_id, len(prompt_ids), events)
+            # Clients that speak the ``slo`` extension also get the latency breakdown in their usage.
+            report = (
+                (lambda: breakdown(stream.route, resolved, stream.choice, arrival, dispatched, times))
+                if "slo" in body
+                else None
+            )
+            response, outcome = await _stream_sse(
+                request, parsed, request_id, len(prompt_ids), events, report
+            )
         else:
             response, outcome = await _collect(parsed, request_id, len(prompt_ids), events)
         return response
@@ -184,6 +208,7 @@ async def _events(
     metrics_: RouterMetrics,
     model: str,
     arrival: float,
+    times: TokenTimes,
 ) -> AsyncIterator[Event]:
     """The request's text in order, ending with exactly one event that carries a finish reason."""
     last = None
@@ -203,6 +228,7 @@ async def _events(
             else:
                 metrics_.itl.labels(model).observe(now - last)
             last = now
+            times.seen(len(delta.token_ids))
             metrics_.generation_tokens.labels(model).inc(len(delta.token_ids))
         text, used = "", 0
         for token in delta.token_ids:
@@ -223,6 +249,7 @@ async def _stream_sse(
     request_id: str,
     prompt_len: int,
     events: AsyncIterator[Event],
+    report: Callable[[], dict[str, Any]] | None = None,
 ) -> tuple[web.StreamResponse, str]:
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": request_id}
@@ -251,7 +278,7 @@ async def _stream_sse(
             "created": created,
             "model": parsed.model,
             "choices": [],
-            "usage": api.usage(prompt_len, completion_tokens),
+            "usage": api.usage(prompt_len, completion_tokens, {"pdfabric": report()} if report else None),
         }
         await _send(response, usage_chunk)
     await response.write(b"data: [DONE]\n\n")

@@ -1,9 +1,11 @@
 """Sends requests to workers over the control socket and routes their tokens back.
 
 A request's life in the router:
-1. ``submit`` picks a route (``registry.routes``): a colocated worker gets ``Generate``; for a
-   disaggregated pair the decode worker is asked to ``Reserve`` blocks first (the next candidate is
-   tried if it has no room), then the prefill worker gets ``Prefill`` with those block ids.
+1. ``submit`` asks admission control (``routing.Routing``) for routes that meet the request's budgets,
+   waiting in its queue if need be (``Rejected``, a 429, if none will); then it tries them best first:
+   a colocated worker gets ``Generate``; for a disaggregated pair the decode worker is asked to
+   ``Reserve`` blocks first (the next route is tried if it has no room), then the prefill worker gets
+   ``Prefill`` with those block ids.
 2. Token deltas arrive from the workers (the first token from the prefill worker, the rest from the
    decode worker), are put back in output order and handed to the request's ``RequestStream``.
 3. The request ends on the finishing delta, on ``abort`` (client gone, stop string), on an error
@@ -35,8 +37,11 @@ from pdfabric.control import (
     TokenDelta,
 )
 from pdfabric.engine.sampling_params import SamplingParams
+from pdfabric.router.admission import REJECT, AdmissionConfig, Resolved, Ticket
 from pdfabric.router.openai_api import ApiError
-from pdfabric.router.registry import Registry, Route, WorkerInfo, routes
+from pdfabric.router.predictor import Choice, PredictorConfig
+from pdfabric.router.registry import Registry, Route, WorkerInfo, has_route
+from pdfabric.router.routing import Rejected, Routing, route_of
 from pdfabric.wire import WireError, decode, encode
 
 log = logging.getLogger("pdfabric.router")
@@ -54,6 +59,8 @@ class RequestStream:
     pending: dict[int, TokenDelta] = field(default_factory=dict)
     finished: bool = False
     route: str = ""
+    choice: Choice | None = None  # the route taken, with its predicted latencies
+    waited_ms: float = 0.0  # time spent waiting for admission in the router
 
     def deliver(self, delta: TokenDelta) -> None:
         """Queues ``delta`` once everything before it has been queued."""
@@ -80,8 +87,16 @@ class RequestStream:
 
 
 class Dispatcher:
-    def __init__(self, bind: str, worker_timeout_s: float, reserve_timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        bind: str,
+        worker_timeout_s: float,
+        reserve_timeout_s: float = 5.0,
+        admission: AdmissionConfig | None = None,
+        predictor: PredictorConfig | None = None,
+    ) -> None:
         self.registry = Registry()
+        self.routing = Routing(self.registry, admission, predictor)
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -119,21 +134,42 @@ class Dispatcher:
         prompt_ids: tuple[int, ...],
         params: SamplingParams,
         eos_token_ids: tuple[int, ...],
+        resolved: Resolved,
     ) -> RequestStream:
-        """Starts the request on a route; raises ``ApiError`` (503) when no worker can take it."""
-        candidates = routes(self.registry, len(prompt_ids))
-        if not candidates:
+        """Starts the request on a route that meets its budgets (``resolved``). Raises ``Rejected``
+        (429) when admission control turns it away and ``ApiError`` (503) when no worker can take it.
+        Its TTFT budget counts from here."""
+        if not has_route(self.registry):
             raise ApiError(
                 503, "no worker can serve this request now", kind="server_error", retry_after_s=1.0
             )
-        stream = RequestStream(request_id, len(prompt_ids))
+        tenant, cls = resolved.tenant.name, resolved.slo_class.name
+        arrived = self.routing.clock()
+        ticket = Ticket(request_id, tenant, cls, resolved.budgets, len(prompt_ids), arrived)
+        outcome = await self.routing.admit(ticket)
+        if outcome.action == REJECT:
+            raise Rejected(outcome)
+        assert outcome.ranking is not None
+        stream = RequestStream(request_id, len(prompt_ids), waited_ms=outcome.waited_ms)
         self.streams[request_id] = stream
         reasons = []
-        for route in candidates:
-            reason = await self._start(stream, route, prompt_ids, params, eos_token_ids)
-            if reason is None:
-                return stream
-            reasons.append(reason)
+        try:
+            for choice in outcome.ranking.choices:
+                route = route_of(self.registry, choice)
+                if route is None:
+                    reasons.append(f"{choice.prefill}/{choice.decode} is gone")
+                    continue
+                reason = await self._start(stream, route, prompt_ids, params, eos_token_ids)
+                if reason is None:
+                    self.routing.routed(request_id, len(prompt_ids), choice)
+                    stream.choice = choice
+                    return stream
+                reasons.append(reason)
+        except BaseException:  # cancelled (client gone) while starting: abort what was started
+            self.routing.forget(request_id)
+            self.release(request_id, "request cancelled")
+            raise
+        self.routing.forget(request_id)
         del self.streams[request_id]
         raise ApiError(
             503,
@@ -197,6 +233,7 @@ class Dispatcher:
                 info.requests.discard(request_id)
                 if abort_reason is not None:
                     self._send(worker_id, Abort(request_id, abort_reason))
+        self.routing.poll()
 
     # --- workers --------------------------------------------------------------------------------
 
@@ -214,6 +251,7 @@ class Dispatcher:
         for (w, _), fut in list(self._reservations.items()):
             if w == worker_id and not fut.done():
                 fut.set_result(Reserved(worker_id, "", (), f"worker gone: {why}"))
+        self.routing.worker_gone(worker_id)
 
     def _send(self, worker_id: str, msg: object) -> None:
         try:
@@ -248,9 +286,12 @@ class Dispatcher:
             info = self.registry.workers.get(msg.worker_id)
             if info is not None:
                 info.requests.discard(msg.request_id)
+            self.routing.poll()
         elif isinstance(msg, Heartbeat):
             if not self.registry.heartbeat(msg):
                 self._send(msg.worker_id, Shutdown("unknown worker: register first"))
+            else:
+                self.routing.on_heartbeat(msg.worker_id)
         elif isinstance(msg, Reserved):
             fut = self._reservations.get((msg.worker_id, msg.request_id))
             if fut is not None and not fut.done():
@@ -268,6 +309,7 @@ class Dispatcher:
             )
             if self.on_register is not None:
                 self.on_register(info)
+            self.routing.poll()
         else:
             log.error("unexpected %s on the control socket", type(msg).__name__)
 
@@ -280,6 +322,7 @@ class Dispatcher:
             info = self.registry.workers.get(worker_id)
             if info is not None:
                 info.requests.discard(delta.request_id)
+            self.routing.poll()
         stream.deliver(delta)
 
     async def _liveness_loop(self) -> None:

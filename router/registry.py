@@ -20,13 +20,6 @@ class WorkerInfo:
         return self.reg.worker_id
 
     @property
-    def score(self) -> float:
-        """Lower is less loaded: sequences held plus queued prompt work (in units of 1k tokens)."""
-        if self.load is None:
-            return float(len(self.requests))
-        return max(len(self.requests), self.load.running + self.load.waiting) + self.load.queued_tokens / 1000
-
-    @property
     def free_blocks(self) -> int:
         return self.load.free_blocks if self.load is not None else self.reg.num_blocks
 
@@ -77,19 +70,6 @@ class Route:
     prefill: WorkerInfo | None = None
 
 
-def routes(registry: Registry, prompt_len: int) -> list[Route]:
-    """The candidate routes for a request, best first: the one place that picks workers.
-
-    Least-loaded first; a decode worker must have free blocks for the prompt. Colocated workers and
-    (decode, prefill) pairs compete on the same load score.
-    """
-    scored: list[tuple[float, int, Route]] = []
-    for w in registry.of_kind(COLOCATED):
-        scored.append((w.score, len(scored), Route(colocated=w)))
-    prefills = sorted(registry.of_kind(PREFILL), key=lambda w: w.score)
-    if prefills:
-        for d in registry.of_kind(DECODE):
-            if d.free_blocks * d.reg.block_size >= prompt_len:
-                scored.append((d.score, len(scored), Route(decode=d, prefill=prefills[0])))
-    scored.sort(key=lambda t: (t[0], t[1]))
-    return [r for _, _, r in scored]
+def has_route(registry: Registry) -> bool:
+    """Whether any route exists at all: a colocated worker, or a prefill and a decode worker."""
+    return registry.count(COLOCATED) > 0 or (registry.count(PREFILL) > 0 and registry.count(DECODE) > 0)

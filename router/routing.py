@@ -1,0 +1,224 @@
+"""Route choice in the router: candidates from the registry, predictions, and the admission queue.
+
+A request's life here:
+1. ``Routing.admit`` hands its ``Ticket`` to ``AdmissionQueue.arrive``, which ranks the routes with
+   ``fit`` (the predictor over ``candidates()``): admitted at once (the ranking's routes, best first),
+   rejected at once (reason and Retry-After), or waiting;
+2. a waiting request's ``admit`` returns when ``poll`` admits or rejects it; ``poll`` runs when load
+   changes (heartbeats, request ends, hand-offs, workers joining or leaving) and at the queue's next
+   deadline; a cancelled ``admit`` (the client went away) takes the ticket out of the queue;
+3. from admission on, the request counts as *pending* load on its route's workers until each of them
+   reports its next heartbeat (which then includes it): ``routed`` moves it when the dispatcher ends
+   up on another route than the first, ``forget`` drops it when no route took it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable
+
+from pdfabric.control import COLOCATED, PREFILL
+from pdfabric.router.admission import ADMIT, QUEUE, AdmissionConfig, AdmissionQueue, Outcome, Ticket
+from pdfabric.router.openai_api import ApiError
+from pdfabric.router.predictor import (
+    Budgets,
+    Candidate,
+    Choice,
+    Predictor,
+    PredictorConfig,
+    Ranking,
+    WorkerLoad,
+)
+from pdfabric.router.registry import Registry, Route, WorkerInfo
+
+_WHY = {
+    "ttft": "the predicted time to first token is over its budget",
+    "itl": "the predicted inter-token latency is over its budget",
+    "batch_full": "every decode batch that meets its budgets is full",
+    "kv_full": "no decode worker that meets its budgets has KV room for the prompt",
+    "ttft_unreachable": "no worker could meet its time-to-first-token budget even when idle",
+    "itl_unreachable": "no worker could meet its inter-token-latency budget even when idle",
+    "no_workers": "no worker can take it",
+    "queue_full": "the router's wait queue is full",
+    "deadline": "no route fitted before its deadline",
+}
+
+
+class Rejected(ApiError):
+    """HTTP 429 for a request admission control turned away; ``reason`` is the metrics label."""
+
+    def __init__(self, outcome: Outcome) -> None:
+        b = outcome.ticket.budgets
+        why = _WHY.get(outcome.reason, outcome.reason)
+        super().__init__(
+            429,
+            f"request rejected ({outcome.reason}): {why} (ttft_ms={b.ttft_ms:g}, itl_ms={b.itl_ms:g}); "
+            f"retry after {outcome.retry_after_ms} ms",
+            kind="rate_limit_exceeded",
+            retry_after_s=outcome.retry_after_ms / 1e3,
+        )
+        self.reason = outcome.reason
+        self.outcome = outcome
+
+
+def worker_load(info: WorkerInfo) -> WorkerLoad:
+    """A worker's load as of its last heartbeat (an idle worker before its first one)."""
+    reg, hb = info.reg, info.load
+    if hb is None:
+        return WorkerLoad(free_kv_tokens=reg.num_blocks * reg.block_size)
+    return WorkerLoad(
+        queued_tokens=hb.queued_tokens,
+        running=hb.running,
+        waiting=hb.waiting,
+        context_tokens=hb.context_tokens,
+        free_kv_tokens=hb.free_blocks * reg.block_size,
+        kv_bytes_per_s=hb.kv_bytes_per_s,
+    )
+
+
+def with_pending(load: WorkerLoad, kind: str, prompt_len: int) -> WorkerLoad:
+    """``load`` once one more request of ``prompt_len`` tokens has been sent to a ``kind`` worker."""
+    if kind == PREFILL:
+        return load.with_prefill(prompt_len)
+    decoded = load.with_decode(prompt_len)
+    if kind == COLOCATED:  # it also queues the prompt for its own prefill
+        return WorkerLoad(
+            decoded.queued_tokens + prompt_len,
+            decoded.running,
+            decoded.waiting,
+            decoded.context_tokens,
+            decoded.free_kv_tokens,
+            decoded.kv_bytes_per_s,
+        )
+    return decoded
+
+
+def candidate(info: WorkerInfo, config: AdmissionConfig, pending: Iterable[int] = ()) -> Candidate:
+    """The predictor's view of one worker: its latest profile and load plus ``pending`` prompts (token
+    counts) sent since its last heartbeat, under the lower of its own and its pool's limits."""
+    reg = info.reg
+    pool = config.pool(reg.kind, reg.pool)
+    max_batch, chunk_tokens = pool.limits(reg.max_running, reg.max_batch_tokens)
+    load = worker_load(info)
+    for prompt_len in pending:
+        load = with_pending(load, reg.kind, prompt_len)
+    profile = info.load.profile if info.load is not None else reg.profile
+    return Candidate(
+        reg.worker_id, reg.kind, reg.pool, profile, load, max_batch, chunk_tokens, reg.kv_bytes_per_token,
+        pool.cost,
+    )  # fmt: skip
+
+
+def route_of(registry: Registry, choice: Choice) -> Route | None:
+    """The registered workers of a predicted route, or None if one of them is gone."""
+    if choice.colocated:
+        info = registry.workers.get(choice.decode)
+        return Route(colocated=info) if info is not None else None
+    decode, prefill = registry.workers.get(choice.decode), registry.workers.get(choice.prefill)
+    return Route(decode=decode, prefill=prefill) if decode is not None and prefill is not None else None
+
+
+class Routing:
+    """The router's route choice: predictor, admission queue and pending load, over a ``Registry``."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        config: AdmissionConfig | None = None,
+        predictor: PredictorConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.registry = registry
+        self.config = config or AdmissionConfig()
+        self.predictor = Predictor(predictor)
+        self.queue = AdmissionQueue(self.config)
+        self.clock = clock
+        self._pending: dict[str, dict[str, int]] = {}  # worker id -> {request id: prompt tokens}
+        self._waiters: dict[str, asyncio.Future[Outcome]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+
+    # --- predictions ----------------------------------------------------------------------------
+
+    def candidates(self) -> list[Candidate]:
+        return [
+            candidate(w, self.config, self._pending.get(w.worker_id, {}).values())
+            for w in self.registry.workers.values()
+        ]
+
+    def fit(self, ticket: Ticket, budgets: Budgets) -> Ranking:
+        """``FitFn`` for the admission queue: ranks the routes; an admitted ticket becomes pending
+        load on its first choice at once, so the next prediction sees it."""
+        ranking = self.predictor.rank(ticket.prompt_len, budgets, self.candidates())
+        if ranking.fits:
+            self.routed(ticket.request_id, ticket.prompt_len, ranking.choices[0])
+        return ranking
+
+    def routed(self, request_id: str, prompt_len: int, choice: Choice) -> None:
+        """Counts ``request_id`` as pending on ``choice``'s workers (and nowhere else)."""
+        self.forget(request_id)
+        for worker_id in {choice.prefill, choice.decode}:
+            self._pending.setdefault(worker_id, {})[request_id] = prompt_len
+
+    def forget(self, request_id: str) -> None:
+        for pending in self._pending.values():
+            pending.pop(request_id, None)
+
+    # --- admission ------------------------------------------------------------------------------
+
+    async def admit(self, ticket: Ticket) -> Outcome:
+        """ADMIT (with the routes to try, best first) or REJECT, waiting in the queue if need be.
+        ``ticket.arrived`` is the present on ``clock``: its TTFT budget counts from then."""
+        outcomes = self.queue.arrive(ticket, ticket.arrived, self.fit)
+        mine = outcomes.pop()
+        self._settle(outcomes)
+        if mine.action != QUEUE:
+            self._arm()
+            return mine
+        future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+        self._waiters[ticket.request_id] = future
+        self._arm()
+        try:
+            return await future
+        finally:
+            self._waiters.pop(ticket.request_id, None)
+            if not future.done() or future.cancelled():  # the client went away while waiting
+                self.queue.cancel(ticket.request_id)
+                self._arm()
+
+    def poll(self) -> None:
+        """Admits or rejects waiting requests as routes fit or deadlines pass."""
+        if len(self.queue):
+            self._settle(self.queue.poll(self.clock(), self.fit))
+            self._arm()
+
+    def on_heartbeat(self, worker_id: str) -> None:
+        """The worker's report now includes what was sent to it: its pending load is spent."""
+        self._pending.pop(worker_id, None)
+        self.poll()
+
+    def worker_gone(self, worker_id: str) -> None:
+        self._pending.pop(worker_id, None)
+        self.poll()
+
+    def _settle(self, outcomes: list[Outcome]) -> None:
+        for outcome in outcomes:
+            future = self._waiters.pop(outcome.ticket.request_id, None)
+            if future is not None and not future.done():
+                future.set_result(outcome)
+            elif outcome.action == ADMIT:  # nobody is waiting for it any more
+                self.forget(outcome.ticket.request_id)
+
+    def _arm(self) -> None:
+        """Schedules a ``poll`` at the queue's next deadline (one timer at a time)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        deadline = self.queue.next_deadline()
+        if deadline is None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no event loop (unit tests): the caller polls
+            return
+        self._timer = loop.call_later(max(0.0, deadline - self.clock()) + 1e-3, self.poll)

@@ -1,0 +1,155 @@
+"""The router's route choice without processes: candidates from registrations and heartbeats, pending
+load, pool limits, and admission (admit, reject, wait) over a ``Registry``; and the config tables."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from pdfabric.config import load_serve_config
+from pdfabric.control import Heartbeat, Register
+from pdfabric.profile import WorkerProfile
+from pdfabric.router.admission import ADMIT, REJECT, AdmissionConfig, PoolConfig, SloClass, Ticket
+from pdfabric.router.predictor import Budgets, WorkerLoad
+from pdfabric.router.registry import Registry
+from pdfabric.router.routing import Routing, candidate, route_of, with_pending
+
+# prefill: 2 ms a step + 40 us a token; decode: 5 ms + 1 ms a sequence
+PROFILE = WorkerProfile(prefill=(2e-3, 4e-5, 0.0), decode=(5e-3, 1e-3, 0.0))
+
+
+def register(
+    registry: Registry, wid: str, kind: str, pool: str = "default", max_running: int = 64, blocks: int = 100
+) -> None:
+    registry.register(
+        Register(wid, kind, pool, "tiny", 4096, 16, blocks, "", 1, max_running, 512, 1000, PROFILE)
+    )
+
+
+def heartbeat(wid: str, running: int = 0, waiting: int = 0, queued: int = 0, free: int = 100) -> Heartbeat:
+    return Heartbeat(wid, queued, running, waiting, free, 100, 1.0, 50 * (running + waiting), 2e9, PROFILE)
+
+
+def test_candidate_from_registration_then_heartbeat() -> None:
+    registry = Registry()
+    register(registry, "d", "decode", max_running=32, blocks=10)
+    info = registry.workers["d"]
+    c = candidate(info, AdmissionConfig())
+    assert c.load == WorkerLoad(free_kv_tokens=160) and c.max_batch == 32 and c.chunk_tokens == 512
+    assert c.profile == PROFILE and c.kv_bytes_per_token == 1000 and c.cost == 1.0
+    registry.heartbeat(heartbeat("d", running=3, waiting=1, free=7))
+    c = candidate(info, AdmissionConfig())
+    assert c.load == WorkerLoad(0, 3, 1, 200, 7 * 16, 2e9)
+
+
+def test_pool_limits_take_the_lower_of_pool_and_worker() -> None:
+    registry = Registry()
+    register(registry, "t", "decode", pool="tight", max_running=32)
+    register(registry, "b", "decode", pool="bulk", max_running=16)
+    cfg = AdmissionConfig(
+        pools=(
+            PoolConfig("tight", "decode", max_batch=4, cost=3),
+            PoolConfig("bulk", "decode", max_batch=64, chunk_tokens=128),
+        )
+    )
+    tight, bulk = (candidate(registry.workers[w], cfg) for w in ("t", "b"))
+    assert (tight.max_batch, tight.chunk_tokens, tight.cost) == (4, 512, 3)
+    assert (bulk.max_batch, bulk.chunk_tokens, bulk.cost) == (16, 128, 1)
+    register(registry, "p", "prefill", pool="tight")  # a pool of another kind: no limit
+    assert candidate(registry.workers["p"], cfg).max_batch == 64
+
+
+def test_pending_load_by_kind() -> None:
+    base = WorkerLoad(queued_tokens=10, running=1, waiting=1, context_tokens=40, free_kv_tokens=100)
+    assert with_pending(base, "prefill", 30) == WorkerLoad(40, 1, 2, 40, 100)
+    assert with_pending(base, "decode", 30) == WorkerLoad(10, 1, 2, 70, 70)
+    assert with_pending(base, "colocated", 30) == WorkerLoad(40, 1, 2, 70, 70)
+
+
+def _ticket(rid: str, prompt_len: int = 20, ttft: float = 5000, itl: float = 100, t: float = 0.0) -> Ticket:
+    return Ticket(rid, "default", "interactive", Budgets(ttft, itl), prompt_len, t)
+
+
+def test_admitted_requests_count_as_pending_until_the_next_heartbeat() -> None:
+    registry = Registry()
+    register(registry, "p", "prefill")
+    register(registry, "d", "decode")
+    routing = Routing(registry, clock=lambda: 0.0)
+    ranking = routing.fit(_ticket("r1", 20), Budgets(5000, 100))
+    assert ranking.fits and route_of(registry, ranking.choices[0]) is not None
+    loads = {c.worker_id: c.load for c in routing.candidates()}
+    assert loads["p"].queued_tokens == 20 and loads["d"].waiting == 1 and loads["d"].context_tokens == 20
+    routing.on_heartbeat("p")  # the prefill worker's report now counts it; the decode worker's not yet
+    loads = {c.worker_id: c.load for c in routing.candidates()}
+    assert loads["p"].queued_tokens == 0 and loads["d"].waiting == 1
+    routing.forget("r1")
+    assert {c.worker_id: c.load.waiting for c in routing.candidates()} == {"p": 0, "d": 0}
+
+
+def test_tight_itl_goes_to_the_small_pool_loose_to_the_cheap_one() -> None:
+    registry = Registry()
+    register(registry, "p", "prefill")
+    register(registry, "tight", "decode", pool="tight")
+    register(registry, "bulk", "decode", pool="bulk")
+    registry.heartbeat(heartbeat("bulk", running=20))  # ITL 5 + 21 ms (x1.1) on bulk, 6 ms (x1.1) on tight
+    cfg = AdmissionConfig(
+        pools=(PoolConfig("tight", "decode", max_batch=4, cost=3), PoolConfig("bulk", "decode", cost=1))
+    )
+    routing = Routing(registry, cfg, clock=lambda: 0.0)
+    assert routing.fit(_ticket("loose", itl=100), Budgets(5000, 100)).choices[0].decode == "bulk"
+    assert routing.fit(_ticket("tight", itl=10), Budgets(5000, 10)).choices[0].decode == "tight"
+
+
+def test_admit_rejects_the_impossible_and_waits_for_room() -> None:
+    registry = Registry()
+    register(registry, "c", "colocated", max_running=1)
+    cfg = AdmissionConfig(classes=(SloClass("interactive", priority=1, max_wait_ms=5000),))
+    now = [0.0]
+    routing = Routing(registry, cfg, clock=lambda: now[0])
+
+    async def scenario() -> None:
+        out = await routing.admit(_ticket("impossible", ttft=0.01))
+        assert out.action == REJECT and out.reason == "ttft_unreachable"
+        assert out.retry_after_ms == cfg.max_retry_ms
+        first = await routing.admit(_ticket("a"))
+        assert first.action == ADMIT
+        waiting = asyncio.ensure_future(routing.admit(_ticket("b")))  # batch of 1 is full: it waits
+        await asyncio.sleep(0)
+        assert not waiting.done() and len(routing.queue) == 1
+        routing.forget("a")  # "a" finished and the worker reports an empty batch
+        registry.heartbeat(heartbeat("c"))
+        now[0] = 0.5
+        routing.on_heartbeat("c")
+        second = await asyncio.wait_for(waiting, 1)
+        assert second.action == ADMIT and second.waited_ms == pytest.approx(500)
+        gone = asyncio.ensure_future(routing.admit(_ticket("c")))  # "b" holds the batch now
+        await asyncio.sleep(0)
+        gone.cancel()  # the client went away
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        assert len(routing.queue) == 0
+
+    asyncio.run(scenario())
+
+
+def test_config_tables(tmp_path: Path) -> None:
+    cfg = load_serve_config(Path(__file__).parent.parent / "configs" / "slo-pools.toml", {})
+    ids = [wid for wid, _ in cfg.launch_plan()]
+    assert ids == ["prefill-0", "decode-tight-0", "decode-bulk-0"]
+    assert cfg.groups[0].worker.max_running == 4 and cfg.groups[0].worker.kv_memory_mb == 128
+    assert cfg.routing.pool("decode", "tight").max_batch == 4 and cfg.predictor.safety_margin == 0.1
+    plain = load_serve_config(None, {})
+    assert [wid for wid, _ in plain.launch_plan()] == ["prefill-0", "decode-0"]
+    for body, word in (
+        ('[[workers]]\nkind = "decode"\nmax_runing = 3\n', "max_runing"),
+        ('[[workers]]\nkind = "decode"\n', "both prefill and decode"),
+        ("[routing]\nttft = 5\n", "ttft"),
+        ('[[routing.pools]]\nname = "x"\nkind = "decode"\nbatch = 3\n', "batch"),
+        ("[[workers]]\ncount = 2\n", "needs a kind"),
+    ):
+        path = tmp_path / "bad.toml"
+        path.write_text(body)
+        with pytest.raises(ValueError, match=word):
+            load_serve_config(path, {})
