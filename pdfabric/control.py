@@ -94,6 +94,8 @@ class HandedOff:
 
     worker_id: str
     request_id: str
+    kv_bytes: int = 0  # what the transfer moved
+    kv_seconds: float = 0.0  # from the start of the push to the receiver's acknowledgement
 
 
 # --- router -> worker ---------------------------------------------------------------------------

@@ -65,7 +65,7 @@ class PrefillWorker(Worker):
         for result in self.sender.poll():
             self.scheduler.finish(result.request_id, "handed_off" if result.ok else "error")
             if result.ok:
-                self.send(HandedOff(self.worker_id, result.request_id))
+                self.send(HandedOff(self.worker_id, result.request_id, result.nbytes, result.seconds))
             else:
                 error = f"KV transfer to the decode worker failed: {result.reason}"
                 self.send(

@@ -21,6 +21,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdfabric.config import ServeConfig
+from pdfabric.control import HandedOff
 from pdfabric.engine.detokenizer import IncrementalDetokenizer
 from pdfabric.engine.tokenizer import Tokenizer
 from pdfabric.router import openai_api as api
@@ -48,13 +49,21 @@ class Event:
 def build_app(cfg: ServeConfig, dispatcher: Dispatcher, tokenizer: Tokenizer) -> web.Application:
     app = web.Application(client_max_size=16 * 2**20)
     app[CONFIG], app[DISPATCHER], app[TOKENIZER] = cfg, dispatcher, tokenizer
-    app[METRICS] = RouterMetrics(dispatcher.registry)
+    app[METRICS] = metrics_ = RouterMetrics(dispatcher.registry)
+    dispatcher.on_handed_off = lambda msg: _observe_transfer(metrics_, dispatcher, msg)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app
+
+
+def _observe_transfer(metrics_: RouterMetrics, dispatcher: Dispatcher, msg: HandedOff) -> None:
+    info = dispatcher.registry.workers.get(msg.worker_id)
+    pool = info.reg.pool if info is not None else "unknown"
+    metrics_.kv_transfer_seconds.labels(pool).observe(msg.kv_seconds)
+    metrics_.kv_transfer_bytes.labels(pool).observe(msg.kv_bytes)
 
 
 def error_response(err: api.ApiError) -> web.Response:

@@ -113,6 +113,7 @@ class Dispatcher:
         self._reservations: dict[tuple[str, str], asyncio.Future[Reserved]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self.on_register: Callable[[WorkerInfo], None] | None = None
+        self.on_handed_off: Callable[[HandedOff], None] | None = None  # e.g. transfer metrics
 
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._liveness_loop())]
@@ -286,6 +287,8 @@ class Dispatcher:
             info = self.registry.workers.get(msg.worker_id)
             if info is not None:
                 info.requests.discard(msg.request_id)
+            if self.on_handed_off is not None:
+                self.on_handed_off(msg)
             self.routing.poll()
         elif isinstance(msg, Heartbeat):
             if not self.registry.heartbeat(msg):

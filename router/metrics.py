@@ -84,6 +84,20 @@ class RouterMetrics:
         self.generation_tokens = Counter(
             "pdfabric_generation_tokens", "Tokens generated", ["model"], registry=r
         )
+        self.kv_transfer_seconds = Histogram(
+            "pdfabric_kv_transfer_seconds",
+            "KV push, start to acknowledgement",
+            ["pool"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.kv_transfer_bytes = Histogram(
+            "pdfabric_kv_transfer_bytes",
+            "KV bytes moved per request",
+            ["pool"],
+            buckets=tuple(2.0**k for k in range(16, 34, 2)),
+            registry=r,
+        )
         self.rejections = Counter(
             "pdfabric_rejections", "Requests refused, by reason", ["reason"], registry=r
         )

@@ -18,7 +18,7 @@ import pytest
 
 from pdfabric.engine.generate import ReferenceEngine
 from pdfabric.engine.sampling_params import SamplingParams
-from tests.fabric import free_port, get_json, running_fabric, wait_blocks_free
+from tests.fabric import free_port, get_json, metric_values, running_fabric, wait_blocks_free
 
 DEPLOYMENTS = {
     "colocated": ("--colocated", "1"),
@@ -77,6 +77,10 @@ def test_concurrent_greedy_requests_match_reference(fabric: str, reference: Refe
         assert text == reference.tokenizer.decode(want.token_ids)
         assert finish == "length"
     wait_blocks_free(fabric)
+    kinds = {w["kind"] for w in get_json(fabric + "/health")[1]["workers"]}
+    if "prefill" in kinds:  # every request's KV crossed from the prefill to the decode worker
+        transfers = metric_values(fabric, "pdfabric_kv_transfer_bytes_count")
+        assert sum(transfers.values()) >= len(bodies)
 
 
 def test_seeded_sampling_is_reproducible(fabric: str, reference: ReferenceEngine) -> None:
