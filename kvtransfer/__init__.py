@@ -1,1 +1,9 @@
-"""Moving paged KV blocks between processes."""
+"""Moving paged KV blocks between processes.
+
+``sender.KVSender`` (prefill side) and ``receiver.KVReceiver`` (decode side) are the state machines
+workers poll; ``reservations.BlockReservations`` is the receiver's (and sender's) record of blocks held
+per transfer; ``messages`` is the KV channel's wire format; ``transport_zmq``, ``transport_shm`` (with
+``shm_pool.SharedKVPool``) and ``transport_dist`` move the bytes. ``link`` is the earlier single-message
+ZeroMQ link the workers use today. Nothing is imported here, so the torch-free modules (``config``,
+``messages``, ``reservations``, ``state``) stay importable without torch.
+"""

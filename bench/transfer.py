@@ -1,0 +1,349 @@
+"""KV transfer bandwidth per transport beside a one-core memcpy of the same bytes, measured in one run.
+
+The receiver runs in a second (spawned) process, the sender in this one; both use one torch thread.
+A transfer is timed from ``start()`` to the receiver's acknowledgement (every layer written into the
+reserved blocks), so latency includes the control round trip. Payload rows use a 4-layer layout with
+64 KiB per block (all layers, keys and values); prompt rows use the ``cpu-small`` layout (12 layers,
+8 KV heads, head_dim 64, bfloat16, block size 16: 24576 bytes per token). Blocks are contiguous on
+both sides. The layer-wise row spins one core for ``prefill_ms / layers`` per layer (a stand-in for
+the model), sends each layer when it is "computed", and reports how much later than the compute
+alone the last acknowledgement came.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+PAYLOAD = (4, 16, 8, 32)  # layers, block_size, kv_heads, head_dim: 64 KiB per block in bfloat16
+CPU_SMALL = (12, 16, 8, 64)  # 24576 bytes per token
+CPU_SMALL_PARAMS = 12 * (2 * 1024 * 1024 + 2 * 1024 * 512 + 3 * 1024 * 2816)  # matmul weights
+TRANSPORTS = ("zmq-tcp", "zmq-ipc", "shm", "dist")
+
+
+def _size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1:] in units else int(text)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--sizes", default="64K,256K,1M,4M,8M,16M,64M,256M", help="payload sizes (multiples of 64K)"
+    )
+    parser.add_argument(
+        "--prompts", default="512,2048,8192", help="cpu-small prompt lengths in tokens ('' for none)"
+    )
+    parser.add_argument(
+        "--transports", default=",".join(TRANSPORTS), help=f"subset of {','.join(TRANSPORTS)}"
+    )
+    parser.add_argument("--repeats", type=int, default=5, help="timed transfers per row (median reported)")
+    parser.add_argument("--checksum", action="store_true", help="send and verify crc32 per frame")
+    parser.add_argument(
+        "--prefill-ms",
+        type=float,
+        default=None,
+        help="prefill time of a 2048-token cpu-small prompt for the layer-wise row "
+        "(default: estimated from this machine's one-thread float32 GEMM rate; 0 skips the row)",
+    )
+    parser.add_argument("--json", type=str, default=None, help="write the results here as JSON")
+    parser.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+
+
+def _init_dist(port: int, rank: int) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+
+
+def _open_receiver(
+    dist_port: int, kind: str, checksum: bool, dims: tuple[int, ...], blocks: int, bind: str
+) -> tuple[Any, Any]:
+    """A receiver over ``kind`` with a zeroed bfloat16 cache, and its ``SharedKVPool`` for shm."""
+    import torch
+
+    from pdfabric.kvtransfer.config import TransferConfig
+    from pdfabric.kvtransfer.receiver import KVReceiver
+    from pdfabric.kvtransfer.reservations import BlockReservations
+    from pdfabric.kvtransfer.shm_pool import SharedKVPool
+
+    if kind == "dist":
+        _init_dist(dist_port, rank=1)  # the parent joins at the same time
+    layers, bs, heads, dim = dims
+    transport = kind.split("-")[0]
+    shm = SharedKVPool.create(layers, blocks, bs, heads, dim, torch.bfloat16) if transport == "shm" else None
+    caches = (
+        shm.caches
+        if shm
+        else [torch.zeros(2, blocks, bs, heads, dim, dtype=torch.bfloat16) for _ in range(layers)]
+    )
+    cfg = TransferConfig(transport=transport, timeout_s=120, idle_timeout_s=60, checksum=checksum)
+    return KVReceiver(caches, cfg, BlockReservations(), bind, shm.paths if shm else ()), shm
+
+
+def _receiver_main(conn: Connection, dist_port: int) -> None:
+    """The receiving process: serves setup / expect / teardown requests while polling its receiver."""
+    import torch
+    import zmq
+
+    torch.set_num_threads(1)
+    receiver: Any = None
+    shm: Any = None
+    poller = zmq.Poller()
+    poller.register(conn.fileno(), zmq.POLLIN)
+    while True:  # sleep until the sender or the parent says something (1 ms: dist waits finish off-socket)
+        if receiver is not None:
+            poller.register(receiver.sock, zmq.POLLIN)
+        ready = dict(poller.poll(1 if receiver is not None and receiver.busy else 50))
+        if receiver is not None:
+            receiver.poll()
+            poller.unregister(receiver.sock)
+        if conn.fileno() not in ready:
+            continue
+        cmd, *rest = conn.recv()
+        if cmd == "setup":
+            receiver, shm = _open_receiver(dist_port, *rest)
+            conn.send(receiver.endpoint)
+        elif cmd == "expect":
+            receiver.expect(*rest)
+            conn.send("ok")
+        elif cmd == "teardown":
+            receiver.close()
+            if shm is not None:
+                shm.close()
+            receiver, shm = None, None
+            conn.send("ok")
+        elif cmd == "quit":
+            return
+
+
+def _memcpy_gbps(torch: Any, nbytes: int, repeats: int) -> float:
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(max(10, repeats)):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def _gemm_flops(torch: Any) -> float:
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    a @ b
+    t0 = time.perf_counter()
+    for _ in range(5):
+        a @ b
+    return 5 * 2 * 1024**3 / (time.perf_counter() - t0)
+
+
+class _Bench:
+    """The sending side of every row: one sender per (transport, layout), receivers set up remotely."""
+
+    def __init__(
+        self,
+        torch: Any,
+        conn: Connection,
+        args: argparse.Namespace,
+        tmpdir: str,
+        dist_port: int,
+        progress: Any,
+    ) -> None:
+        self.torch, self.conn, self.args, self.tmpdir = torch, conn, args, tmpdir
+        self.dist_port, self.progress = dist_port, progress
+        self.count = 0
+        self.started = time.monotonic()
+        self.memcpy: dict[int, float] = {}  # bytes -> one-core memcpy GB/s, measured once per size
+        self.results: list[dict[str, Any]] = []
+        self.layerwise: list[dict[str, Any]] = []
+
+    def measure(
+        self, kind: str, dims: tuple[int, int, int, int], rows: list[tuple[str, int]], prefill_ms: float
+    ) -> None:
+        """One receiver and sender for ``kind`` and ``dims``; each row timed ``repeats`` times."""
+        sender, endpoint = self.open(kind, dims, max(n for _, n in rows))
+        try:
+            self.transfer(sender, endpoint, 1)  # warm up: handshake and connection
+            for label, n in rows:
+                nbytes = sender.layout.transfer_bytes(n)
+                times = [self.transfer(sender, endpoint, n) for _ in range(self.args.repeats)]
+                if nbytes not in self.memcpy:
+                    self.memcpy[nbytes] = _memcpy_gbps(self.torch, nbytes, self.args.repeats)
+                base, p50 = self.memcpy[nbytes], statistics.median(times)
+                self.results.append(
+                    {
+                        "transport": kind,
+                        "payload": label,
+                        "bytes": nbytes,
+                        "latency_ms": p50 * 1e3,
+                        "latency_min_ms": min(times) * 1e3,
+                        "gbps": nbytes / p50 / 1e9,
+                        "memcpy_gbps": base,
+                        "ratio": nbytes / p50 / 1e9 / base,
+                    }
+                )
+                done = len(self.results)
+                self.progress.update(done, done, {}, time.monotonic() - self.started)
+            if prefill_ms > 0:
+                self.layerwise.append(_layerwise(self, sender, endpoint, kind, prefill_ms))
+        finally:
+            sender.close()
+            self._call("teardown")
+
+    def _call(self, *msg: Any) -> Any:
+        self.conn.send(msg)
+        if not self.conn.poll(120):
+            raise RuntimeError(f"receiver process did not answer {msg[0]!r}")
+        return self.conn.recv()
+
+    def open(self, kind: str, dims: tuple[int, int, int, int], blocks: int) -> tuple[Any, str]:
+        from pdfabric.kvtransfer.config import TransferConfig
+        from pdfabric.kvtransfer.sender import KVSender
+
+        layers, bs, heads, dim = dims
+        bind = (
+            f"ipc://{self.tmpdir}/kv-{self.count}.sock" if kind in ("zmq-ipc", "shm") else "tcp://127.0.0.1:*"
+        )
+        self.conn.send(("setup", kind, self.args.checksum, dims, blocks, bind))
+        if kind == "dist":  # joined only now, so the gloo group is idle for the other transports
+            _init_dist(self.dist_port, rank=0)
+        if not self.conn.poll(120):
+            raise RuntimeError("receiver process did not answer 'setup'")
+        endpoint = self.conn.recv()
+        caches = [self.torch.randn(2, blocks, bs, heads, dim).to(self.torch.bfloat16) for _ in range(layers)]
+        cfg = TransferConfig(transport=kind.split("-")[0], timeout_s=120, checksum=self.args.checksum)
+        return KVSender(caches, cfg), endpoint
+
+    def transfer(self, sender: Any, endpoint: str, n: int, spin_per_layer_s: float = 0.0) -> float:
+        """Seconds from start to acknowledgement of an ``n``-block transfer (blocks 0..n-1 both sides)."""
+        self.count += 1
+        rid, blocks = f"t{self.count}", tuple(range(n))
+        self._call("expect", rid, blocks)
+        t0 = time.perf_counter()
+        sender.start(rid, endpoint, blocks, blocks)
+        if spin_per_layer_s:
+            for layer in range(sender.layout.num_layers):
+                end = time.perf_counter() + spin_per_layer_s
+                while time.perf_counter() < end:  # the model computing this layer
+                    sender.poll()
+                sender.send_layers(rid, layer, layer + 1)
+        else:
+            sender.send(rid)
+        while True:
+            sender.wait(0.001)
+            results = sender.poll()
+            if results:
+                if not results[0].ok:
+                    raise RuntimeError(f"transfer failed: {results[0].reason}")
+                return time.perf_counter() - t0
+
+
+def run(args: argparse.Namespace) -> int:
+    import multiprocessing as mp
+    import socket
+    import tempfile
+
+    import torch
+
+    from pdfabric.bench.progress import Progress
+
+    torch.set_num_threads(1)
+    kinds = [k for k in args.transports.split(",") if k]
+    bad = [k for k in kinds if k not in TRANSPORTS]
+    if bad or args.repeats < 1:
+        print(f"bench transfer: unknown transports {bad} or repeats < 1", file=sys.stderr)
+        return 2
+    try:
+        payloads = [(s, _size(s) // (64 << 10), PAYLOAD) for s in args.sizes.split(",") if s]
+        prompts = [(f"cpu-small {p} tok", int(p) // 16, CPU_SMALL) for p in args.prompts.split(",") if p]
+    except (ValueError, IndexError):
+        print("bench transfer: bad --sizes or --prompts", file=sys.stderr)
+        return 2
+    rows = payloads + prompts
+    if any(n < 1 for _, n, _ in rows):
+        print("bench transfer: sizes must be >= 64K and prompts >= 16 tokens", file=sys.stderr)
+        return 2
+    dist_port = 0
+    if "dist" in kinds:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            dist_port = s.getsockname()[1]
+    prefill_ms = args.prefill_ms
+    if prefill_ms is None:
+        prefill_ms = 2 * CPU_SMALL_PARAMS * 2048 / _gemm_flops(torch) * 1e3
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    child = ctx.Process(target=_receiver_main, args=(there, dist_port), daemon=True)
+    child.start()
+    progress = Progress(len(kinds) * len(rows), "transfer", enabled=not args.no_progress)
+    try:
+        with tempfile.TemporaryDirectory(prefix="pdfabric-kv-") as tmpdir:
+            bench = _Bench(torch, here, args, tmpdir, dist_port, progress)
+            for kind in kinds:
+                for dims in (PAYLOAD, CPU_SMALL):
+                    mine = [(label, n) for label, n, d in rows if d == dims]
+                    if mine:
+                        bench.measure(kind, dims, mine, prefill_ms if dims == CPU_SMALL else 0.0)
+    finally:
+        progress.close()
+        if child.is_alive():
+            here.send(("quit",))
+            child.join(timeout=10)
+        if child.is_alive():
+            child.kill()
+    results, layerwise = bench.results, bench.layerwise
+    _print(results, layerwise, prefill_ms)
+    if args.json:
+        with open(args.json, "w") as f:
+            meta = {
+                "threads": 1,
+                "checksum": args.checksum,
+                "repeats": args.repeats,
+                "prefill_ms": prefill_ms,
+            }
+            json.dump({"results": results, "layerwise": layerwise, "meta": meta}, f, indent=2)
+    return 0
+
+
+def _layerwise(bench: _Bench, sender: Any, endpoint: str, kind: str, prefill_ms: float) -> dict[str, Any]:
+    """A 2048-token prompt: compute stand-in then send (whole) vs send each layer as computed."""
+    n, spin = 2048 // 16, prefill_ms / 1e3 / sender.layout.num_layers
+    layered = bench.transfer(sender, endpoint, n, spin_per_layer_s=spin)
+    t0 = time.perf_counter()
+    end = t0 + prefill_ms / 1e3
+    while time.perf_counter() < end:
+        pass
+    whole = (time.perf_counter() - t0) + bench.transfer(sender, endpoint, n)
+    return {
+        "transport": kind,
+        "tokens": 2048,
+        "prefill_ms": prefill_ms,
+        "layerwise_total_ms": layered * 1e3,
+        "layerwise_overhead": layered * 1e3 / prefill_ms - 1,
+        "whole_total_ms": whole * 1e3,
+        "whole_overhead": whole * 1e3 / prefill_ms - 1,
+    }
+
+
+def _print(results: list[dict[str, Any]], layerwise: list[dict[str, Any]], prefill_ms: float) -> None:
+    print(f"{'transport':<9} {'payload':<18} {'MiB':>8} {'p50 ms':>9} {'GB/s':>7} {'memcpy':>7} {'ratio':>6}")
+    for r in results:
+        print(
+            f"{r['transport']:<9} {r['payload']:<18} {r['bytes'] / 2**20:>8.2f} {r['latency_ms']:>9.2f} "
+            f"{r['gbps']:>7.2f} {r['memcpy_gbps']:>7.2f} {r['ratio']:>6.2f}"
+        )
+    if layerwise:
+        print(f"\nlayer-wise, cpu-small 2048-token prompt, prefill stand-in {prefill_ms:.0f} ms:")
+        for r in layerwise:
+            print(
+                f"  {r['transport']:<9} layer-wise +{r['layerwise_overhead'] * 100:.2f}% "
+                f"({r['layerwise_total_ms']:.0f} ms)   whole +{r['whole_overhead'] * 100:.2f}% "
+                f"({r['whole_total_ms']:.0f} ms)"
+            )

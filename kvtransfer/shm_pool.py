@@ -1,0 +1,81 @@
+"""A paged KV cache whose tensors live in shared memory files that another process can map.
+
+The decode worker allocates its cache with ``SharedKVPool.create``; a prefill worker on the same host
+maps the same files (``map_caches``) and writes a request's blocks straight into the reserved ones.
+Files go under ``/dev/shm`` (RAM) where it exists; the creator unlinks them on ``close()``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from pathlib import Path
+
+import torch
+
+
+def _shm_dir() -> Path:
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+def map_caches(paths: tuple[str, ...], shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+    """One tensor of ``shape`` per file, sharing its memory; ``ValueError`` if a file's size differs."""
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    want = numel * torch.empty((), dtype=dtype).element_size()
+    caches = []
+    for path in paths:
+        try:
+            size = os.path.getsize(path)
+        except OSError as exc:
+            raise ValueError(f"cannot open shared KV file {path}: {exc.strerror}") from None
+        if size != want:
+            raise ValueError(f"shared KV file {path} is {size} bytes, expected {want}")
+        caches.append(torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape))
+    return caches
+
+
+class SharedKVPool:
+    """``caches``: one ``[2, num_blocks, block_size, H, D]`` tensor per layer, in shared memory."""
+
+    def __init__(self, caches: list[torch.Tensor], paths: tuple[str, ...]) -> None:
+        self.caches = caches
+        self.paths = paths
+
+    @classmethod
+    def create(
+        cls,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        directory: str | None = None,
+    ) -> SharedKVPool:
+        base = Path(directory) if directory else _shm_dir()
+        stem = f"pdfabric-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        shape = (2, num_blocks, block_size, kv_heads, head_dim)
+        numel = 2 * num_blocks * block_size * kv_heads * head_dim
+        paths = tuple(str(base / f"{stem}-L{i}") for i in range(num_layers))
+        caches = []
+        try:
+            for path in paths:
+                cache = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
+                cache.zero_()  # allocate the pages now, not during the first transfer
+                caches.append(cache)
+        except BaseException:
+            cls(caches, paths).close()
+            raise
+        return cls(caches, paths)
+
+    def close(self) -> None:
+        """Unlinks the files; mappings already made (here or elsewhere) stay valid until dropped."""
+        for path in self.paths:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
