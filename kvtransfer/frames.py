@@ -114,13 +114,15 @@ def unpack_layer(
 ) -> None:
     """Writes one layer's key and value frames into ``cache[:, blocks]``."""
     start, n = single_run(blocks), len(blocks)
-    if start is not None:
+    if start is not None:  # one slice copy per frame (host-to-device included)
         cache[0, start : start + n].copy_(keys)
         cache[1, start : start + n].copy_(values)
         return
-    ids = block_ids(blocks, cache.device)
-    for kv, frame in ((0, keys), (1, values)):
-        scatter_blocks(cache[kv : kv + 1], ids, frame.unsqueeze(0).to(cache.device))
+    # scattered blocks: stage [2, n, block_size, H, D] on the cache's device for scatter_blocks
+    packed = torch.empty((2, *keys.shape), dtype=cache.dtype, device=cache.device)
+    packed[0].copy_(keys)
+    packed[1].copy_(values)
+    scatter_blocks(cache, block_ids(blocks, cache.device), packed)
 
 
 def copy_blocks(

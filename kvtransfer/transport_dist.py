@@ -6,13 +6,14 @@ chunk's control message; the receiver, having checked the message, posts the mat
 into a staging buffer, polls them, then checks and writes the frames into the reserved blocks.
 
 gloo's point-to-point work never reports completion to ``is_completed()``, only to ``wait()``; so
-each chunk's works are waited on a small thread pool and the state machines poll that wait instead.
+each chunk's works are waited on a daemon thread and the state machines poll that wait instead.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
@@ -24,24 +25,30 @@ from pdfabric.kvtransfer.frames import as_bytes, crc32, host, pack_layer, unpack
 from pdfabric.kvtransfer.messages import Chunk, PeerInfo
 from pdfabric.kvtransfer.transport import Incoming, Outgoing
 
+log = logging.getLogger(__name__)
 _TAG_SPACE = 1 << 30
 _WAIT_LIMIT = timedelta(seconds=120)  # a wait for a vanished peer ends here; transfers fail sooner
-_waiters = ThreadPoolExecutor(max_workers=8, thread_name_prefix="pdfabric-kv-dist")
 
 
 class _Waited:
-    """The completion of a list of works, waited on a pool thread; polled with ``is_completed()``."""
+    """The completion of a list of works, waited on a daemon thread (never holds up interpreter exit);
+    polled with ``is_completed()``."""
 
     def __init__(self, works: list[Any]) -> None:
-        self._future: Future[None] = _waiters.submit(self._wait, works)
+        self._done = threading.Event()
+        threading.Thread(target=self._wait, args=(works,), name="pdfabric-kv-dist", daemon=True).start()
 
-    @staticmethod
-    def _wait(works: list[Any]) -> None:
-        for work in works:
-            work.wait(_WAIT_LIMIT)
+    def _wait(self, works: list[Any]) -> None:
+        try:
+            for work in works:
+                work.wait(_WAIT_LIMIT)
+        except RuntimeError as exc:  # peer gone or wait limit: the transfer's own deadline reports it
+            log.warning("kv dist: wait ended: %s", exc)
+        finally:
+            self._done.set()
 
     def is_completed(self) -> bool:
-        return self._future.done()
+        return self._done.is_set()
 
 
 def _on_wire_device(t: torch.Tensor) -> bool:

@@ -87,14 +87,16 @@ def test_two_processes_round_trip(kind: str, tmp_path: Path) -> None:
     assert rx_clean and tx_clean
 
 
-def test_sender_process_dies_mid_transfer() -> None:
-    cfg = TransferConfig(timeout_s=30, idle_timeout_s=0.5)
+@pytest.mark.parametrize("transport", ["zmq", "dist"])
+def test_sender_process_dies_mid_transfer(transport: str) -> None:
+    cfg = TransferConfig(transport=transport, timeout_s=30, idle_timeout_s=0.5)
     plan = [("doomed", tuple(range(8)), tuple(range(8, 16)), True)]
+    port = _free_port()
     rx_out, rx_in, tx_out, tx_in = CTX.Queue(), CTX.Queue(), CTX.Queue(), CTX.Queue()
     rx = CTX.Process(
-        target=procs.receiver_main, args=(cfg, "tcp://127.0.0.1:*", 0, rx_out, rx_in), daemon=True
+        target=procs.receiver_main, args=(cfg, "tcp://127.0.0.1:*", port, rx_out, rx_in), daemon=True
     )
-    tx = CTX.Process(target=procs.sender_main, args=(cfg, tx_in, 0, plan, tx_out, True), daemon=True)
+    tx = CTX.Process(target=procs.sender_main, args=(cfg, tx_in, port, plan, tx_out, True), daemon=True)
     rx.start()
     tx.start()
     try:
