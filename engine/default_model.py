@@ -104,6 +104,7 @@ def write_preset(preset: str, out: Path) -> None:
     from safetensors.torch import save_file
 
     from pdfabric.engine.byte_tokenizer import BOS_ID, EOS_ID, IM_END_ID, write_byte_tokenizer
+    from pdfabric.engine.loader import DTYPES
 
     cfg = hf_config(preset)
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
@@ -112,7 +113,7 @@ def write_preset(preset: str, out: Path) -> None:
             {"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, IM_END_ID]}, indent=2
         )  # chat turns end too
     )
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg["torch_dtype"]]
+    dtype = DTYPES[cfg["torch_dtype"]]
     tensors = {name: torch.from_numpy(arr).to(dtype) for name, arr in _weights(cfg).items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     write_byte_tokenizer(out)
