@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from pdfabric.control import KINDS
-from pdfabric.router.admission import AdmissionConfig
 from pdfabric.router.predictor import PredictorConfig
+from pdfabric.router.slo import AdmissionConfig
 
 # [worker] keys a deployment config may set (the rest are fixed by the launcher).
 _WORKER_KEYS = frozenset(

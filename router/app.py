@@ -25,12 +25,12 @@ from pdfabric.control import HandedOff
 from pdfabric.engine.detokenizer import IncrementalDetokenizer
 from pdfabric.engine.tokenizer import Tokenizer
 from pdfabric.router import openai_api as api
-from pdfabric.router.admission import BudgetError, resolve
 from pdfabric.router.breakdown import TokenTimes, breakdown
 from pdfabric.router.dispatcher import Dispatcher, RequestStream
 from pdfabric.router.metrics import RouterMetrics
 from pdfabric.router.registry import has_route
 from pdfabric.router.routing import Rejected
+from pdfabric.router.slo import BudgetError, resolve
 
 CONFIG = web.AppKey("config", ServeConfig)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)

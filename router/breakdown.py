@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pdfabric.router.admission import Resolved
 from pdfabric.router.predictor import Choice
+from pdfabric.router.slo import Resolved
 
 
 @dataclass

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from pdfabric.control import COLOCATED, PREFILL
-from pdfabric.router.admission import ADMIT, QUEUE, AdmissionConfig, AdmissionQueue, Outcome, Ticket
+from pdfabric.router.admission import ADMIT, QUEUE, AdmissionQueue, Outcome, Ticket
 from pdfabric.router.openai_api import ApiError
 from pdfabric.router.predictor import (
     Budgets,
@@ -31,6 +31,7 @@ from pdfabric.router.predictor import (
     WorkerLoad,
 )
 from pdfabric.router.registry import Registry, Route, WorkerInfo
+from pdfabric.router.slo import AdmissionConfig
 
 _WHY = {
     "ttft": "the predicted time to first token is over its budget",

@@ -13,17 +13,12 @@ from pdfabric.router.admission import (
     QUEUE,
     QUEUE_FULL,
     REJECT,
-    AdmissionConfig,
     AdmissionQueue,
-    BudgetError,
     Outcome,
-    PoolConfig,
-    SloClass,
-    Tenant,
     Ticket,
-    resolve,
 )
 from pdfabric.router.predictor import BATCH_FULL, Budgets, Choice, Ranking
+from pdfabric.router.slo import AdmissionConfig, BudgetError, PoolConfig, SloClass, Tenant, resolve
 
 ROUTE = Choice("d", "p", False, 10.0, 5.0, 0.0, 10.0, 0.0, 1.0, 0.1)
 CLASSES = (

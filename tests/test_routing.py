@@ -11,10 +11,11 @@ import pytest
 from pdfabric.config import load_serve_config
 from pdfabric.control import Heartbeat, Register
 from pdfabric.profile import WorkerProfile
-from pdfabric.router.admission import ADMIT, REJECT, AdmissionConfig, PoolConfig, SloClass, Ticket
+from pdfabric.router.admission import ADMIT, REJECT, Ticket
 from pdfabric.router.predictor import Budgets, WorkerLoad
 from pdfabric.router.registry import Registry
 from pdfabric.router.routing import Routing, candidate, route_of, with_pending
+from pdfabric.router.slo import AdmissionConfig, PoolConfig, SloClass
 
 # prefill: 2 ms a step + 40 us a token; decode: 5 ms + 1 ms a sequence
 PROFILE = WorkerProfile(prefill=(2e-3, 4e-5, 0.0), decode=(5e-3, 1e-3, 0.0))
