@@ -3,7 +3,7 @@
 A request's life in the client:
 
 1. scheduled: its task is created ``lookahead_s`` before its arrival time and builds the JSON body
-   (token-id prompt) off the event loop;
+   (token ids, or text of the exact token count) off the event loop;
 2. waiting: it sleeps until its arrival time, then is sent (the send lateness is recorded);
 3. streaming: token events are timed as they arrive (see ``pdfabric.bench.sse`` for the token rule);
 4. finished: one ``RequestRecord`` with status ok, rejected, error, timeout or cancelled.
@@ -90,7 +90,7 @@ class _Run:
     def body(self, req: Request) -> bytes:
         payload: dict[str, Any] = {
             "model": self.cfg.model,
-            "prompt": self.prompts.tokens(req),
+            "prompt": self.prompts.prompt(req),
             "max_tokens": req.output_len,
             "stream": True,
         }

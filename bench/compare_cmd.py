@@ -156,7 +156,8 @@ def _run_one(
     from pdfabric.bench.report import build_report, write_json, write_run
 
     meta = {"command": f"compare/{args.mode}", "label": name, "target": client_meta(client),
-            "deployment": deployment, "workload": plan.workload.describe()}
+            "deployment": deployment, "workload": plan.workload.describe(),
+            "prompts": plan.prompts.describe()}
     progress = not args.no_progress
     if args.mode == "replay":
         bar = Progress(len(plan.workload), name, enabled=progress)

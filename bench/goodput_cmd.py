@@ -110,7 +110,8 @@ async def search(
         res = await replay(w, client, builder, stop, bar)
         if res.stopped == "interrupted":
             raise _Interrupted
-        meta = {"command": "goodput trial", "target": client_meta(client), "workload": w.describe()}
+        meta = {"command": "goodput trial", "target": client_meta(client), "workload": w.describe(),
+                "prompts": prompts.describe()}
         report = build_report(res.records, slo, target=cfg.target, not_sent=res.not_sent, meta=meta,
                               stopped=res.stopped, warnings=res.warnings)
         write_run(out / "trials" / f"rate-{rate:g}", res.records, report, slo, f"{rate:g} req/s",
@@ -188,7 +189,8 @@ def run(args: argparse.Namespace) -> int:
     label = args.label or client.model
     sr = run_with_sigint(lambda stop: search(base, client, prompts, slo, rates, lo_hi, cfg, out, stop,
                                              not args.no_progress, label))
-    meta = {"command": "goodput", "label": label, "target": client_meta(client), "workload": base.describe()}
+    meta = {"command": "goodput", "label": label, "target": client_meta(client), "workload": base.describe(),
+            "prompts": prompts.describe()}
     report = search_report(sr, slo, meta)
     write_json(out / "report.json", report)
     (out / "summary.md").write_text(summary_md(report, label))

@@ -40,6 +40,11 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed for synthetic arrivals, lengths and prompt ids")
     g.add_argument("--vocab-size", type=int, default=256,
                    help="prompt ids are drawn from [0, N); keep N <= the model's vocabulary (default 256)")
+    g.add_argument("--prompt-format", choices=("ids", "text"), default="ids",
+                   help="send prompts as token id lists (default) or as text of the exact token count, "
+                        "which needs --tokenizer")
+    g.add_argument("--tokenizer", metavar="DIR|PRESET", default="",
+                   help="text prompts: the served model's directory (or a built-in preset such as tiny)")
     s = p.add_argument_group("scaling (applied in this order; the report states it)")
     s.add_argument("--time-scale", type=float, default=1.0,
                    help="divide arrival times by X (X > 1 replays faster)")
@@ -108,9 +113,13 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
 
 
 def prompt_config(args: argparse.Namespace) -> PromptConfig:
-    from pdfabric.bench.prompts import PromptConfig
+    """The prompt settings; raises ``ValueError`` now if text prompts cannot be built."""
+    from pdfabric.bench.prompts import PromptBuilder, PromptConfig
 
-    return PromptConfig(vocab_size=args.vocab_size, seed=args.seed)
+    cfg = PromptConfig(vocab_size=args.vocab_size, seed=args.seed, format=args.prompt_format,
+                       tokenizer=args.tokenizer)
+    PromptBuilder(cfg).check()
+    return cfg
 
 
 def client_from_args(args: argparse.Namespace, url: str, model: str | None = None) -> ClientConfig:

@@ -1,4 +1,11 @@
-"""Prompt token ids of an exact length, so the server sees exactly the input length the workload asks for.
+"""Prompts of an exact token count, so the server sees exactly the input length the workload asks for.
+
+Two formats. ``ids`` (the default) sends token id lists, which any OpenAI-compatible completions endpoint
+takes and which need no tokenizer. ``text`` sends text that the served model's tokenizer turns into
+exactly the asked number of tokens (special tokens it adds, such as bos, included), for servers or
+endpoints that only take text: the ids below are decoded, and the text is trimmed or extended until
+re-encoding it gives the count (byte-level BPE merges across piece boundaries, so decoding N ids does
+not always give N tokens back).
 
 Ids are drawn uniformly from ``[0, vocab_size)`` with a seeded generator, so the same workload and seed
 give the same prompts against every deployment. A request with Mooncake ``hash_ids`` is built block by
@@ -9,11 +16,18 @@ leading hash ids share a real token prefix (the last block is cut to the prompt'
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pdfabric.bench.workload import PREFIX_BLOCK_TOKENS, Request
+
+if TYPE_CHECKING:
+    from pdfabric.engine.tokenizer import Tokenizer
+
+FORMATS = ("ids", "text")
+_FIX_ROUNDS = 64  # trim/extend rounds before giving up on an exact text length
 
 _BLOCK_STREAM = 1  # keeps hash-block ids and per-request ids in separate random streams
 _REQUEST_STREAM = 2
@@ -21,16 +35,30 @@ _REQUEST_STREAM = 2
 
 @dataclass(frozen=True)
 class PromptConfig:
-    """``vocab_size`` bounds the random ids (keep it <= the served model's vocabulary)."""
+    """``vocab_size`` bounds the random ids (keep it <= the served model's vocabulary); ``format`` is
+    ``ids`` or ``text``; ``tokenizer`` (text only) is the served model's directory or a built-in preset."""
 
     vocab_size: int = 256
     seed: int = 0
+    format: str = "ids"
+    tokenizer: str = ""
 
     def __post_init__(self) -> None:
         if self.vocab_size < 2:
             raise ValueError(f"vocab_size must be >= 2, got {self.vocab_size}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if self.format not in FORMATS:
+            raise ValueError(f"prompt format must be one of {', '.join(FORMATS)}, got {self.format!r}")
+        if self.format == "text" and not self.tokenizer:
+            raise ValueError("text prompts need the served model's tokenizer (--tokenizer DIR or preset)")
+
+    def describe(self) -> dict[str, Any]:
+        """What the report says about the prompts."""
+        out: dict[str, Any] = {"vocab_size": self.vocab_size, "seed": self.seed, "format": self.format}
+        if self.format == "text":
+            out["tokenizer"] = self.tokenizer
+        return out
 
 
 class PromptBuilder:
@@ -47,6 +75,62 @@ class PromptBuilder:
     def _random(self, index: int, n: int) -> np.ndarray:
         rng = np.random.default_rng([self.cfg.seed, _REQUEST_STREAM, index])
         return rng.integers(0, self.cfg.vocab_size, size=n, dtype=np.int32)
+
+    def check(self) -> None:
+        """Loads what the format needs now (the tokenizer for text), so a bad setting fails before a run."""
+        if self.cfg.format == "text":
+            _ = self._text_ids
+
+    def prompt(self, req: Request) -> list[int] | str:
+        """What the client sends as ``prompt``: token ids, or text of exactly ``req.input_len`` tokens."""
+        if self.cfg.format == "ids":
+            return self.tokens(req)
+        return self.text(req)
+
+    @cached_property
+    def _tokenizer(self) -> Tokenizer:
+        from pdfabric.engine.default_model import resolve_model
+        from pdfabric.engine.tokenizer import Tokenizer
+
+        try:
+            return Tokenizer.from_pretrained(resolve_model(self.cfg.tokenizer))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot load the tokenizer {self.cfg.tokenizer!r}: {exc}") from None
+
+    @cached_property
+    def _text_ids(self) -> np.ndarray:
+        """Ids that decode on their own to printable text (no special tokens, no partial characters)."""
+        tok = self._tokenizer
+        special = tok.all_special_ids
+        ok = []
+        for i in range(tok.vocab_size):
+            if i in special:
+                continue
+            piece = tok.decode([i])
+            if piece.strip() and "\ufffd" not in piece and piece.isprintable():
+                ok.append(i)
+        if not ok:
+            raise ValueError(f"tokenizer {self.cfg.tokenizer!r} has no token that decodes to plain text")
+        return np.asarray(ok, dtype=np.int64)
+
+    def text(self, req: Request) -> str:
+        """Text that the tokenizer encodes (with its special tokens) to exactly ``req.input_len`` ids."""
+        tok, usable = self._tokenizer, self._text_ids
+        want = req.input_len - len(tok.encode("", add_special_tokens=True))
+        if want < 1:
+            raise ValueError(f"request {req.index}: {req.input_len} tokens leave no room for text")
+        ids = usable[np.asarray(self.tokens(req)) % len(usable)]
+        rng = np.random.default_rng([self.cfg.seed, _REQUEST_STREAM, req.index, 1])
+        text = tok.decode(ids.tolist())
+        for _ in range(_FIX_ROUNDS):
+            have = tok.encode(text, add_special_tokens=False)
+            if len(have) == want:
+                return text
+            if len(have) > want:
+                text = tok.decode(have[:want])
+            else:
+                text += tok.decode(rng.choice(usable, size=want - len(have)).tolist())
+        raise ValueError(f"request {req.index}: no text of exactly {req.input_len} tokens found")
 
     def tokens(self, req: Request) -> list[int]:
         """Exactly ``req.input_len`` token ids."""

@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         "command": "replay",
         "target": client_meta(client),
         "workload": workload.describe(),
-        "prompts": {"vocab_size": prompts.vocab_size, "seed": prompts.seed, "format": "token ids"},
+        "prompts": prompts.describe(),
         "wall_s": round(result.wall_s, 3),
     }
     report = build_report(result.records, slo, target=args.target, not_sent=result.not_sent, meta=meta,
