@@ -49,7 +49,7 @@ class Event:
 def build_app(cfg: ServeConfig, dispatcher: Dispatcher, tokenizer: Tokenizer) -> web.Application:
     app = web.Application(client_max_size=16 * 2**20)
     app[CONFIG], app[DISPATCHER], app[TOKENIZER] = cfg, dispatcher, tokenizer
-    app[METRICS] = metrics_ = RouterMetrics(dispatcher.registry)
+    app[METRICS] = metrics_ = RouterMetrics(dispatcher.registry, lambda: len(dispatcher.routing.queue))
     dispatcher.on_handed_off = lambda msg: _observe_transfer(metrics_, dispatcher, msg)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -157,14 +157,15 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
         times = TokenTimes()
         events = _events(stream, detok, app[CONFIG].request_timeout_s, metrics_, model, arrival, times)
         if parsed.stream:
+
+            def report() -> dict[str, Any]:
+                return breakdown(
+                    stream.route, resolved, stream.choice, arrival, dispatched, times, stream.transfer_s
+                )
+
             # Clients that speak the ``slo`` extension also get the latency breakdown in their usage.
-            report = (
-                (lambda: breakdown(stream.route, resolved, stream.choice, arrival, dispatched, times))
-                if "slo" in body
-                else None
-            )
             response, outcome = await _stream_sse(
-                request, parsed, request_id, len(prompt_ids), events, report
+                request, parsed, request_id, len(prompt_ids), events, report if "slo" in body else None
             )
         else:
             response, outcome = await _collect(parsed, request_id, len(prompt_ids), events)

@@ -62,6 +62,7 @@ class RequestStream:
     route: str = ""
     choice: Choice | None = None  # the route taken, with its predicted latencies
     waited_ms: float = 0.0  # time spent waiting for admission in the router
+    transfer_s: float | None = None  # KV push, start to acknowledgement (0 colocated; None: not yet told)
 
     def deliver(self, delta: TokenDelta) -> None:
         """Queues ``delta`` once everything before it has been queued."""
@@ -192,6 +193,7 @@ class Dispatcher:
         if route.colocated is not None:
             self._hold(stream, route.colocated)
             stream.route = route.colocated.worker_id
+            stream.transfer_s = 0.0  # its KV never moves
             self._send(route.colocated.worker_id, Generate(rid, prompt_ids, params, eos))
             return None
         assert route.decode is not None and route.prefill is not None
@@ -285,6 +287,7 @@ class Dispatcher:
             stream = self.streams.get(msg.request_id)
             if stream is not None:
                 stream.holders.discard(msg.worker_id)
+                stream.transfer_s = msg.kv_seconds
             info = self.registry.workers.get(msg.worker_id)
             if info is not None:
                 info.requests.discard(msg.request_id)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -47,8 +47,22 @@ class _WorkerGauges(Collector):
         yield from (free, total, running, queued, count)
 
 
+class _Waiting(Collector):
+    """Requests waiting in the router's admission queue, read at scrape time."""
+
+    def __init__(self, waiting: Callable[[], int]) -> None:
+        self.waiting = waiting
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(
+            "pdfabric_admission_waiting", "Requests waiting in the router for a route", value=self.waiting()
+        )
+
+
 class RouterMetrics:
-    def __init__(self, registry: Registry) -> None:
+    """The router's metrics; ``waiting`` (if given) counts the requests in its admission queue."""
+
+    def __init__(self, registry: Registry, waiting: Callable[[], int] | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram(
@@ -102,3 +116,5 @@ class RouterMetrics:
             "pdfabric_rejections", "Requests refused, by reason", ["reason"], registry=r
         )
         r.register(_WorkerGauges(registry))
+        if waiting is not None:
+            r.register(_Waiting(waiting))

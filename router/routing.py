@@ -2,8 +2,8 @@
 
 A request's life here:
 1. ``Routing.admit`` hands its ``Ticket`` to ``AdmissionQueue.arrive``, which ranks the routes with
-   ``fit`` (the predictor over ``candidates()``): admitted at once (the ranking's routes, best first),
-   rejected at once (reason and Retry-After), or waiting;
+   ``fit`` (``policies.rank_routes`` under the configured policy over ``candidates()``): admitted at
+   once (the ranking's routes, best first), rejected at once (reason and Retry-After), or waiting;
 2. a waiting request's ``admit`` returns when ``poll`` admits or rejects it; ``poll`` runs when load
    changes (heartbeats, request ends, hand-offs, workers joining or leaving) and at the queue's next
    deadline; a cancelled ``admit`` (the client went away) takes the ticket out of the queue;
@@ -21,15 +21,8 @@ from collections.abc import Callable, Iterable
 from pdfabric.control import COLOCATED, PREFILL
 from pdfabric.router.admission import ADMIT, QUEUE, AdmissionQueue, Outcome, Ticket
 from pdfabric.router.openai_api import ApiError
-from pdfabric.router.predictor import (
-    Budgets,
-    Candidate,
-    Choice,
-    Predictor,
-    PredictorConfig,
-    Ranking,
-    WorkerLoad,
-)
+from pdfabric.router.policies import rank_routes
+from pdfabric.router.predictor import Budgets, Candidate, Choice, PredictorConfig, Ranking, WorkerLoad
 from pdfabric.router.registry import Registry, Route, WorkerInfo
 from pdfabric.router.slo import AdmissionConfig
 
@@ -132,7 +125,8 @@ class Routing:
     ) -> None:
         self.registry = registry
         self.config = config or AdmissionConfig()
-        self.predictor = Predictor(predictor)
+        self.predictor = predictor or PredictorConfig()
+        self.turn = 0  # requests admitted so far: where round robin goes next, the order among equals
         self.queue = AdmissionQueue(self.config)
         self.clock = clock
         self._pending: dict[str, dict[str, int]] = {}  # worker id -> {request id: prompt tokens}
@@ -148,10 +142,13 @@ class Routing:
         ]
 
     def fit(self, ticket: Ticket, budgets: Budgets) -> Ranking:
-        """``FitFn`` for the admission queue: ranks the routes; an admitted ticket becomes pending
-        load on its first choice at once, so the next prediction sees it."""
-        ranking = self.predictor.rank(ticket.prompt_len, budgets, self.candidates())
+        """``FitFn`` for the admission queue: ranks the routes under the configured policy; an admitted
+        ticket becomes pending load on its first choice at once, so the next prediction sees it."""
+        ranking = rank_routes(
+            self.config.policy, ticket.prompt_len, budgets, self.candidates(), self.predictor, self.turn
+        )
         if ranking.fits:
+            self.turn += 1
             self.routed(ticket.request_id, ticket.prompt_len, ranking.choices[0])
         return ranking
 

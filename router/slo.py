@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from pdfabric.control import KINDS
+from pdfabric.router.policies import BUDGET, check_policy
 from pdfabric.router.predictor import Budgets
 
 MAX_BUDGET_MS = 3_600_000.0
@@ -109,7 +110,9 @@ _DEFAULT_CLASSES = (
 
 @dataclass(frozen=True)
 class AdmissionConfig:
-    """Budgets, classes, tenants, pools and the wait queue's limits (the ``[routing]`` table)."""
+    """Budgets, classes, tenants, pools, the wait queue's limits and the routing policy (the ``[routing]``
+    table). ``policy`` is ``budget`` (routes that meet the budgets), or a baseline to measure it
+    against: ``round_robin`` or ``least_loaded`` (see ``pdfabric.router.policies``)."""
 
     ttft_ms: float = 30_000.0
     itl_ms: float = 5_000.0
@@ -121,10 +124,12 @@ class AdmissionConfig:
     poll_probes: int = 32  # waiting requests tried per poll before giving up until the next one
     min_retry_ms: int = 100
     max_retry_ms: int = 60_000
+    policy: str = BUDGET
     _class_of: dict[str, SloClass] = field(init=False, repr=False, compare=False)
     _tenant_of: dict[str, Tenant] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        check_policy(self.policy)
         _check_ms("routing", "ttft_ms", self.ttft_ms, allow_zero=False)
         _check_ms("routing", "itl_ms", self.itl_ms, allow_zero=False)
         for what, items in (("class", self.classes), ("tenant", self.tenants)):

@@ -103,6 +103,25 @@ def test_tight_itl_goes_to_the_small_pool_loose_to_the_cheap_one() -> None:
     assert routing.fit(_ticket("tight", itl=10), Budgets(5000, 10)).choices[0].decode == "tight"
 
 
+@pytest.mark.parametrize("policy", ["round_robin", "least_loaded"])
+def test_baseline_policies_spread_over_routes_and_count_only_admissions(policy: str) -> None:
+    """Round robin alternates between the two pairs whatever their load; least loaded alternates too,
+    because each request it sends counts as pending load until the next heartbeat. A request that
+    finds every batch full waits (it is not rejected for its budgets) and does not move the turn."""
+    registry = Registry()
+    register(registry, "p", "prefill")
+    register(registry, "d0", "decode", max_running=3)
+    register(registry, "d1", "decode", max_running=3)
+    routing = Routing(registry, AdmissionConfig(policy=policy), clock=lambda: 0.0)
+    tight = Budgets(1.0, 1.0)  # unreachable for the budget policy
+    firsts = [routing.fit(_ticket(f"r{i}", ttft=1.0, itl=1.0), tight).choices[0].decode for i in range(6)]
+    assert sorted(firsts[:2]) == ["d0", "d1"] and firsts[2:] == firsts[:2] * 2
+    assert routing.turn == 6
+    full = routing.fit(_ticket("r6"), Budgets(5000, 100))
+    assert not full.fits and full.reason == "batch_full" and not full.unreachable
+    assert routing.turn == 6
+
+
 def test_admit_rejects_the_impossible_and_waits_for_room() -> None:
     registry = Registry()
     register(registry, "c", "colocated", max_running=1)
@@ -141,12 +160,17 @@ def test_config_tables(tmp_path: Path) -> None:
     assert ids == ["prefill-0", "decode-tight-0", "decode-bulk-0"]
     assert cfg.groups[0].worker.max_running == 4 and cfg.groups[0].worker.kv_memory_mb == 128
     assert cfg.routing.pool("decode", "tight").max_batch == 4 and cfg.predictor.safety_margin == 0.1
+    assert cfg.routing.policy == "budget"
+    path = tmp_path / "rr.toml"
+    path.write_text('[routing]\npolicy = "round_robin"\n')
+    assert load_serve_config(path, {}).routing.policy == "round_robin"
     plain = load_serve_config(None, {})
     assert [wid for wid, _ in plain.launch_plan()] == ["prefill-0", "decode-0"]
     for body, word in (
         ('[[workers]]\nkind = "decode"\nmax_runing = 3\n', "max_runing"),
         ('[[workers]]\nkind = "decode"\n', "both prefill and decode"),
         ("[routing]\nttft = 5\n", "ttft"),
+        ('[routing]\npolicy = "random"\n', "budget, round_robin, least_loaded"),
         ('[[routing.pools]]\nname = "x"\nkind = "decode"\nbatch = 3\n', "batch"),
         ("[[workers]]\ncount = 2\n", "needs a kind"),
     ):
