@@ -13,10 +13,12 @@ alone the last acknowledgement came.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -87,7 +89,7 @@ def _open_receiver(
     return KVReceiver(caches, cfg, BlockReservations(), bind, shm.paths if shm else ()), shm
 
 
-def _receiver_main(conn: Connection, dist_port: int) -> None:
+def receiver_main(conn: Connection, dist_port: int) -> None:
     """The receiving process: serves setup / expect / teardown requests while polling its receiver."""
     import torch
     import zmq
@@ -144,19 +146,51 @@ def _gemm_flops(torch: Any) -> float:
     return 5 * 2 * 1024**3 / (time.perf_counter() - t0)
 
 
-class _Bench:
+@contextlib.contextmanager
+def bench_session(kinds: list[str], repeats: int, checksum: bool, progress: Any) -> Iterator[TransferBench]:
+    """The sending side in this process and a receiver process (spawned), both gone on exit. ``dist``
+    in ``kinds`` reserves a port for the torch.distributed group."""
+    import multiprocessing as mp
+    import socket
+    import tempfile
+
+    import torch
+
+    dist_port = 0
+    if "dist" in kinds:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            dist_port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    child = ctx.Process(target=receiver_main, args=(there, dist_port), daemon=True)
+    child.start()
+    try:
+        with tempfile.TemporaryDirectory(prefix="pdfabric-kv-") as tmpdir:
+            yield TransferBench(torch, here, repeats, checksum, tmpdir, dist_port, progress)
+    finally:
+        if child.is_alive():
+            here.send(("quit",))
+            child.join(timeout=10)
+        if child.is_alive():
+            child.kill()
+
+
+class TransferBench:
     """The sending side of every row: one sender per (transport, layout), receivers set up remotely."""
 
     def __init__(
         self,
         torch: Any,
         conn: Connection,
-        args: argparse.Namespace,
+        repeats: int,
+        checksum: bool,
         tmpdir: str,
         dist_port: int,
         progress: Any,
     ) -> None:
-        self.torch, self.conn, self.args, self.tmpdir = torch, conn, args, tmpdir
+        self.torch, self.conn, self.tmpdir = torch, conn, tmpdir
+        self.repeats, self.checksum = repeats, checksum
         self.dist_port, self.progress = dist_port, progress
         self.count = 0
         self.started = time.monotonic()
@@ -173,9 +207,9 @@ class _Bench:
             self.transfer(sender, endpoint, 1)  # warm up: handshake and connection
             for label, n in rows:
                 nbytes = sender.layout.transfer_bytes(n)
-                times = [self.transfer(sender, endpoint, n) for _ in range(self.args.repeats)]
+                times = [self.transfer(sender, endpoint, n) for _ in range(self.repeats)]
                 if nbytes not in self.memcpy:
-                    self.memcpy[nbytes] = _memcpy_gbps(self.torch, nbytes, self.args.repeats)
+                    self.memcpy[nbytes] = _memcpy_gbps(self.torch, nbytes, self.repeats)
                 base, p50 = self.memcpy[nbytes], statistics.median(times)
                 self.results.append(
                     {
@@ -211,14 +245,14 @@ class _Bench:
         bind = (
             f"ipc://{self.tmpdir}/kv-{self.count}.sock" if kind in ("zmq-ipc", "shm") else "tcp://127.0.0.1:*"
         )
-        self.conn.send(("setup", kind, self.args.checksum, dims, blocks, bind))
+        self.conn.send(("setup", kind, self.checksum, dims, blocks, bind))
         if kind == "dist":  # joined only now, so the gloo group is idle for the other transports
             _init_dist(self.dist_port, rank=0)
         if not self.conn.poll(120):
             raise RuntimeError("receiver process did not answer 'setup'")
         endpoint = self.conn.recv()
         caches = [self.torch.randn(2, blocks, bs, heads, dim).to(self.torch.bfloat16) for _ in range(layers)]
-        cfg = TransferConfig(transport=kind.split("-")[0], timeout_s=120, checksum=self.args.checksum)
+        cfg = TransferConfig(transport=kind.split("-")[0], timeout_s=120, checksum=self.checksum)
         return KVSender(caches, cfg), endpoint
 
     def transfer(self, sender: Any, endpoint: str, n: int, spin_per_layer_s: float = 0.0) -> float:
@@ -246,10 +280,6 @@ class _Bench:
 
 
 def run(args: argparse.Namespace) -> int:
-    import multiprocessing as mp
-    import socket
-    import tempfile
-
     import torch
 
     from pdfabric.bench.progress import Progress
@@ -270,22 +300,12 @@ def run(args: argparse.Namespace) -> int:
     if any(n < 1 for _, n, _ in rows):
         print("bench transfer: sizes must be >= 64K and prompts >= 16 tokens", file=sys.stderr)
         return 2
-    dist_port = 0
-    if "dist" in kinds:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            dist_port = s.getsockname()[1]
     prefill_ms = args.prefill_ms
     if prefill_ms is None:
         prefill_ms = 2 * CPU_SMALL_PARAMS * 2048 / _gemm_flops(torch) * 1e3
-    ctx = mp.get_context("spawn")
-    here, there = ctx.Pipe()
-    child = ctx.Process(target=_receiver_main, args=(there, dist_port), daemon=True)
-    child.start()
     progress = Progress(len(kinds) * len(rows), "transfer", enabled=not args.no_progress)
     try:
-        with tempfile.TemporaryDirectory(prefix="pdfabric-kv-") as tmpdir:
-            bench = _Bench(torch, here, args, tmpdir, dist_port, progress)
+        with bench_session(kinds, args.repeats, args.checksum, progress) as bench:
             for kind in kinds:
                 for dims in (PAYLOAD, CPU_SMALL):
                     mine = [(label, n) for label, n, d in rows if d == dims]
@@ -293,11 +313,6 @@ def run(args: argparse.Namespace) -> int:
                         bench.measure(kind, dims, mine, prefill_ms if dims == CPU_SMALL else 0.0)
     finally:
         progress.close()
-        if child.is_alive():
-            here.send(("quit",))
-            child.join(timeout=10)
-        if child.is_alive():
-            child.kill()
     results, layerwise = bench.results, bench.layerwise
     _print(results, layerwise, prefill_ms)
     if args.json:
@@ -312,7 +327,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _layerwise(bench: _Bench, sender: Any, endpoint: str, kind: str, prefill_ms: float) -> dict[str, Any]:
+def _layerwise(
+    bench: TransferBench, sender: Any, endpoint: str, kind: str, prefill_ms: float
+) -> dict[str, Any]:
     """A 2048-token prompt: compute stand-in then send (whole) vs send each layer as computed."""
     n, spin = 2048 // 16, prefill_ms / 1e3 / sender.layout.num_layers
     layered = bench.transfer(sender, endpoint, n, spin_per_layer_s=spin)

@@ -9,6 +9,7 @@ start-up.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdfabric.engine.block_pool import blocks_for
@@ -21,30 +22,49 @@ class ProfilingRun:
     steps: int
     seconds: float
     complete: bool  # every point of the plan was measured
+    points: int = 0  # points visited
+    max_prefill_tokens: int = 0  # the largest prefill chunk timed
+    max_batch: int = 0  # the largest decode batch timed
+    total: int = 0  # points in the plan
 
 
 def run_plan(
-    runner: ModelRunner, plan: ProfilingPlan, builder: ProfileBuilder, budget_s: float
+    runner: ModelRunner,
+    plan: ProfilingPlan,
+    builder: ProfileBuilder,
+    budget_s: float,
+    on_point: Callable[[int, int], None] | None = None,
 ) -> ProfilingRun:
-    """Times the plan's points (each ``plan.repeats`` times after one warm-up) into ``builder``."""
+    """Times the plan's points (each ``plan.repeats`` times after one warm-up) into ``builder``;
+    ``on_point(done, total)`` after each point (for a progress display)."""
     points: list[tuple[str, int, int]] = [("prefill", t, c) for t, c in plan.prefill]
     points += [("decode", b, n) for b, n in plan.decode]
     points.sort(key=lambda p: p[1] * max(1, p[2]))  # cheapest first
-    start, steps = time.perf_counter(), 0
-    for kind, a, b in points:
+    start, steps, tokens, batch = time.perf_counter(), 0, 0, 0
+
+    def result(done: int) -> ProfilingRun:
+        elapsed = time.perf_counter() - start
+        return ProfilingRun(steps, elapsed, done == len(points), done, tokens, batch, len(points))
+
+    for done, (kind, a, b) in enumerate(points):
         if time.perf_counter() - start > budget_s:
-            return ProfilingRun(steps, time.perf_counter() - start, False)
+            return result(done)
         point = _prefill(runner, a, b) if kind == "prefill" else _decode(runner, a, b)
-        if point is None:
-            continue
-        entries, shape = point
-        runner.step(entries)  # warm-up
-        for _ in range(plan.repeats):
-            t0 = time.perf_counter()
-            runner.step(entries)
-            builder.observe(shape, time.perf_counter() - t0)
-            steps += 1
-    return ProfilingRun(steps, time.perf_counter() - start, True)
+        if point is not None:
+            entries, shape = point
+            runner.step(entries)  # warm-up
+            for _ in range(plan.repeats):
+                t0 = time.perf_counter()
+                runner.step(entries)
+                builder.observe(shape, time.perf_counter() - t0)
+                steps += 1
+            if kind == "prefill":
+                tokens = max(tokens, a)
+            else:
+                batch = max(batch, a)
+        if on_point is not None:
+            on_point(done + 1, len(points))
+    return result(len(points))
 
 
 def _prefill(runner: ModelRunner, tokens: int, cached: int) -> tuple[list[StepEntry], StepShape]:

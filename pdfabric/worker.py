@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -22,6 +23,9 @@ from pdfabric.engine.sequence import Sequence
 from pdfabric.engine.stepper import Stepper
 from pdfabric.wire import WireError, decode, encode
 
+if TYPE_CHECKING:
+    from pdfabric.engine.runner import ModelRunner
+
 log = logging.getLogger("pdfabric.worker")
 
 
@@ -31,30 +35,12 @@ class Worker:
     on_prefilled = "decode"
 
     def __init__(self, cfg: WorkerConfig, parent_pid: int = 0) -> None:
-        from pdfabric.engine.default_model import resolve_model
-        from pdfabric.engine.kv_cache import blocks_in_budget
-        from pdfabric.engine.loader import load_model
-        from pdfabric.engine.runner import ModelRunner
-
         self.cfg = cfg
-        if cfg.threads:
-            import torch
-
-            torch.set_num_threads(cfg.threads)
         self.worker_id = cfg.worker_id or f"{cfg.kind}-{os.getpid()}"
         self.parent_pid = parent_pid
-        model = load_model(resolve_model(cfg.model), cfg.dtype, _device(cfg.device))
-        mcfg = model.config
-        num_blocks = cfg.num_blocks or blocks_in_budget(mcfg, cfg.block_size, cfg.kv_memory_mb * 2**20)
-        # One sequence must always fit in the pool on its own, or it could wait forever.
-        self.max_model_len = min(mcfg.max_position_embeddings, num_blocks * cfg.block_size)
-        self.runner = ModelRunner(model, num_blocks, cfg.block_size)
-        self.tables = BlockTables(BlockPool(num_blocks, cfg.block_size))
-        sched_cfg = SchedulerConfig(
-            cfg.max_batch_tokens, cfg.max_running, self.max_model_len, self.on_prefilled
-        )
-        self.scheduler = Scheduler(self.tables, sched_cfg)
-        self.stepper = Stepper(self.runner, self.scheduler)
+        engine = build_engine(cfg, self.on_prefilled)
+        self.runner, self.tables, self.max_model_len = engine.runner, engine.tables, engine.max_model_len
+        self.scheduler, self.stepper = engine.scheduler, engine.stepper
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, self.worker_id.encode())
@@ -209,6 +195,41 @@ class Worker:
     def kv_rate(self) -> float:
         """Recent KV transfer bytes per second (transfer-capable workers override)."""
         return 0.0
+
+
+@dataclass(frozen=True)
+class Engine:
+    """What a worker computes with: model runner, KV block tables, scheduler and stepper."""
+
+    runner: ModelRunner
+    tables: BlockTables
+    scheduler: Scheduler
+    stepper: Stepper
+    max_model_len: int
+
+
+def build_engine(cfg: WorkerConfig, on_prefilled: str = "decode") -> Engine:
+    """Loads the model and sizes its KV cache as ``cfg`` says (threads, dtype, device, block budget);
+    no sockets, so ``pdfabric profile`` measures exactly what a worker runs."""
+    from pdfabric.engine.default_model import resolve_model
+    from pdfabric.engine.kv_cache import blocks_in_budget
+    from pdfabric.engine.loader import load_model
+    from pdfabric.engine.runner import ModelRunner
+
+    if cfg.threads:
+        import torch
+
+        torch.set_num_threads(cfg.threads)
+    model = load_model(resolve_model(cfg.model), cfg.dtype, _device(cfg.device))
+    mcfg = model.config
+    num_blocks = cfg.num_blocks or blocks_in_budget(mcfg, cfg.block_size, cfg.kv_memory_mb * 2**20)
+    # One sequence must always fit in the pool on its own, or it could wait forever.
+    max_model_len = min(mcfg.max_position_embeddings, num_blocks * cfg.block_size)
+    runner = ModelRunner(model, num_blocks, cfg.block_size)
+    tables = BlockTables(BlockPool(num_blocks, cfg.block_size))
+    sched_cfg = SchedulerConfig(cfg.max_batch_tokens, cfg.max_running, max_model_len, on_prefilled)
+    scheduler = Scheduler(tables, sched_cfg)
+    return Engine(runner, tables, scheduler, Stepper(runner, scheduler), max_model_len)
 
 
 def delta_of(seq: Sequence) -> TokenDelta:
