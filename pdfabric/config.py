@@ -133,8 +133,8 @@ class ServeConfig:
 
 def load_serve_config(path: str | Path | None, overrides: dict[str, Any]) -> ServeConfig:
     """Reads a TOML deployment config (``[serve]``, ``[worker]``, ``[routing]`` and ``[[workers]]``)
-    and applies CLI overrides (keys of ``[serve]`` or ``[worker]``; ``None`` values are ignored).
-    Unknown tables and keys are a ``ValueError`` naming them."""
+    and applies CLI overrides (keys of ``[serve]`` or ``[worker]``, and ``routing_policy``; ``None``
+    values are ignored). Unknown tables and keys are a ``ValueError`` naming them."""
     data: dict[str, Any] = {}
     if path is not None:
         with open(path, "rb") as f:
@@ -150,6 +150,7 @@ def load_serve_config(path: str | Path | None, overrides: dict[str, Any]) -> Ser
         if bad:
             raise ValueError(f"{path}: unknown key(s) in [{name}]: {', '.join(sorted(bad))}")
     given = {k: v for k, v in overrides.items() if v is not None}
+    policy = given.pop("routing_policy", None)
     counts = ("prefill", "decode", "colocated")
     if any(k in given for k in counts):  # the command line's deployment replaces the file's
         for k in counts:
@@ -163,6 +164,8 @@ def load_serve_config(path: str | Path | None, overrides: dict[str, Any]) -> Ser
     try:
         groups = tuple(_group(base, t) for t in data.get("workers", ()))
         routing, predictor = _routing(data.get("routing", {}))
+        if policy is not None:
+            routing = replace(routing, policy=policy)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{path}: {exc}") from None
     return ServeConfig(**serve, worker=base, groups=groups, routing=routing, predictor=predictor)

@@ -42,6 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-running", type=int, help="sequences decoding at once per worker (default 64)")
     parser.add_argument("--profile-seconds", type=float, help="start-up profiling time per worker (s)")
     parser.add_argument("--served-model-name", help="the model name clients use (default: --model)")
+    parser.add_argument(
+        "--routing-policy",
+        choices=("budget", "round_robin", "least_loaded"),
+        help="how the router picks routes (default: the config's [routing] policy, else budget)",
+    )
     parser.add_argument("--ready-timeout", type=float, default=120.0, help="seconds to wait for workers")
     parser.add_argument(
         "--log-level", default="WARNING", help="router and worker log level (default WARNING)"
@@ -74,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
             "max_running",
             "served_model_name",
             "profile_seconds",
+            "routing_policy",
         )
     }
     try:

@@ -164,6 +164,8 @@ def test_config_tables(tmp_path: Path) -> None:
     path = tmp_path / "rr.toml"
     path.write_text('[routing]\npolicy = "round_robin"\n')
     assert load_serve_config(path, {}).routing.policy == "round_robin"
+    overridden = load_serve_config(path, {"routing_policy": "least_loaded", "port": None})
+    assert overridden.routing.policy == "least_loaded" and overridden.routing.classes  # the rest kept
     plain = load_serve_config(None, {})
     assert [wid for wid, _ in plain.launch_plan()] == ["prefill-0", "decode-0"]
     for body, word in (
