@@ -132,6 +132,21 @@ async def bisect(
     return settle(res)
 
 
+async def find_goodput(
+    measure: Measure, rates: list[float] | None, lo_hi: tuple[float, float], cfg: SearchConfig
+) -> GoodputResult:
+    """The search every goodput command runs: sweep ``rates``, then bisect between the last pass and
+    the first failure with the trials left; without ``rates``, bisect from ``lo_hi``."""
+    if not rates:
+        return await bisect(measure, lo_hi[0], lo_hi[1], cfg)
+    prior = await sweep(measure, rates, cfg.target)
+    left = cfg.max_trials - len(prior.trials)
+    if prior.goodput is None or prior.first_fail is None or left <= 0:
+        return prior
+    sub = SearchConfig(target=cfg.target, rel_tol=cfg.rel_tol, max_trials=left)
+    return await bisect(measure, prior.goodput, prior.first_fail, sub, prior=prior)
+
+
 def _round_rate(rate: float, lo: float, hi: float) -> float:
     """``rate`` to 4 significant digits (readable trial names), unless that leaves (lo, hi)."""
     short = float(f"{rate:.4g}")

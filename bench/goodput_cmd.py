@@ -92,7 +92,7 @@ async def search(
 ) -> SearchRun:
     """Run the search, writing each trial into ``out/trials/rate-R``; ``label`` names it on stderr."""
     from pdfabric.bench.client import replay
-    from pdfabric.bench.goodput import GoodputResult, bisect, settle, sweep
+    from pdfabric.bench.goodput import GoodputResult, find_goodput, settle
     from pdfabric.bench.options import client_meta
     from pdfabric.bench.progress import Progress
     from pdfabric.bench.prompts import PromptBuilder
@@ -124,14 +124,7 @@ async def search(
         return att
 
     try:
-        if rates:
-            prior = await sweep(measure, rates, cfg.target)
-            left = cfg.max_trials - len(prior.trials)
-            if prior.goodput is not None and prior.first_fail is not None and left > 0:
-                sub = type(cfg)(target=cfg.target, rel_tol=cfg.rel_tol, max_trials=left)
-                await bisect(measure, prior.goodput, prior.first_fail, sub, prior=prior)
-        else:
-            await bisect(measure, lo_hi[0], lo_hi[1], cfg)
+        await find_goodput(measure, rates, lo_hi, cfg)
     except _Interrupted:
         run.stopped = "interrupted"
     settle(run.result)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from pdfabric.engine.block_pool import BlockTables, blocks_for
 from pdfabric.engine.sequence import SeqState, Sequence
+from pdfabric.profile import StepShape
 
 
 @dataclass(frozen=True)
@@ -229,4 +230,12 @@ class Scheduler:
         return len(self._by_id)
 
 
-__all__ = ["Chunk", "Scheduler", "SchedulerConfig", "blocks_for"]
+def step_shape(chunks: list[Chunk]) -> StepShape:
+    """What a step runs, in the terms of the latency profile: decode tokens of running sequences
+    (by their length after the step) and prefill chunks (cached tokens, new tokens)."""
+    decoding = [c for c in chunks if c.seq.state is SeqState.RUNNING]
+    prefilling = [(c.start, c.stop - c.start) for c in chunks if c.seq.state is not SeqState.RUNNING]
+    return StepShape.of(prefilling, [c.stop for c in decoding])
+
+
+__all__ = ["Chunk", "Scheduler", "SchedulerConfig", "blocks_for", "step_shape"]

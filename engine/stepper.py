@@ -8,9 +8,9 @@ from collections import deque
 
 from pdfabric.engine.runner import ModelRunner, StepEntry
 from pdfabric.engine.sampler import sample
-from pdfabric.engine.scheduler import Chunk, Scheduler
-from pdfabric.engine.sequence import SeqState, Sequence
-from pdfabric.profile import ProfileBuilder, StepShape
+from pdfabric.engine.scheduler import Chunk, Scheduler, step_shape
+from pdfabric.engine.sequence import Sequence
+from pdfabric.profile import ProfileBuilder
 
 
 class Stepper:
@@ -52,11 +52,3 @@ class Stepper:
     @property
     def recent_step_ms(self) -> float:
         return statistics.median(self._recent_ms) if self._recent_ms else 0.0
-
-
-def step_shape(chunks: list[Chunk]) -> StepShape:
-    """What a step runs, in the terms of the latency profile: decode tokens of running sequences
-    (by their length after the step) and prefill chunks (cached tokens, new tokens)."""
-    decoding = [c for c in chunks if c.seq.state is SeqState.RUNNING]
-    prefilling = [(c.start, c.stop - c.start) for c in chunks if c.seq.state is not SeqState.RUNNING]
-    return StepShape.of(prefilling, [c.stop for c in decoding])

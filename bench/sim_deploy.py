@@ -1,0 +1,75 @@
+"""A serve config and measured profiles turned into the simulator's deployment (``SimConfig``).
+
+Each worker the launcher would start (``ServeConfig.launch_plan``: the default pool's workers, then
+each ``[[workers]]`` group's) becomes one ``SimWorker`` with:
+
+- the profile ``profile_file.for_kind`` picks for its kind (a role-tagged one, else one for any kind);
+- its own ``[worker]`` / ``[[workers]]`` limits, pool and heartbeat period;
+- as many KV blocks as the real worker allocates: ``num_blocks`` if set, else ``kv_memory_mb`` divided
+  by the bytes of one block (the profile's ``kv_bytes_per_token`` times ``block_size``);
+- the real worker's context limit: the lower of the profile's ``max_model_len`` and what the blocks hold;
+- the profile's measured KV rate over ``transport`` (the fastest measured one when ``None``; the
+  predictor's ``default_kv_bytes_per_s`` when the profile measured none at all).
+
+The config's ``[routing]`` table gives the router's budgets, classes, pools, policy and predictor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pdfabric.bench.simulator import SimConfig, SimWorker
+from pdfabric.config import ServeConfig, WorkerConfig
+from pdfabric.profile_file import ProfileFile, for_kind
+
+
+def sim_config(
+    serve: ServeConfig, profiles: Sequence[ProfileFile], transport: str | None = None
+) -> SimConfig:
+    """One SimWorker per worker the launcher would start for ``serve``; raises ``ValueError`` when a
+    kind has no profile, the KV budget holds no block, or ``transport`` was not measured."""
+    profiles = list(profiles)
+    workers = []
+    for worker_id, w in serve.launch_plan():
+        pf = for_kind(profiles, w.kind)
+        num_blocks = worker_blocks(w, pf.kv_bytes_per_token)
+        rate = pf.kv_rate(transport) if pf.kv_bytes_per_s else serve.predictor.default_kv_bytes_per_s
+        workers.append(
+            SimWorker(
+                worker_id,
+                w.kind,
+                pf.profile,
+                pool=w.pool,
+                max_running=w.max_running,
+                max_batch_tokens=w.max_batch_tokens,
+                num_blocks=num_blocks,
+                block_size=w.block_size,
+                max_model_len=min(pf.max_model_len, num_blocks * w.block_size),
+                kv_bytes_per_token=pf.kv_bytes_per_token,
+                kv_bytes_per_s=rate,
+                heartbeat_s=w.heartbeat_s,
+            )
+        )
+    return SimConfig(tuple(workers), serve.routing, serve.predictor, heartbeat_s=serve.worker.heartbeat_s)
+
+
+def worker_blocks(worker: WorkerConfig, kv_bytes_per_token: int) -> int:
+    """The KV blocks a real worker allocates (``engine.kv_cache.blocks_in_budget``, without torch)."""
+    if worker.num_blocks:
+        return worker.num_blocks
+    block_bytes = kv_bytes_per_token * worker.block_size
+    n = worker.kv_memory_mb * 2**20 // block_bytes
+    if n <= 0:
+        budget = worker.kv_memory_mb * 2**20
+        raise ValueError(f"a KV budget of {budget} bytes holds no block of {block_bytes} bytes")
+    return n
+
+
+FABRIC_TRANSPORT = "zmq-tcp"  # what the workers' KV link uses today (pdfabric.kvtransfer.link)
+
+
+def default_transport(profiles: Sequence[ProfileFile]) -> str | None:
+    """The fabric's own transport when every profile that measured rates measured it, else None (each
+    profile's fastest measured rate)."""
+    measured = [p.kv_bytes_per_s for p in profiles if p.kv_bytes_per_s]
+    return FABRIC_TRANSPORT if measured and all(FABRIC_TRANSPORT in m for m in measured) else None
