@@ -14,6 +14,8 @@ import sys
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("serve",), "pdfabric.launcher", "start a router and its prefill / decode / colocated workers"),
     (("worker",), "pdfabric.worker_cli", "run one worker that joins a router"),
+    (("profile",), "pdfabric.profile_cmd", "measure a worker's step times and KV transfer rates into a file"),
+    (("plan",), "pdfabric.bench.plan_cmd", "the prefill:decode split and batch caps by simulated goodput"),
     (
         ("generate",),
         "pdfabric.engine.generate",
@@ -29,6 +31,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "replay"), "pdfabric.bench.replay_cmd", "replay a trace open-loop: TTFT, ITL, SLO attainment"),
     (("bench", "goodput"), "pdfabric.bench.goodput_cmd", "highest rate meeting both SLOs (rate search)"),
     (("bench", "compare"), "pdfabric.bench.compare_cmd", "one workload against several servers side by side"),
+    (("bench", "simulate"), "pdfabric.bench.simulate_cmd", "replay a workload on a simulated deployment"),
 ]
 
 

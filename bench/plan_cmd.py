@@ -1,0 +1,351 @@
+"""``pdfabric plan``: the prefill:decode split and batch caps that serve a workload best, by simulation.
+
+Reads profile files (``pdfabric profile``), one per worker kind or one for all, and a workload (the
+``bench replay`` workload and scaling flags). With ``--workers W`` it reports the candidate of W
+workers with the highest simulated goodput; with ``--rate R`` the fewest workers whose best
+candidate meets the attainment target at R req/s. Writes, with ``--out DIR``: ``plan.json`` (every
+candidate), ``plan.toml`` (the chosen deployment, for ``pdfabric serve --config``) and
+``attainment_vs_rate.png`` (the best few candidates).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pdfabric.bench.metrics import ITL_STATS
+from pdfabric.bench.options import add_workload_arguments
+
+if TYPE_CHECKING:
+    from pdfabric.bench.planner import Evaluation, Plan, PlanSettings
+    from pdfabric.config import ServeConfig
+    from pdfabric.profile_file import ProfileFile
+
+PLOTTED = 4  # candidates drawn in attainment_vs_rate.png
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--profile",
+        action="append",
+        required=True,
+        metavar="FILE",
+        help="a profile file from `pdfabric profile` (repeat: one per role, e.g. a prefill "
+        "profile from one machine and a decode profile from another)",
+    )
+    add_workload_arguments(parser)
+    for action in parser._actions:  # the workload's --rate is also what --rate mode plans for
+        if action.dest == "rate":
+            action.help = (
+                "plan for this rate, req/s: the fewest workers that serve it (instead of "
+                "--workers); with --trace synthetic also the generator's mean rate"
+            )
+            action.metavar = "R"
+    g = parser.add_argument_group("SLO")
+    g.add_argument(
+        "--slo-ttft-ms", "--ttft-slo-ms", dest="ttft_slo_ms", type=float, required=True, help="TTFT SLO in ms"
+    )
+    g.add_argument(
+        "--slo-itl-ms", "--itl-slo-ms", dest="itl_slo_ms", type=float, required=True, help="ITL SLO in ms"
+    )
+    g.add_argument(
+        "--itl-stat",
+        choices=ITL_STATS,
+        default="mean",
+        help="per-request ITL statistic judged against the ITL SLO (default mean = TPOT)",
+    )
+    g.add_argument(
+        "--attainment",
+        "--target",
+        dest="target",
+        type=float,
+        default=0.9,
+        help="fraction of requests that must meet both SLOs (default 0.9)",
+    )
+    m = parser.add_argument_group("what to plan (one of)")
+    m.add_argument(
+        "--workers",
+        type=int,
+        metavar="W",
+        help="the best deployment of W workers; or give --rate R (a workload flag above) for the "
+        "fewest workers that serve R req/s",
+    )
+    m.add_argument(
+        "--max-workers", type=int, default=16, help="with --rate: the largest worker count tried (default 16)"
+    )
+    c = parser.add_argument_group("candidates")
+    c.add_argument(
+        "--max-running",
+        metavar="LIST",
+        help="decode batch caps to try, e.g. 8,16,32,64 (default: 8, 16, ... up to the profile's)",
+    )
+    c.add_argument(
+        "--chunk-tokens",
+        metavar="LIST",
+        help="prefill chunk budgets (max_batch_tokens) to try (default: the profile's)",
+    )
+    c.add_argument(
+        "--kinds",
+        choices=("all", "disaggregated", "colocated"),
+        default="all",
+        help="candidate shapes: prefill+decode splits, colocated, or both (default all)",
+    )
+    c.add_argument("--kv-memory-mb", type=int, default=256, help="KV-cache budget per worker (default 256)")
+    c.add_argument("--transport", help="KV transport whose measured rate to use (default: zmq-tcp, what "
+                   "workers use, when every profile measured it, else each profile's fastest)")
+    s = parser.add_argument_group("rate search (per candidate)")
+    s.add_argument("--rates", help="rates to sweep, req/s (then bisected); default: bisect from an estimate")
+    s.add_argument("--max-trials", type=int, default=16, help="most simulations per search (default 16)")
+    s.add_argument(
+        "--rel-tol",
+        type=float,
+        default=0.05,
+        help="stop bisecting when hi/lo - 1 is below this (default 0.05)",
+    )
+    parser.add_argument("--out", metavar="DIR", help="write plan.json, plan.toml and attainment_vs_rate.png")
+    parser.add_argument("--json", action="store_true", help="print the chosen deployment as JSON")
+    parser.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+
+
+def _ints(text: str | None, flag: str) -> tuple[int, ...]:
+    if not text:
+        return ()
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag} must hold integers >= 1, got {text!r}")
+    return values
+
+
+def settings_from_args(args: argparse.Namespace) -> PlanSettings:
+    """The planner's settings from the flags; ``ValueError`` naming the flag."""
+    from pdfabric.bench.goodput import SearchConfig
+    from pdfabric.bench.goodput_cmd import search_config
+    from pdfabric.bench.metrics import SLO
+    from pdfabric.bench.planner import PlanSettings
+
+    if not 0 < args.target <= 1:
+        raise ValueError(f"--attainment must be in (0, 1], got {args.target}")
+    for flag, value in (("--slo-ttft-ms", args.ttft_slo_ms), ("--slo-itl-ms", args.itl_slo_ms)):
+        if not value > 0:
+            raise ValueError(f"{flag} must be > 0, got {value}")
+    if args.kv_memory_mb < 1:
+        raise ValueError(f"--kv-memory-mb must be >= 1, got {args.kv_memory_mb}")
+    rates, search = search_config(args)
+    return PlanSettings(
+        slo=SLO(args.ttft_slo_ms, args.itl_slo_ms, args.itl_stat),
+        search=SearchConfig(search.target, search.rel_tol, search.max_trials),
+        rates=tuple(rates or ()),
+        max_running=_ints(args.max_running, "--max-running"),
+        chunk_tokens=_ints(args.chunk_tokens, "--chunk-tokens"),
+        kv_memory_mb=args.kv_memory_mb,
+        transport=args.transport,
+        colocated=args.kinds in ("all", "colocated"),
+        disaggregated=args.kinds in ("all", "disaggregated"),
+    )
+
+
+def load_profiles(paths: list[str], transport: str | None) -> list[ProfileFile]:
+    from pdfabric.bench.planner import check_profiles
+    from pdfabric.profile_file import ProfileFile
+
+    profiles = [ProfileFile.load(p) for p in paths]
+    check_profiles(profiles)
+    if transport is not None:
+        for path, p in zip(paths, profiles, strict=True):
+            if transport not in p.kv_bytes_per_s:
+                measured = ", ".join(sorted(p.kv_bytes_per_s)) or "none"
+                raise ValueError(f"--transport {transport}: not measured in {path} (measured: {measured})")
+    return profiles
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdfabric.bench.options import fail, workload_from_args
+    from pdfabric.bench.planner import plan_for_rate, plan_for_workers
+    from pdfabric.bench.progress import Progress
+    from pdfabric.bench.sim_deploy import default_transport
+
+    if (args.workers is None) == (args.rate is None):
+        both = " (not both)" if args.workers is not None else ""
+        return fail(
+            f"give --workers W (the best deployment of W workers) or --rate R (the fewest workers "
+            f"that serve R req/s){both}"
+        )
+    if args.workers is not None and args.workers < 1:
+        return fail(f"--workers must be >= 1, got {args.workers}")
+    if args.workers is not None and args.trace == "synthetic":
+        args.rate = 1.0  # the generator needs a rate; every trial rescales the workload anyway
+    try:
+        settings = settings_from_args(args)
+        profiles = load_profiles(args.profile, args.transport)
+        if settings.transport is None:
+            settings = replace(settings, transport=default_transport(profiles))
+        workload = workload_from_args(args)
+        if not 0 < workload.mean_rate() < float("inf"):
+            raise ValueError("the workload needs at least two distinct arrival times to be rescaled")
+    except ValueError as exc:
+        return fail(str(exc))
+    bar: Progress | None = None
+    started = time.monotonic()
+
+    def on_done(ev: Evaluation, done: int, total: int) -> None:
+        nonlocal bar
+        if done == 1 or bar is None:
+            bar = Progress(total, f"plan: {ev.candidate.workers} workers", enabled=not args.no_progress)
+        bar.update(done, done, {}, time.monotonic() - started)
+        if done == total:
+            bar.close()
+
+    try:
+        if args.workers is not None:
+            plan = plan_for_workers(args.workers, workload, profiles, settings, on_done=on_done)
+        else:
+            plan = plan_for_rate(args.rate, workload, profiles, settings, args.max_workers, on_done=on_done)
+    except ValueError as exc:
+        return fail(str(exc))
+    chosen = plan_summary(plan, settings, profiles)
+    if args.json:
+        print(json.dumps(chosen, indent=2))
+    else:
+        print(table(plan, settings))
+        for note in plan.notes:
+            print(f"note: {note}")
+        print(headline(plan, settings))
+    if args.out:
+        write_outputs(Path(args.out), plan, settings, profiles, args, workload.describe(), chosen)
+        if not args.json:
+            print(f"plan written to {args.out}/ (plan.json, plan.toml, attainment_vs_rate.png)")
+    return 0 if plan.best is not None else 1
+
+
+def plan_summary(plan: Plan, settings: PlanSettings, profiles: list[ProfileFile]) -> dict[str, Any]:
+    """The chosen deployment as ``--json`` prints it (counts, caps, goodput, attainment, latencies)."""
+    if plan.best is None:
+        return {"prefill": None, "decode": None, "colocated": None, "goodput_rps": None, "attainment": None,
+                "max_running": None, "chunk_tokens": None, "workers": None, "rate_rps": plan.rate,
+                "notes": plan.notes}  # fmt: skip
+    return {**plan.best.to_json(settings.slo), "rate_rps": plan.rate, "notes": plan.notes}
+
+
+def _num(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def table(plan: Plan, settings: PlanSettings) -> str:
+    """Every candidate, one line each; the chosen one marked ``*``."""
+    where = "at the rate asked" if plan.rate is not None else "at its goodput"
+    lines = [f"SLO: TTFT <= {settings.slo.ttft_ms:g} ms, ITL ({settings.slo.itl_stat}) <= "
+             f"{settings.slo.itl_ms:g} ms for {settings.search.target:.0%} of requests; attainment and p90s "
+             f"{where}",
+             f"  {'candidate':<20} {'workers':>7} {'goodput':>9} {'per worker':>10} {'attain':>7} "
+             f"{'TTFT p90':>9} {'ITL p90':>8}"]  # fmt: skip
+    for ev in plan.evaluations:
+        st = ev.stats(settings.slo)
+        mark = "*" if ev is plan.best else " "
+        lines.append(
+            f"{mark} {ev.candidate.name:<20} {ev.candidate.workers:>7} {_num(ev.goodput, '9.3g')} "
+            f"{_num(ev.goodput_per_worker, '10.3g')} {_num(st['attainment'], '7.1%')} "
+            f"{_num(st['ttft_p90_ms'], '9.1f')} {_num(st['itl_p90_ms'], '8.2f')}"
+        )
+    return "\n".join(lines)
+
+
+def headline(plan: Plan, settings: PlanSettings) -> str:
+    if plan.best is None:
+        return "no candidate met the attainment target at any rate tried (loosen the SLO or add workers)"
+    b, c = plan.best, plan.best.candidate
+    shape = f"{c.colocated} colocated" if c.colocated else f"{c.prefill} prefill + {c.decode} decode"
+    shape += " worker" if c.workers == 1 else " workers"
+    rate = f" at {plan.rate:g} req/s" if plan.rate is not None else ""
+    return (
+        f"best{rate}: {shape}, max_running {c.max_running}, max_batch_tokens {c.chunk_tokens}: "
+        f"goodput {_num(b.goodput, '.3g')} req/s ({_num(b.goodput_per_worker, '.3g')} per worker)"
+    )
+
+
+def deployment_toml(serve: ServeConfig, header: str = "") -> str:
+    """``serve`` as a deployment config ``load_serve_config`` reads back: ``[serve]`` (model, dtype,
+    counts), ``[worker]``, one ``[[workers]]`` per group and the ``[routing]`` budgets."""
+    from dataclasses import fields
+
+    from pdfabric.config import WorkerConfig
+
+    def value(v: Any) -> str:
+        return json.dumps(v) if isinstance(v, str) else repr(v)
+
+    w = serve.worker
+    keys = ("block_size", "num_blocks", "kv_memory_mb", "max_batch_tokens", "max_running", "threads",
+            "device", "profile_seconds")  # fmt: skip
+    defaults = {f.name: f.default for f in fields(WorkerConfig)}
+    lines = [f"# {line}" if line else "#" for line in header.splitlines()]
+    lines += ["[serve]", f"model = {value(serve.model)}"]
+    if serve.dtype:
+        lines.append(f"dtype = {value(serve.dtype)}")
+    lines += [f"{k} = {getattr(serve, k)}" for k in ("prefill", "decode", "colocated")]
+    lines += ["", "[worker]"]
+    lines += [f"{k} = {value(getattr(w, k))}" for k in keys if k in ("max_batch_tokens", "max_running",
+              "kv_memory_mb", "block_size") or getattr(w, k) != defaults[k]]  # fmt: skip
+    for g in serve.groups:
+        lines += ["", "[[workers]]", f"kind = {value(g.kind)}", f"count = {g.count}"]
+        own = [k for k in keys if getattr(g.worker, k) != getattr(w, k)]
+        lines += [f"{k} = {value(getattr(g.worker, k))}" for k in own]
+    r = serve.routing
+    lines += ["", "[routing]", f"ttft_ms = {r.ttft_ms!r}", f"itl_ms = {r.itl_ms!r}"]
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(
+    out: Path,
+    plan: Plan,
+    settings: PlanSettings,
+    profiles: list[ProfileFile],
+    args: argparse.Namespace,
+    workload: dict[str, Any],
+    chosen: dict[str, Any],
+) -> None:
+    """``plan.json``, ``plan.toml`` (when a candidate was chosen) and ``attainment_vs_rate.png``."""
+    from pdfabric.bench import plots
+    from pdfabric.bench.planner import deployment
+
+    out.mkdir(parents=True, exist_ok=True)
+    report = {
+        "command": "plan",
+        "mode": "workers" if plan.rate is None else "rate",
+        "workers": args.workers,
+        "rate_rps": plan.rate,
+        "slo": settings.slo.to_json(),
+        "target": settings.search.target,
+        "workload": workload,
+        "profiles": [
+            {
+                "path": str(path),
+                "role": p.role,
+                "model": p.model,
+                "device": p.device,
+                "device_name": p.device_name,
+                "threads": p.threads,
+            }
+            for path, p in zip(args.profile, profiles, strict=True)
+        ],  # fmt: skip
+        "chosen": chosen,
+        "candidates": [ev.to_json(settings.slo) for ev in plan.evaluations],
+        "notes": plan.notes,
+    }
+    (out / "plan.json").write_text(json.dumps(report, indent=2) + "\n")
+    if plan.best is not None:
+        serve = deployment(plan.best.candidate, profiles, settings)
+        header = f"Chosen by `pdfabric plan` (every candidate: plan.json).\n{headline(plan, settings)}"
+        (out / "plan.toml").write_text(deployment_toml(serve, header))
+    searched = [ev for ev in plan.evaluations if len(ev.result.trials) > 1 or plan.rate is None]
+    top = sorted(searched, key=lambda e: -(e.goodput or 0.0))[:PLOTTED]
+    curves = {ev.candidate.name: ev.result.trials for ev in top}
+    marks = {ev.candidate.name: ev.goodput for ev in top}
+    title = "simulated SLO attainment vs rate"
+    plots.attainment_curves(curves, out / "attainment_vs_rate.png", settings.search.target,
+                            "request rate (req/s)", title, marks)  # fmt: skip

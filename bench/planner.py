@@ -1,0 +1,352 @@
+"""The prefill:decode planner: which deployment of measured workers serves a workload best.
+
+A candidate is a deployment shape: ``p`` prefill + ``d`` decode workers, or ``c`` colocated ones,
+with a decode batch cap (``max_running``) and a chunk budget (``max_batch_tokens``). Its goodput is
+found as ``pdfabric bench goodput`` finds a server's (``bench.goodput``: sweep and bisection, same
+settle rule), but each trial is a simulation (``bench.simulator``) of the workload rescaled to the
+trial's rate (``Workload.with_rate``), judged with ``bench.metrics`` (same SLO and ITL statistic).
+
+1. ``candidates(W)``: every split ``p + d = W`` (p, d >= 1) and ``W`` colocated, times each cap;
+2. ``evaluate``: a candidate's goodput search, keeping each trial's records;
+3. ``plan_for_workers(W)`` picks the candidate with the highest goodput; ``plan_for_rate(R)`` the
+   fewest workers whose best candidate meets the attainment target at ``R`` (highest goodput among
+   those that do).
+
+Pure: no processes, no files; the simulator is a parameter so tests can replace it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from pdfabric.bench.goodput import GoodputResult, SearchConfig, find_goodput, settle
+from pdfabric.bench.metrics import SLO, attainment, summarize
+from pdfabric.bench.records import RequestRecord
+from pdfabric.bench.workload import Workload
+from pdfabric.config import ServeConfig, WorkerConfig, WorkerGroup
+from pdfabric.profile_file import ProfileFile, for_kind
+from pdfabric.router.slo import AdmissionConfig
+
+# (deployment, workload at one rate) -> one record per request
+Simulate = Callable[[ServeConfig, Workload], list[RequestRecord]]
+DEFAULT_CAPS = (8, 16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One deployment shape: worker counts per kind and the per-worker batch and chunk caps."""
+
+    prefill: int
+    decode: int
+    colocated: int
+    max_running: int
+    chunk_tokens: int
+
+    @property
+    def workers(self) -> int:
+        return self.prefill + self.decode + self.colocated
+
+    @property
+    def name(self) -> str:
+        split = f"{self.colocated}C" if self.colocated else f"{self.prefill}P+{self.decode}D"
+        return f"{split} b{self.max_running} c{self.chunk_tokens}"
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """What every candidate shares: the SLO, the search, the caps to try, the KV budget."""
+
+    slo: SLO
+    search: SearchConfig = field(default_factory=SearchConfig)
+    rates: tuple[float, ...] = ()  # swept first (then bisected between pass and fail); (): bisect only
+    max_running: tuple[int, ...] = ()  # decode batch caps; (): DEFAULT_CAPS up to the profile's limit
+    chunk_tokens: tuple[int, ...] = ()  # prefill chunk budgets; (): the profile's measured limit
+    kv_memory_mb: int = 256
+    transport: str | None = None  # KV transport whose measured rate is used (None: the fastest)
+    colocated: bool = True  # try colocated candidates
+    disaggregated: bool = True  # try prefill + decode splits
+
+    def __post_init__(self) -> None:
+        if self.kv_memory_mb < 1:
+            raise ValueError(f"kv_memory_mb must be >= 1, got {self.kv_memory_mb}")
+        for name in ("max_running", "chunk_tokens", "rates"):
+            if any(v <= 0 for v in getattr(self, name)):
+                raise ValueError(f"{name} values must be > 0, got {getattr(self, name)}")
+        if not (self.colocated or self.disaggregated):
+            raise ValueError("nothing to plan: both colocated and disaggregated candidates are off")
+
+
+@dataclass
+class Evaluation:
+    """A candidate's search: every trial's attainment and records, the goodput, and the headline
+    numbers at ``at_rate`` (the goodput, or the rate asked for)."""
+
+    candidate: Candidate
+    result: GoodputResult
+    records: dict[float, list[RequestRecord]] = field(default_factory=dict)
+    at_rate: float | None = None
+
+    @property
+    def goodput(self) -> float | None:
+        return self.result.goodput
+
+    @property
+    def goodput_per_worker(self) -> float | None:
+        g = self.result.goodput
+        return None if g is None else g / self.candidate.workers
+
+    def stats(self, slo: SLO) -> dict[str, Any]:
+        """Attainment and p90 TTFT / ITL (pooled gaps, as the bench reports them) at ``at_rate``."""
+        recs = self.records.get(self.at_rate) if self.at_rate is not None else None
+        if not recs:
+            return {"attainment": None, "ttft_p90_ms": None, "itl_p90_ms": None}
+        s = summarize(recs, slo)
+        return {"attainment": s["attainment"], "ttft_p90_ms": s["ttft_ms"]["p90"],
+                "itl_p90_ms": s["itl_ms"]["p90"]}  # fmt: skip
+
+    def to_json(self, slo: SLO) -> dict[str, Any]:
+        c = self.candidate
+        return {
+            "name": c.name, "prefill": c.prefill, "decode": c.decode, "colocated": c.colocated,
+            "workers": c.workers, "max_running": c.max_running, "chunk_tokens": c.chunk_tokens,
+            "goodput_rps": self.goodput, "goodput_per_worker": self.goodput_per_worker,
+            "goodput": self.result.to_json(), "at_rate_rps": self.at_rate, **self.stats(slo),
+        }  # fmt: skip
+
+
+@dataclass
+class Plan:
+    """Every evaluated candidate (in evaluation order) and the chosen one (``None``: none passed)."""
+
+    evaluations: list[Evaluation]
+    best: Evaluation | None
+    rate: float | None = None  # rate mode: the rate asked for
+    notes: list[str] = field(default_factory=list)
+
+
+def check_profiles(profiles: Sequence[ProfileFile]) -> None:
+    """Profiles that can describe one deployment: one model, one block size; ``ValueError`` if not."""
+    if not profiles:
+        raise ValueError("give at least one profile")
+    for attr in ("model", "block_size"):
+        values = {getattr(p, attr) for p in profiles}
+        if len(values) > 1:
+            raise ValueError(f"the profiles disagree on {attr}: {', '.join(map(str, sorted(values)))}")
+
+
+def _profile(profiles: Sequence[ProfileFile], kind: str) -> ProfileFile | None:
+    try:
+        return for_kind(list(profiles), kind)
+    except ValueError:
+        return None
+
+
+def caps(profiles: Sequence[ProfileFile], settings: PlanSettings, notes: list[str] | None = None
+         ) -> tuple[list[int], list[int]]:  # fmt: skip
+    """The decode batch caps and chunk budgets to try: those asked for (or the defaults) within the
+    limits the profiles were measured up to; ``ValueError`` when none is left."""
+    decoders = [p for k in ("decode", "colocated") if (p := _profile(profiles, k))]
+    chunkers = [p for k in ("prefill", "colocated") if (p := _profile(profiles, k))]
+    top_batch = min(p.max_running for p in decoders)
+    top_chunk = min(p.max_batch_tokens for p in chunkers)
+    asked = settings.max_running or tuple(c for c in DEFAULT_CAPS if c < top_batch) + (top_batch,)
+    batch = sorted({c for c in asked if c <= top_batch})
+    chunk = sorted({c for c in settings.chunk_tokens or (top_chunk,) if c <= top_chunk})
+    dropped = sorted(set(asked) - set(batch)), sorted(set(settings.chunk_tokens) - set(chunk))
+    limits = (("--max-running", dropped[0], top_batch), ("--chunk-tokens", dropped[1], top_chunk))
+    for flag, values, top in limits:
+        if values and notes is not None:
+            notes.append(f"{flag} {','.join(map(str, values))} left out: above the profiles' measured {top}")
+    if not batch:
+        raise ValueError(f"--max-running: no cap within the profiles' measured batch limit {top_batch}")
+    if not chunk:
+        raise ValueError(f"--chunk-tokens: no budget within the profiles' measured limit {top_chunk}")
+    return batch, chunk
+
+
+def candidates(workers: int, profiles: Sequence[ProfileFile], settings: PlanSettings) -> list[Candidate]:
+    """Every shape of ``workers`` workers the profiles can stand for, times each cap pair (a chunk
+    smaller than the batch cap is skipped: the batch could never fill)."""
+    if workers < 1:
+        raise ValueError(f"the worker budget must be >= 1, got {workers}")
+    shapes: list[tuple[int, int, int]] = []
+    if settings.disaggregated and _profile(profiles, "prefill") and _profile(profiles, "decode"):
+        shapes += [(p, workers - p, 0) for p in range(1, workers)]
+    if settings.colocated and _profile(profiles, "colocated"):
+        shapes.append((0, 0, workers))
+    batch, chunk = caps(profiles, settings)
+    return [Candidate(p, d, c, b, k) for p, d, c in shapes for b in batch for k in chunk if k >= b]
+
+
+def deployment(candidate: Candidate, profiles: Sequence[ProfileFile], settings: PlanSettings) -> ServeConfig:
+    """The candidate as a launchable deployment: the profiles' model, dtype and block size; per-worker
+    caps; the SLO as the router's default budgets; each kind's measured thread count."""
+    ref = profiles[0]
+    dtypes = {p.dtype for p in profiles}
+    kinds = [k for k in ("prefill", "decode", "colocated") if getattr(candidate, k)]
+    threads = {k: _profile(profiles, k).threads for k in kinds}  # type: ignore[union-attr]
+    base = WorkerConfig(
+        kind="colocated", model=ref.model, dtype=dtypes.pop() if len(dtypes) == 1 and ref.dtype else None,
+        block_size=ref.block_size, kv_memory_mb=settings.kv_memory_mb,
+        max_batch_tokens=candidate.chunk_tokens, max_running=candidate.max_running,
+        threads=threads[kinds[0]] if len(set(threads.values())) == 1 else 0,
+    )  # fmt: skip
+    routing = AdmissionConfig(ttft_ms=settings.slo.ttft_ms, itl_ms=settings.slo.itl_ms)
+    counts = {k: getattr(candidate, k) for k in ("prefill", "decode", "colocated")}
+    if base.threads or not any(threads.values()):
+        return ServeConfig(model=ref.model, dtype=base.dtype, worker=base, routing=routing, **counts)
+    groups = tuple(WorkerGroup(replace(base, kind=k, threads=threads[k]), counts[k]) for k in kinds)
+    return ServeConfig(
+        model=ref.model,
+        dtype=base.dtype,
+        prefill=0,
+        decode=0,
+        colocated=0,
+        worker=base,
+        groups=groups,
+        routing=routing,
+    )
+
+
+def default_simulate(profiles: Sequence[ProfileFile], transport: str | None) -> Simulate:
+    """``bench.simulator.simulate`` of ``bench.sim_deploy.sim_config(deployment, profiles)``."""
+    from pdfabric.bench.sim_deploy import sim_config
+    from pdfabric.bench.simulator import simulate
+
+    return lambda serve, workload: simulate(sim_config(serve, profiles, transport), workload)
+
+
+def capacity_estimate(candidate: Candidate, profiles: Sequence[ProfileFile], workload: Workload) -> float:
+    """A rough request rate the candidate can sustain (full batches, no queueing), in req/s: the
+    search's starting bracket, nothing more."""
+    n = len(workload.requests)
+    mean_in = sum(r.input_len for r in workload.requests) / n
+    mean_out = sum(r.output_len for r in workload.requests) / n
+    b = candidate.max_running
+    kinds = ("colocated",) if candidate.colocated else ("prefill", "decode")
+    prof = {k: _profile(profiles, k).profile for k in kinds}  # type: ignore[union-attr]
+    step = prof[kinds[-1]].decode_step_seconds(b, int(b * (mean_in + mean_out / 2)))
+    decode_s = mean_out * step / b  # decode time per request, amortised over a full batch
+    prefill_s = prof[kinds[0]].prefill_seconds(round(mean_in), candidate.chunk_tokens)
+    if candidate.colocated:
+        per = prefill_s + decode_s
+        return candidate.colocated / per if per > 0 else 1.0
+    rates = [candidate.prefill / prefill_s if prefill_s > 0 else float("inf"),
+             candidate.decode / decode_s if decode_s > 0 else float("inf")]  # fmt: skip
+    rate = min(rates)
+    return rate if 0 < rate < float("inf") else 1.0
+
+
+def evaluate(
+    candidate: Candidate,
+    workload: Workload,
+    profiles: Sequence[ProfileFile],
+    settings: PlanSettings,
+    simulate: Simulate,
+) -> Evaluation:
+    """The candidate's goodput: a sweep of ``settings.rates`` refined by bisection, or a bisection
+    from its capacity estimate; every trial a simulation of ``workload`` rescaled to the rate."""
+    serve = deployment(candidate, profiles, settings)
+    ev = Evaluation(candidate, GoodputResult(target=settings.search.target))
+    cfg = settings.search
+
+    async def measure(rate: float) -> float:
+        if rate not in ev.records:
+            ev.records[rate] = simulate(serve, workload.with_rate(rate))
+        return attainment(ev.records[rate], settings.slo) or 0.0
+
+    est = capacity_estimate(candidate, profiles, workload) if not settings.rates else 0.0
+    ev.result = settle(asyncio.run(find_goodput(measure, list(settings.rates), (est / 2, est), cfg)))
+    ev.at_rate = ev.result.goodput
+    return ev
+
+
+def _rank(ev: Evaluation) -> tuple[float, float]:
+    return (ev.goodput or 0.0, ev.result.interpolated or 0.0)
+
+
+def plan_for_workers(
+    workers: int,
+    workload: Workload,
+    profiles: Sequence[ProfileFile],
+    settings: PlanSettings,
+    simulate: Simulate | None = None,
+    on_done: Callable[[Evaluation, int, int], None] | None = None,
+) -> Plan:
+    """Every candidate of ``workers`` workers, and the one with the highest goodput (first on ties)."""
+    check_profiles(profiles)
+    notes: list[str] = []
+    caps(profiles, settings, notes)
+    sim = simulate or default_simulate(profiles, settings.transport)
+    cands = candidates(workers, profiles, settings)
+    if not cands:
+        raise ValueError(f"no candidate deployment of {workers} worker(s) for these profiles and caps")
+    evals = []
+    for i, c in enumerate(cands):
+        evals.append(evaluate(c, workload, profiles, settings, sim))
+        if on_done:
+            on_done(evals[-1], i + 1, len(cands))
+    passing = [e for e in evals if e.goodput is not None]
+    best = max(passing, key=_rank) if passing else None
+    notes += _unbounded(evals)
+    return Plan(evals, best, notes=notes)
+
+
+def _unbounded(evals: list[Evaluation]) -> list[str]:
+    """Notes for searches that never failed: the workload is too small to load those candidates."""
+    names = [e.candidate.name for e in evals if e.goodput is not None and e.result.first_fail is None]
+    if not names:
+        return []
+    return [
+        f"{', '.join(names)}: met the target at every rate tried (up to the whole workload at once); "
+        "their goodput is a lower bound: give more requests (--num-requests, --max-requests)"
+    ]
+
+
+def plan_for_rate(
+    rate: float,
+    workload: Workload,
+    profiles: Sequence[ProfileFile],
+    settings: PlanSettings,
+    max_workers: int = 16,
+    simulate: Simulate | None = None,
+    on_done: Callable[[Evaluation, int, int], None] | None = None,
+) -> Plan:
+    """The fewest workers (1, 2, ... ``max_workers``) whose candidates include one meeting the target
+    at ``rate``; among those that do, the one with the highest goodput. Candidates of smaller budgets
+    are kept with their attainment at ``rate`` only (no goodput search)."""
+    if not rate > 0:
+        raise ValueError(f"--rate must be > 0, got {rate}")
+    if max_workers < 1:
+        raise ValueError(f"--max-workers must be >= 1, got {max_workers}")
+    check_profiles(profiles)
+    notes: list[str] = []
+    caps(profiles, settings, notes)
+    sim = simulate or default_simulate(profiles, settings.transport)
+    at_rate = workload.with_rate(rate)
+    evals: list[Evaluation] = []
+    for w in range(1, max_workers + 1):
+        cands = candidates(w, profiles, settings)
+        meets = []
+        for i, c in enumerate(cands):
+            records = sim(deployment(c, profiles, settings), at_rate)
+            att = attainment(records, settings.slo) or 0.0
+            one = settle(GoodputResult(settings.search.target, [(rate, att)]))
+            ev = Evaluation(c, one, {rate: records}, rate)
+            if att >= settings.search.target:
+                full = evaluate(c, workload, profiles, settings, sim)
+                full.records.setdefault(rate, records)
+                if rate not in dict(full.result.trials):
+                    full.result.trials.append((rate, att))
+                ev = Evaluation(c, settle(full.result), full.records, rate)
+                meets.append(ev)
+            evals.append(ev)
+            if on_done:
+                on_done(ev, i + 1, len(cands))
+        if meets:
+            return Plan(evals, max(meets, key=_rank), rate, notes + _unbounded(meets))
+    notes.append(f"no deployment of up to {max_workers} workers meets the target at {rate:g} req/s")
+    return Plan(evals, None, rate, notes)
