@@ -116,7 +116,7 @@ def _target(
 ) -> Iterator[tuple[ClientConfig, dict[str, Any]]]:
     """The client config for ``dep`` and what the report says about it; a started deployment runs
     for exactly as long as the ``with`` block."""
-    from pdfabric.bench.deploy import started
+    from pdfabric.bench.deploy import save_health, started
     from pdfabric.bench.options import client_from_args
 
     if dep.server is None:
@@ -129,6 +129,7 @@ def _target(
               file=sys.stderr)
         yield client_from_args(args, server.url, dep.model or server.model), {
             **dep.describe(), **server.describe()}
+        save_health(server.url, out / "health.json")
     print(f"{dep.name}: stopped", file=sys.stderr)
 
 

@@ -218,6 +218,16 @@ def _wait_ready(proc: subprocess.Popen[bytes], reader: _LogReader, deadline: flo
         reader.ready_event.wait(0.1)
 
 
+def save_health(url: str, path: Path) -> None:
+    """Writes the server's ``/health`` answer (its workers, with the latency profiles they refined while
+    serving) to ``path``, for comparing with simulations; best effort: a failure only warns."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=5.0) as r:
+            path.write_bytes(r.read())
+    except (OSError, urllib.error.URLError) as exc:
+        print(f"warning: could not save {url}/health: {exc}", file=sys.stderr)
+
+
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=2.0) as r:

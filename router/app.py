@@ -14,7 +14,7 @@ import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from aiohttp import web
@@ -100,6 +100,11 @@ async def health(request: web.Request) -> web.Response:
             "requests": len(w.requests),
             "free_blocks": w.free_blocks,
             "total_blocks": w.reg.num_blocks,
+            "max_running": w.reg.max_running,
+            "max_batch_tokens": w.reg.max_batch_tokens,
+            "kv_bytes_per_token": w.reg.kv_bytes_per_token,
+            "kv_bytes_per_s": w.load.kv_bytes_per_s if w.load is not None else 0.0,
+            "profile": asdict(w.load.profile if w.load is not None else w.reg.profile),
         }
         for w in registry.workers.values()
     ]

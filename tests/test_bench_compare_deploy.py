@@ -52,8 +52,10 @@ def test_compare_starts_and_stops_config_deployments(
         assert d["requests"]["total"] == 8 and d["requests"]["ok"] == 8, d["requests"]
         assert d["deployment"]["kind"] == "started" and d["deployment"]["served_model"] == served
         assert d["target"]["model"] == served  # the announced name is what the client sent
-        for f in ("report.json", "requests.jsonl", "summary.md", "server.log"):
+        for f in ("report.json", "requests.jsonl", "summary.md", "server.log", "health.json"):
             assert (out / name / f).stat().st_size > 0, (name, f)
+        health = json.loads((out / name / "health.json").read_text())
+        assert all("prefill" in w["profile"] for w in health["workers"]), health
         records = [json.loads(line) for line in (out / name / "requests.jsonl").read_text().splitlines()]
         assert all(r["status"] == "ok" and r["output_tokens"] == r["output_len"] for r in records)
         assert _live_group_members(d["deployment"]["pid"]) == [], name

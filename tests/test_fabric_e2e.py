@@ -77,7 +77,10 @@ def test_concurrent_greedy_requests_match_reference(fabric: str, reference: Refe
         assert text == reference.tokenizer.decode(want.token_ids)
         assert finish == "length"
     wait_blocks_free(fabric)
-    kinds = {w["kind"] for w in get_json(fabric + "/health")[1]["workers"]}
+    workers = get_json(fabric + "/health")[1]["workers"]
+    kinds = {w["kind"] for w in workers}
+    for w in workers:  # the profile the router predicts with, refined by the steps just run
+        assert w["profile"]["prefill_samples"] + w["profile"]["decode_samples"] > 0, w
     if "prefill" in kinds:  # every request's KV crossed from the prefill to the decode worker
         transfers = metric_values(fabric, "pdfabric_kv_transfer_bytes_count")
         assert sum(transfers.values()) >= len(bodies)
