@@ -227,3 +227,16 @@ def test_cli_writes_the_bench_report(tmp_path: Path) -> None:
     greport = json.loads((gout / "report.json").read_text())
     assert greport["simulated"] is True and "goodput_rps" in greport and greport["trials"]
     assert (gout / "trials" / "rate-5" / "report.json").exists()
+
+    # validate against a "measured" run that is this very simulation: every figure must agree
+    vout = tmp_path / "validate"
+    assert cli.main([*argv[:-3], "--mode", "validate", "--measured", str(gout), "--out", str(vout)]) == 0
+    validation = json.loads((vout / "validation.json").read_text())
+    assert validation["goodput_rps"]["measured"] == validation["goodput_rps"]["simulated"]
+    assert [t["rate"] for t in validation["trials"]] == sorted(t["rate"] for t in greport["trials"])
+    for t in validation["trials"]:
+        assert t["measured"]["ttft_p90_ms"] == pytest.approx(t["simulated"]["ttft_p90_ms"], abs=1e-3)
+        assert t["measured"]["attainment"] == t["simulated"]["attainment"]
+    other = [*argv[:-3], "--num-requests", "29", "--mode", "validate", "--measured", str(gout),
+             "--out", str(vout)]  # fmt: skip
+    assert cli.main(other) == 2  # another workload than the measured one
