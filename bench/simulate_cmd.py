@@ -65,6 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "what the workers use, when measured; else the fastest measured)",
     )
     g.add_argument(
+        "--routing-policy",
+        choices=("budget", "round_robin", "least_loaded"),
+        help="the router's routing policy (default: the config's [routing] policy), as serve's flag",
+    )
+    g.add_argument(
         "--overhead-ms",
         type=float,
         default=0.0,
@@ -101,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         workload = workload_at_rate(args)
         slo = slo_from_args(args)
-        serve = load_serve_config(args.config, {})
+        serve = load_serve_config(args.config, {"routing_policy": args.routing_policy})
         profiles = [ProfileFile.load(p) for p in args.profile]
         transport = args.transport or default_transport(profiles)
         config = replace(sim_config(serve, profiles, transport), overhead_ms=args.overhead_ms)
