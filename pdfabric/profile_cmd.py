@@ -11,6 +11,10 @@ The run, in order:
 4. write a ``ProfileFile`` (``pdfabric.profile_file``) and print a summary, or the file with ``--json``.
 
 The planner (``pdfabric plan``) and the simulator read the file.
+
+``--from-server URL|FILE`` measures nothing: it saves the profiles a running deployment's workers
+refined while serving (the router's ``/health``, or a saved copy such as the ``health.json`` that
+``bench compare`` writes), one file per worker, with the worker's kind as its role.
 """
 
 from __future__ import annotations
@@ -88,6 +92,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=3,
         help="timed transfers per prompt size and transport (default 3)",
     )
+    parser.add_argument(
+        "--from-server",
+        metavar="URL|FILE",
+        help="measure nothing: save the live profiles of a running deployment's workers (its router's "
+        "URL, or a saved /health answer) as --out DIR/WORKER.json, one per worker",
+    )
     parser.add_argument("--json", action="store_true", help="print the profile file instead of a summary")
     parser.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
 
@@ -95,6 +105,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pdfabric.bench.options import fail
 
+    if args.from_server:
+        try:
+            saved = save_live_profiles(args.from_server, Path(args.out))
+        except ValueError as exc:
+            return fail(str(exc))
+        for path, pf in saved:
+            print(summary(pf))
+            print(f"wrote {path}")
+        return 0
     try:
         transports = _check_args(args)
     except ValueError as exc:
@@ -247,6 +266,54 @@ def measure_kv_rates(
         seconds = sum(r["latency_ms"] for r in mine) / 1e3
         rates[kind] = nbytes / seconds
     return rates
+
+
+def live_profiles(health: dict[str, Any]) -> dict[str, ProfileFile]:
+    """Each worker's profile from a router's ``/health`` answer, by worker id, with its kind as role;
+    the KV rate it reported (if any) counts as ``zmq-tcp``, the transport workers use."""
+    from pdfabric.profile import WorkerProfile
+    from pdfabric.profile_file import ProfileFile
+
+    out: dict[str, ProfileFile] = {}
+    for w in health.get("workers", ()):
+        try:
+            rate = float(w.get("kv_bytes_per_s") or 0.0)
+            out[w["id"]] = ProfileFile(
+                model=w["model"], profile=WorkerProfile(**w["profile"]),
+                kv_bytes_per_token=w["kv_bytes_per_token"], block_size=w["block_size"],
+                max_batch_tokens=w["max_batch_tokens"], max_running=w["max_running"],
+                max_model_len=w["max_model_len"], role=w["kind"], device="live",
+                kv_bytes_per_s={"zmq-tcp": rate} if rate > 0 else {},
+            )  # fmt: skip
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"worker {w.get('id', '?')}: no profile in this /health ({exc})") from None
+    if not out:
+        raise ValueError("the /health answer lists no workers")
+    return out
+
+
+def save_live_profiles(source: str, out_dir: Path) -> list[tuple[Path, ProfileFile]]:
+    """Reads ``/health`` from a router URL or a saved file and writes one profile file per worker."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        if source.startswith(("http://", "https://")):
+            with urllib.request.urlopen(source.rstrip("/") + "/health", timeout=10) as r:
+                health = json.loads(r.read())
+        else:
+            health = json.loads(Path(source).read_text())
+    except (OSError, urllib.error.URLError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--from-server {source}: {exc}") from None
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out {out_dir} must be a directory with --from-server")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    saved = []
+    for worker_id, pf in live_profiles(health).items():
+        path = out_dir / f"{worker_id}.json"
+        pf.save(path)
+        saved.append((path, pf))
+    return saved
 
 
 def _device_name(device: str) -> str:

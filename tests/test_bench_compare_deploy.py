@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from pdfabric import cli
+from pdfabric.profile_file import ProfileFile
 
 WORKER = "[worker]\nkv_memory_mb = 64\nmax_batch_tokens = 256\nmax_running = 16\n"
 WORKLOAD = ["--trace", "synthetic", "--rate", "8", "--num-requests", "8", "--input-len", "16:64",
@@ -56,6 +57,12 @@ def test_compare_starts_and_stops_config_deployments(
             assert (out / name / f).stat().st_size > 0, (name, f)
         health = json.loads((out / name / "health.json").read_text())
         assert all("prefill" in w["profile"] for w in health["workers"]), health
+        live = out / name / "profiles"  # the profiles the workers refined while serving, for simulations
+        health_file = str(out / name / "health.json")
+        assert cli.main(["profile", "--from-server", health_file, "--out", str(live)]) == 0
+        saved = [ProfileFile.load(f) for f in sorted(live.glob("*.json"))]
+        assert [p.role for p in saved] == ["colocated"] * len(health["workers"])
+        assert all(p.model == "tiny" and p.profile.decode_samples > 0 for p in saved), saved
         records = [json.loads(line) for line in (out / name / "requests.jsonl").read_text().splitlines()]
         assert all(r["status"] == "ok" and r["output_tokens"] == r["output_len"] for r in records)
         assert _live_group_members(d["deployment"]["pid"]) == [], name

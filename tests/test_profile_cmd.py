@@ -54,3 +54,14 @@ def test_prefill_role_measures_prefill_only(tmp_path: Path, capsys: pytest.Captu
 def test_bad_flags(flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["profile", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_from_server_errors_are_clear(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    health = tmp_path / "health.json"
+    health.write_text(json.dumps({"status": "ok", "workers": []}))
+    assert main(["profile", "--from-server", str(health), "--out", str(tmp_path / "p")]) == 2
+    assert "lists no workers" in capsys.readouterr().err
+    health.write_text(json.dumps({"workers": [{"id": "decode-0", "kind": "decode"}]}))  # an older router
+    assert main(["profile", "--from-server", str(health), "--out", str(tmp_path / "p")]) == 2
+    assert "worker decode-0: no profile" in capsys.readouterr().err
+    assert main(["profile", "--from-server", str(tmp_path / "missing.json")]) == 2
