@@ -283,7 +283,9 @@ def live_profiles(health: dict[str, Any]) -> dict[str, ProfileFile]:
                 kv_bytes_per_token=w["kv_bytes_per_token"], block_size=w["block_size"],
                 max_batch_tokens=w["max_batch_tokens"], max_running=w["max_running"],
                 max_model_len=w["max_model_len"], role=w["kind"], device="live",
+                device_name=f"worker {w['id']}, from /health",
                 kv_bytes_per_s={"zmq-tcp": rate} if rate > 0 else {},
+                steps=w["profile"]["prefill_samples"] + w["profile"]["decode_samples"],
             )  # fmt: skip
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"worker {w.get('id', '?')}: no profile in this /health ({exc})") from None
@@ -340,8 +342,9 @@ def summary(pf: ProfileFile, measured: ProfilingRun | None = None) -> str:
     ad, bd, cd = p.decode
     hw = pf.device_name or pf.device
     threads = f", {pf.threads} threads" if pf.threads else ""
+    dtype = f" ({pf.dtype})" if pf.dtype else ""
     lines = [
-        f"profile of {pf.model} ({pf.dtype}) on {pf.device} ({hw}{threads}), role {pf.role}: "
+        f"profile of {pf.model}{dtype} on {pf.device} ({hw}{threads}), role {pf.role}: "
         f"{pf.steps} steps in {pf.seconds:.1f}s",
         f"  prefill step = {ap * 1e3:.3f} ms + {bp * 1e6:.3f} us/token + {cp * 1e9:.4f} ns/(token x context)"
         f"   [{p.prefill_samples} steps]",
