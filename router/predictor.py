@@ -12,9 +12,12 @@ P tokens, from each worker's fitted ``WorkerProfile`` and reported ``WorkerLoad`
    plus this one, and their context plus P tokens, times (1 + safety_margin); the batch must stay
    within the worker's limit and the prompt must fit in its free KV;
 3. colocated: prefill chunks share steps with the running decode batch, so its TTFT counts a decode
-   step in every chunk step and its ITL is a *mixed* step: decode at batch + 1 plus a prefill chunk
-   of ``colocated_prefill_share`` of the token budget left over (any later prompt is chunked into the
-   same steps, so this is what its tokens will see whenever prompts arrive);
+   step in every chunk step; its ITL is the mean gap over the request's life: a decode step at batch
+   + 1, plus a prefill chunk (of the token budget the batch leaves) in the fraction of steps that
+   carry one. That fraction follows from the prompt tokens per second recently sent to the worker
+   (``WorkerLoad.prompt_tokens_per_s``): prefill takes a share rho of the worker's time, the mean gap
+   is decode / (1 - rho), and every step carries a chunk once rho reaches 1 (the worst case), capped
+   by ``colocated_prefill_share``;
 4. the routes that fit both budgets are ranked by pool cost, then by load (the larger of TTFT/budget
    and ITL/budget); routes within ``tie_tolerance`` of the best one are equals and are put in a
    seeded, per-call shuffled order, so load spreads deterministically;
@@ -66,6 +69,7 @@ class WorkerLoad:
     context_tokens: int = 0  # tokens held by the running and waiting sequences, in all
     free_kv_tokens: int = 0  # free blocks x block size
     kv_bytes_per_s: float = 0.0  # measured KV transfer rate (0: not measured yet)
+    prompt_tokens_per_s: float = 0.0  # prompt tokens recently sent to it per second (colocated ITL)
 
     def with_prefill(self, prompt_len: int) -> WorkerLoad:
         """This load once a prompt of ``prompt_len`` tokens is queued for prefill here."""
@@ -107,7 +111,7 @@ class PredictorConfig:
     safety_margin: float = 0.1  # predictions are inflated by this fraction
     tie_tolerance: float = 0.05  # routes whose load is within this of the best are equals
     default_kv_bytes_per_s: float = 1e9  # transfer rate assumed before any is measured
-    colocated_prefill_share: float = 1.0  # share of a colocated step's spare budget taken by prefill
+    colocated_prefill_share: float = 1.0  # most of the colocated steps predicted to carry a prompt chunk
     mean_remaining_tokens: int = 128  # assumed output still to come per running sequence (drain time)
     max_queue_share: float = 0.5  # queued work ahead may take at most this share of the TTFT budget
     seed: int = 0
@@ -291,8 +295,9 @@ def _colocated_side(
     """Queue wait, compute and ITL on a colocated worker, and its prompt's compute when idle (ms).
 
     Prompt tokens get the step budget the decode batch leaves, and every such step also runs the
-    decode batch; each decode step carries a prefill chunk of the budget the batch leaves, times
-    ``colocated_prefill_share``.
+    decode batch; the mean decode step carries a prefill chunk of the budget the batch leaves in the
+    share of steps that ``_chunk_share`` estimates from the recent prompt rate (at most
+    ``colocated_prefill_share``).
     """
     load, profile, margin = c.load, c.profile, 1 + config.safety_margin
     decode_s = profile.decode_step_seconds(load.running, load.context_tokens) if load.running else 0.0
@@ -303,13 +308,28 @@ def _colocated_side(
     own_s = profile.prefill_seconds(prompt_len, spare) + math.ceil(prompt_len / spare) * decode_s
 
     def itl(batch: int, context: float) -> float:
-        chunk = round(max(0, c.chunk_tokens - batch) * config.colocated_prefill_share)
+        decode = profile.decode_step_seconds(batch, round(context))
+        chunk = max(0, c.chunk_tokens - batch)
         mixed = profile.prefill_seconds(chunk, chunk) if chunk else 0.0
-        return (profile.decode_step_seconds(batch, round(context)) + mixed) * 1e3 * margin
+        share = _chunk_share(decode, mixed, chunk, load.prompt_tokens_per_s)
+        return (decode + min(share, config.colocated_prefill_share) * mixed) * 1e3 * margin
 
     side = _Side(c, queue_ms=queue_s * 1e3 * margin, compute_ms=own_s * 1e3 * margin)
     idle_ms = profile.prefill_seconds(prompt_len, c.chunk_tokens) * 1e3 * margin
     return _batch_side(c, prompt_len, budgets, config, itl, side), idle_ms
+
+
+def _chunk_share(decode_s: float, chunk_s: float, chunk_tokens: int, prompt_tokens_per_s: float) -> float:
+    """The fraction of a colocated worker's steps that carry a prompt chunk of ``chunk_tokens`` when
+    prompts arrive at ``prompt_tokens_per_s``: prefill then takes rho = rate * chunk_s / chunk_tokens
+    of the worker's time, the mean step is decode_s / (1 - rho), and a chunk comes every
+    chunk_tokens / rate seconds; 1 once rho reaches 1."""
+    if chunk_tokens <= 0 or prompt_tokens_per_s <= 0:
+        return 0.0
+    rho = prompt_tokens_per_s * chunk_s / chunk_tokens
+    if rho >= 1:
+        return 1.0
+    return min(1.0, prompt_tokens_per_s * decode_s / (1 - rho) / chunk_tokens)
 
 
 def _batch_side(

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 from pdfabric.control import COLOCATED, PREFILL
 from pdfabric.router.admission import ADMIT, QUEUE, AdmissionQueue, Outcome, Ticket
@@ -88,13 +90,16 @@ def with_pending(load: WorkerLoad, kind: str, prompt_len: int) -> WorkerLoad:
     return decoded
 
 
-def candidate(info: WorkerInfo, config: AdmissionConfig, pending: Iterable[int] = ()) -> Candidate:
+def candidate(
+    info: WorkerInfo, config: AdmissionConfig, pending: Iterable[int] = (), prompt_rate: float = 0.0
+) -> Candidate:
     """The predictor's view of one worker: its latest profile and load plus ``pending`` prompts (token
-    counts) sent since its last heartbeat, under the lower of its own and its pool's limits."""
+    counts) sent since its last heartbeat and the ``prompt_rate`` (tokens/s) recently sent to it,
+    under the lower of its own and its pool's limits."""
     reg = info.reg
     pool = config.pool(reg.kind, reg.pool)
     max_batch, chunk_tokens = pool.limits(reg.max_running, reg.max_batch_tokens)
-    load = worker_load(info)
+    load = replace(worker_load(info), prompt_tokens_per_s=prompt_rate)
     for prompt_len in pending:
         load = with_pending(load, reg.kind, prompt_len)
     profile = info.load.profile if info.load is not None else reg.profile
@@ -111,6 +116,9 @@ def route_of(registry: Registry, choice: Choice) -> Route | None:
         return Route(colocated=info) if info is not None else None
     decode, prefill = registry.workers.get(choice.decode), registry.workers.get(choice.prefill)
     return Route(decode=decode, prefill=prefill) if decode is not None and prefill is not None else None
+
+
+RATE_WINDOW_S = 30.0  # prompt tokens sent to a worker are averaged over this window
 
 
 class Routing:
@@ -130,16 +138,30 @@ class Routing:
         self.queue = AdmissionQueue(self.config)
         self.clock = clock
         self._pending: dict[str, dict[str, int]] = {}  # worker id -> {request id: prompt tokens}
+        self._sent: dict[str, deque[tuple[float, int]]] = {}  # worker id -> (time, prompt tokens) sent
+        self._first_sent: dict[str, float] = {}  # worker id -> when its first prompt was sent
         self._waiters: dict[str, asyncio.Future[Outcome]] = {}
         self._timer: asyncio.TimerHandle | None = None
 
     # --- predictions ----------------------------------------------------------------------------
 
     def candidates(self) -> list[Candidate]:
+        now = self.clock()
         return [
-            candidate(w, self.config, self._pending.get(w.worker_id, {}).values())
-            for w in self.registry.workers.values()
+            candidate(w, self.config, self._pending.get(wid, {}).values(), self.prompt_rate(wid, now))
+            for wid, w in self.registry.workers.items()
         ]
+
+    def prompt_rate(self, worker_id: str, now: float) -> float:
+        """Prompt tokens per second sent to the worker over the last ``RATE_WINDOW_S`` (or since its
+        first prompt, if that is more recent; at least a second)."""
+        sent = self._sent.get(worker_id)
+        if not sent:
+            return 0.0
+        while sent and sent[0][0] < now - RATE_WINDOW_S:
+            sent.popleft()
+        span = max(min(RATE_WINDOW_S, now - self._first_sent[worker_id]), 1.0)
+        return sum(tokens for _, tokens in sent) / span
 
     def fit(self, ticket: Ticket, budgets: Budgets) -> Ranking:
         """``FitFn`` for the admission queue: ranks the routes under the configured policy; an admitted
@@ -150,6 +172,9 @@ class Routing:
         if ranking.fits:
             self.turn += 1
             self.routed(ticket.request_id, ticket.prompt_len, ranking.choices[0])
+            first, now = ranking.choices[0].prefill, self.clock()  # the worker that prefills it
+            self._sent.setdefault(first, deque()).append((now, ticket.prompt_len))
+            self._first_sent.setdefault(first, now)
         return ranking
 
     def routed(self, request_id: str, prompt_len: int, choice: Choice) -> None:

@@ -17,6 +17,7 @@ from pdfabric.router.predictor import (
     TTFT_UNREACHABLE,
     Budgets,
     Candidate,
+    Choice,
     Predictor,
     PredictorConfig,
     WorkerLoad,
@@ -141,23 +142,35 @@ def test_unreachable_and_empty() -> None:
     assert rank(10, Budgets(1000, 100), [worker("p", "prefill")], EXACT).reason == NO_WORKERS
 
 
-def test_colocated_itl_carries_a_prefill_chunk() -> None:
+def test_colocated_itl_carries_prefill_chunks_as_often_as_prompts_arrive() -> None:
     load = {"running": 10, "context_tokens": 10_000}
-    cands = [worker("p", "prefill"), worker("d", "decode", **load), worker("c", "colocated", **load)]
-    choices = {c.decode: c for c in rank(100, Budgets(10_000, 1000), cands, EXACT).choices}
-    colo, disagg = choices["c"], choices["d"]
+
+    def itls(rate: float, config: PredictorConfig = EXACT) -> tuple[Choice, Choice]:
+        colocated = worker("c", "colocated", **load, prompt_tokens_per_s=rate)
+        cands = [worker("p", "prefill"), worker("d", "decode", **load), colocated]
+        choices = {c.decode: c for c in rank(100, Budgets(10_000, 1000), cands, config).choices}
+        return choices["c"], choices["d"]
+
+    colo, disagg = itls(0.0)  # no prompts arriving: its decode steps carry none
     assert colo.colocated and colo.transfer_ms == 0 and colo.prefill == "c"
+    assert colo.itl_ms == pytest.approx(disagg.itl_ms)
     chunk = 512 - 11
-    expected = disagg.itl_ms + PROFILE.prefill_seconds(chunk, chunk) * 1e3
-    assert colo.itl_ms == pytest.approx(expected)
-    no_share = PredictorConfig(safety_margin=0.0, colocated_prefill_share=0.0)
-    choices = {c.decode: c for c in rank(100, Budgets(10_000, 1000), cands, no_share).choices}
-    assert choices["c"].itl_ms == pytest.approx(disagg.itl_ms)
+    decode_s, chunk_s = disagg.itl_ms / 1e3, PROFILE.prefill_seconds(chunk, chunk)
+    saturated, _ = itls(10 * chunk / chunk_s)  # prefill alone would need 10x the worker's time
+    assert saturated.itl_ms == pytest.approx((decode_s + chunk_s) * 1e3)  # a chunk in every step
+    rate = 0.2 * chunk / chunk_s  # prefill takes a fifth of the worker's time: mean step d / (1 - 0.2)
+    moderate, _ = itls(rate)
+    assert moderate.itl_ms == pytest.approx(decode_s / 0.8 * 1e3)
+    capped, _ = itls(10 * chunk / chunk_s, PredictorConfig(safety_margin=0.0, colocated_prefill_share=0.0))
+    assert capped.itl_ms == pytest.approx(disagg.itl_ms)
+    colo = saturated
     # prompt chunks share each step with the 10 decoding sequences
     steps = math.ceil(100 / (512 - 10))
     assert colo.prefill_ms == pytest.approx(
         (PROFILE.prefill_seconds(100, 502) + steps * PROFILE.decode_step_seconds(10, 10_000)) * 1e3
     )
+    busy = worker("c", "colocated", **load, prompt_tokens_per_s=10 * chunk / chunk_s)
+    cands = [worker("p", "prefill"), worker("d", "decode", **load), busy]
     tight = rank(100, Budgets(10_000, disagg.itl_ms + 1), cands, EXACT)
     assert [c.decode for c in tight.choices] == ["d"]
 

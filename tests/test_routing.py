@@ -14,7 +14,7 @@ from pdfabric.profile import WorkerProfile
 from pdfabric.router.admission import ADMIT, REJECT, Ticket
 from pdfabric.router.predictor import Budgets, WorkerLoad
 from pdfabric.router.registry import Registry
-from pdfabric.router.routing import Routing, candidate, route_of, with_pending
+from pdfabric.router.routing import RATE_WINDOW_S, Routing, candidate, route_of, with_pending
 from pdfabric.router.slo import AdmissionConfig, PoolConfig, SloClass
 
 # prefill: 2 ms a step + 40 us a token; decode: 5 ms + 1 ms a sequence
@@ -180,3 +180,25 @@ def test_config_tables(tmp_path: Path) -> None:
         path.write_text(body)
         with pytest.raises(ValueError, match=word):
             load_serve_config(path, {})
+
+
+def test_prompt_rate_sent_to_a_worker_feeds_the_colocated_itl() -> None:
+    """Prompt tokens sent to a colocated worker are averaged over the last RATE_WINDOW_S, and a higher
+    rate predicts a longer mean inter-token gap (more of its steps carry a prompt chunk)."""
+    registry = Registry()
+    register(registry, "c", "colocated")
+    now = [0.0]
+    routing = Routing(registry, AdmissionConfig(), clock=lambda: now[0])
+    loose = Budgets(60_000, 5_000)
+    idle_itl = routing.fit(_ticket("r0", prompt_len=200), loose).choices[0].itl_ms
+    assert routing.prompt_rate("c", now[0]) == pytest.approx(200.0)  # younger than a second: per 1 s
+    now[0] = 10.0
+    routing.fit(_ticket("r1", prompt_len=300), loose)
+    assert routing.prompt_rate("c", now[0]) == pytest.approx(500 / 10)
+    registry.heartbeat(heartbeat("c"))  # the worker's report includes what was sent: pending is spent
+    routing.on_heartbeat("c")
+    now[0] = 20.0
+    busy_itl = routing.fit(_ticket("r2", prompt_len=200), loose).choices[0].itl_ms
+    assert busy_itl > idle_itl
+    now[0] = 20.0 + RATE_WINDOW_S - 1  # the window has moved past every prompt but the last
+    assert routing.prompt_rate("c", now[0]) == pytest.approx(200 / RATE_WINDOW_S)
