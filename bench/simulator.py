@@ -58,8 +58,8 @@ from pdfabric.control import COLOCATED, DECODE, KINDS, PREFILL, Heartbeat
 from pdfabric.engine.sampling_params import SamplingParams
 from pdfabric.profile import WorkerProfile
 from pdfabric.router.admission import ADMIT, REJECT, Outcome, Ticket
-from pdfabric.router.predictor import Choice, PredictorConfig
 from pdfabric.router.registry import Registry
+from pdfabric.router.routes import Choice, PredictorConfig
 from pdfabric.router.routing import Routing
 from pdfabric.router.slo import AdmissionConfig, resolve
 

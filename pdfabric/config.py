@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from pdfabric.control import KINDS
-from pdfabric.router.predictor import PredictorConfig
+from pdfabric.router.routes import PredictorConfig
 from pdfabric.router.slo import AdmissionConfig
 
 # [worker] keys a deployment config may set (the rest are fixed by the launcher).

@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdfabric.router.predictor import Budgets, Ranking
+from pdfabric.router.routes import Budgets, Ranking
 from pdfabric.router.slo import AdmissionConfig
 
 ADMIT, QUEUE, REJECT = "admit", "queue", "reject"

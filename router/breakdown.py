@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pdfabric.router.predictor import Choice
+from pdfabric.router.routes import Choice
 from pdfabric.router.slo import Resolved
 
 

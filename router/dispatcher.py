@@ -39,8 +39,8 @@ from pdfabric.control import (
 from pdfabric.engine.sampling_params import SamplingParams
 from pdfabric.router.admission import REJECT, Ticket
 from pdfabric.router.openai_api import ApiError
-from pdfabric.router.predictor import Choice, PredictorConfig
 from pdfabric.router.registry import Registry, Route, WorkerInfo, has_route
+from pdfabric.router.routes import Choice, PredictorConfig
 from pdfabric.router.routing import Rejected, Routing, route_of
 from pdfabric.router.slo import AdmissionConfig, Resolved
 from pdfabric.wire import WireError, decode, encode

@@ -27,15 +27,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from pdfabric.control import COLOCATED, DECODE, KINDS, PREFILL
-from pdfabric.router.predictor import (
-    Budgets,
-    Candidate,
-    Choice,
-    PredictorConfig,
-    Ranking,
-    WorkerLoad,
-    rank,
-)
+from pdfabric.router.predictor import rank
+from pdfabric.router.routes import Budgets, Candidate, Choice, PredictorConfig, Ranking, WorkerLoad
 
 BUDGET, ROUND_ROBIN, LEAST_LOADED = "budget", "round_robin", "least_loaded"
 POLICIES = (BUDGET, ROUND_ROBIN, LEAST_LOADED)

@@ -38,126 +38,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from pdfabric.control import COLOCATED, DECODE, PREFILL
-from pdfabric.profile import WorkerProfile, queued_attention
-
-# Why a route does not fit. The ``*_unreachable`` ones would not fit even on an idle worker.
-TTFT, ITL, BATCH_FULL, KV_FULL = "ttft", "itl", "batch_full", "kv_full"
-TTFT_UNREACHABLE, ITL_UNREACHABLE, NO_WORKERS = "ttft_unreachable", "itl_unreachable", "no_workers"
-
-
-@dataclass(frozen=True)
-class Budgets:
-    """A request's latency budgets in milliseconds."""
-
-    ttft_ms: float
-    itl_ms: float
-
-    def __post_init__(self) -> None:
-        for name in ("ttft_ms", "itl_ms"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not (math.isfinite(v) and v > 0):
-                raise ValueError(f"{name} must be a positive number, got {v!r}")
-
-
-@dataclass(frozen=True)
-class WorkerLoad:
-    """What a worker last reported (plus what the router has sent it since)."""
-
-    queued_tokens: int = 0  # prompt tokens not yet prefilled
-    running: int = 0  # sequences decoding
-    waiting: int = 0  # sequences not decoding yet: queued prompts, or reservations awaiting KV
-    context_tokens: int = 0  # tokens held by the running and waiting sequences, in all
-    free_kv_tokens: int = 0  # free blocks x block size
-    kv_bytes_per_s: float = 0.0  # measured KV transfer rate (0: not measured yet)
-    prompt_tokens_per_s: float = 0.0  # prompt tokens recently sent to it per second (colocated ITL)
-
-    def with_prefill(self, prompt_len: int) -> WorkerLoad:
-        """This load once a prompt of ``prompt_len`` tokens is queued for prefill here."""
-        return replace(self, queued_tokens=self.queued_tokens + prompt_len, waiting=self.waiting + 1)
-
-    def with_decode(self, prompt_len: int) -> WorkerLoad:
-        """This load once a sequence of ``prompt_len`` tokens has reserved its KV here."""
-        return replace(
-            self,
-            waiting=self.waiting + 1,
-            context_tokens=self.context_tokens + prompt_len,
-            free_kv_tokens=max(0, self.free_kv_tokens - prompt_len),
-        )
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One worker as the predictor sees it: its profile, its load and its effective limits."""
-
-    worker_id: str
-    kind: str  # PREFILL, DECODE or COLOCATED
-    pool: str
-    profile: WorkerProfile
-    load: WorkerLoad
-    max_batch: int  # most sequences decoding at once (the pool's limit if lower than the worker's)
-    chunk_tokens: int  # tokens per step (the pool's chunk budget if lower than the worker's)
-    kv_bytes_per_token: int = 0  # KV bytes one prompt token takes (what a transfer moves)
-    cost: float = 1.0  # the pool's relative cost; cheaper routes are preferred
-
-    def __post_init__(self) -> None:
-        if self.kind not in (PREFILL, DECODE, COLOCATED):
-            raise ValueError(f"kind must be prefill, decode or colocated, got {self.kind!r}")
-        if self.max_batch < 1 or self.chunk_tokens < 1 or self.kv_bytes_per_token < 0 or self.cost < 0:
-            raise ValueError(f"{self.worker_id}: max_batch and chunk_tokens must be >= 1, cost >= 0")
-
-
-@dataclass(frozen=True)
-class PredictorConfig:
-    safety_margin: float = 0.1  # predictions are inflated by this fraction
-    tie_tolerance: float = 0.05  # routes whose load is within this of the best are equals
-    default_kv_bytes_per_s: float = 1e9  # transfer rate assumed before any is measured
-    colocated_prefill_share: float = 1.0  # most of the colocated steps predicted to carry a prompt chunk
-    mean_remaining_tokens: int = 128  # assumed output still to come per running sequence (drain time)
-    max_queue_share: float = 0.5  # queued work ahead may take at most this share of the TTFT budget
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if not 0 < self.max_queue_share <= 1:
-            raise ValueError("max_queue_share must be in (0, 1]")
-        if self.safety_margin < 0 or not 0 <= self.tie_tolerance <= 1:
-            raise ValueError("safety_margin must be >= 0 and tie_tolerance in [0, 1]")
-        if self.default_kv_bytes_per_s <= 0 or self.mean_remaining_tokens < 1:
-            raise ValueError("default_kv_bytes_per_s must be > 0 and mean_remaining_tokens >= 1")
-        if not 0 <= self.colocated_prefill_share <= 1:
-            raise ValueError("colocated_prefill_share must be in [0, 1]")
-
-
-@dataclass(frozen=True)
-class Choice:
-    """A route that fits, with its predicted latencies (ms). ``prefill`` is the colocated worker's
-    id for a colocated route (and ``decode`` the same id)."""
-
-    decode: str
-    prefill: str
-    colocated: bool
-    ttft_ms: float
-    itl_ms: float
-    queue_ms: float
-    prefill_ms: float
-    transfer_ms: float
-    cost: float
-    load: float  # max(ttft / ttft budget, itl / itl budget), in [0, 1]
-
-
-@dataclass(frozen=True)
-class Ranking:
-    """Feasible routes, best first; when there are none, why, and in how long one should fit."""
-
-    choices: tuple[Choice, ...]
-    reason: str = ""  # "" when there are choices
-    drain_ms: float = 0.0  # predicted time until a new request like this one would fit (Retry-After)
-    wait_ms: float = 0.0  # predicted time this request would wait in the router before one fits
-    unreachable: bool = False  # True: no route would fit even if every worker were idle
-    reasons: tuple[tuple[str, int], ...] = ()  # how many routes failed for each reason
-
-    @property
-    def fits(self) -> bool:
-        return bool(self.choices)
+from pdfabric.profile import queued_attention
+from pdfabric.router.routes import (
+    BATCH_FULL,
+    ITL,
+    ITL_UNREACHABLE,
+    KV_FULL,
+    NO_WORKERS,
+    TTFT,
+    TTFT_UNREACHABLE,
+    Budgets,
+    Candidate,
+    Choice,
+    PredictorConfig,
+    Ranking,
+)
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,8 @@ from pdfabric.control import COLOCATED, PREFILL
 from pdfabric.router.admission import ADMIT, QUEUE, AdmissionQueue, Outcome, Ticket
 from pdfabric.router.openai_api import ApiError
 from pdfabric.router.policies import rank_routes
-from pdfabric.router.predictor import Budgets, Candidate, Choice, PredictorConfig, Ranking, WorkerLoad
 from pdfabric.router.registry import Registry, Route, WorkerInfo
+from pdfabric.router.routes import Budgets, Candidate, Choice, PredictorConfig, Ranking, WorkerLoad
 from pdfabric.router.slo import AdmissionConfig
 
 _WHY = {

@@ -15,7 +15,7 @@ from typing import Any
 
 from pdfabric.control import KINDS
 from pdfabric.router.policies import BUDGET, check_policy
-from pdfabric.router.predictor import Budgets
+from pdfabric.router.routes import Budgets
 
 MAX_BUDGET_MS = 3_600_000.0
 

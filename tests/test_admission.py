@@ -17,7 +17,7 @@ from pdfabric.router.admission import (
     Outcome,
     Ticket,
 )
-from pdfabric.router.predictor import BATCH_FULL, Budgets, Choice, Ranking
+from pdfabric.router.routes import BATCH_FULL, Budgets, Choice, Ranking
 from pdfabric.router.slo import AdmissionConfig, BudgetError, PoolConfig, SloClass, Tenant, resolve
 
 ROUTE = Choice("d", "p", False, 10.0, 5.0, 0.0, 10.0, 0.0, 1.0, 0.1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdfabric.router.breakdown import TokenTimes, breakdown
-from pdfabric.router.predictor import Budgets, Choice
+from pdfabric.router.routes import Budgets, Choice
 from pdfabric.router.slo import AdmissionConfig, resolve
 
 RESOLVED = resolve(AdmissionConfig(), {})

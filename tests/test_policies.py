@@ -9,7 +9,8 @@ import pytest
 
 from pdfabric.profile import WorkerProfile
 from pdfabric.router.policies import BUDGET, LEAST_LOADED, POLICIES, ROUND_ROBIN, rank_routes
-from pdfabric.router.predictor import (
+from pdfabric.router.predictor import rank
+from pdfabric.router.routes import (
     BATCH_FULL,
     KV_FULL,
     NO_WORKERS,
@@ -17,7 +18,6 @@ from pdfabric.router.predictor import (
     Candidate,
     PredictorConfig,
     WorkerLoad,
-    rank,
 )
 from pdfabric.router.slo import AdmissionConfig
 

@@ -8,7 +8,8 @@ from collections import Counter
 import pytest
 
 from pdfabric.profile import WorkerProfile
-from pdfabric.router.predictor import (
+from pdfabric.router.predictor import Predictor, rank
+from pdfabric.router.routes import (
     BATCH_FULL,
     ITL,
     KV_FULL,
@@ -18,10 +19,8 @@ from pdfabric.router.predictor import (
     Budgets,
     Candidate,
     Choice,
-    Predictor,
     PredictorConfig,
     WorkerLoad,
-    rank,
 )
 
 # prefill: 2 ms a step + 40 us a token (+ attention); decode: 5 ms + 0.1 ms a sequence + 0.2 us a token

@@ -12,8 +12,8 @@ from pdfabric.config import load_serve_config
 from pdfabric.control import Heartbeat, Register
 from pdfabric.profile import WorkerProfile
 from pdfabric.router.admission import ADMIT, REJECT, Ticket
-from pdfabric.router.predictor import Budgets, WorkerLoad
 from pdfabric.router.registry import Registry
+from pdfabric.router.routes import Budgets, WorkerLoad
 from pdfabric.router.routing import RATE_WINDOW_S, Routing, candidate, route_of, with_pending
 from pdfabric.router.slo import AdmissionConfig, PoolConfig, SloClass
 
