@@ -268,32 +268,6 @@ def measure_kv_rates(
     return rates
 
 
-def live_profiles(health: dict[str, Any]) -> dict[str, ProfileFile]:
-    """Each worker's profile from a router's ``/health`` answer, by worker id, with its kind as role;
-    the KV rate it reported (if any) counts as ``zmq-tcp``, the transport workers use."""
-    from pdfabric.profile import WorkerProfile
-    from pdfabric.profile_file import ProfileFile
-
-    out: dict[str, ProfileFile] = {}
-    for w in health.get("workers", ()):
-        try:
-            rate = float(w.get("kv_bytes_per_s") or 0.0)
-            out[w["id"]] = ProfileFile(
-                model=w["model"], profile=WorkerProfile(**w["profile"]),
-                kv_bytes_per_token=w["kv_bytes_per_token"], block_size=w["block_size"],
-                max_batch_tokens=w["max_batch_tokens"], max_running=w["max_running"],
-                max_model_len=w["max_model_len"], role=w["kind"], device="live",
-                device_name=f"worker {w['id']}, from /health",
-                kv_bytes_per_s={"zmq-tcp": rate} if rate > 0 else {},
-                steps=w["profile"]["prefill_samples"] + w["profile"]["decode_samples"],
-            )  # fmt: skip
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"worker {w.get('id', '?')}: no profile in this /health ({exc})") from None
-    if not out:
-        raise ValueError("the /health answer lists no workers")
-    return out
-
-
 def save_live_profiles(source: str, out_dir: Path) -> list[tuple[Path, ProfileFile]]:
     """Reads ``/health`` from a router URL or a saved file and writes one profile file per worker."""
     import urllib.error
@@ -310,6 +284,8 @@ def save_live_profiles(source: str, out_dir: Path) -> list[tuple[Path, ProfileFi
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"--out {out_dir} must be a directory with --from-server")
     out_dir.mkdir(parents=True, exist_ok=True)
+    from pdfabric.profile_file import live_profiles
+
     saved = []
     for worker_id, pf in live_profiles(health).items():
         path = out_dir / f"{worker_id}.json"

@@ -7,6 +7,8 @@ transport. ``role`` says which worker kinds the profile may stand for, so that a
 one machine kind and a decode profile from another can be mixed (heterogeneous hardware).
 
 The file is plain JSON with a ``format`` tag; unknown keys are an error, so a typo never goes unseen.
+``live_profiles`` rebuilds the profiles a running deployment's workers refined while serving from its
+router's ``/health`` answer.
 """
 
 from __future__ import annotations
@@ -112,3 +114,26 @@ def for_kind(profiles: list[ProfileFile], kind: str) -> ProfileFile:
     if general:
         return general[0]
     raise ValueError(f"no profile for {kind} workers (roles given: {', '.join(p.role for p in profiles)})")
+
+
+def live_profiles(health: dict[str, Any]) -> dict[str, ProfileFile]:
+    """Each worker's profile from a router's ``/health`` answer, by worker id, with its kind as role;
+    the KV rate it reported (if any) counts as ``zmq-tcp``, the transport workers use."""
+    out: dict[str, ProfileFile] = {}
+    for w in health.get("workers", ()):
+        try:
+            rate = float(w.get("kv_bytes_per_s") or 0.0)
+            out[w["id"]] = ProfileFile(
+                model=w["model"], profile=WorkerProfile(**w["profile"]),
+                kv_bytes_per_token=w["kv_bytes_per_token"], block_size=w["block_size"],
+                max_batch_tokens=w["max_batch_tokens"], max_running=w["max_running"],
+                max_model_len=w["max_model_len"], role=w["kind"], device="live",
+                device_name=f"worker {w['id']}, from /health",
+                kv_bytes_per_s={"zmq-tcp": rate} if rate > 0 else {},
+                steps=w["profile"]["prefill_samples"] + w["profile"]["decode_samples"],
+            )  # fmt: skip
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"worker {w.get('id', '?')}: no profile in this /health ({exc})") from None
+    if not out:
+        raise ValueError("the /health answer lists no workers")
+    return out
