@@ -5,8 +5,8 @@ each ``[[workers]]`` group's) becomes one ``SimWorker`` with:
 
 - the profile ``profile_file.for_kind`` picks for its kind (a role-tagged one, else one for any kind);
 - its own ``[worker]`` / ``[[workers]]`` limits, pool and heartbeat period;
-- as many KV blocks as the real worker allocates: ``num_blocks`` if set, else ``kv_memory_mb`` divided
-  by the bytes of one block (the profile's ``kv_bytes_per_token`` times ``block_size``);
+- as many KV blocks as the real worker allocates (``WorkerConfig.kv_blocks`` with the profile's
+  ``kv_bytes_per_token``);
 - the real worker's context limit: the lower of the profile's ``max_model_len`` and what the blocks hold;
 - the profile's measured KV rate over ``transport`` (the fastest measured one when ``None``; the
   predictor's ``default_kv_bytes_per_s`` when the profile measured none at all).
@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdfabric.bench.simulator import SimConfig, SimWorker
-from pdfabric.config import ServeConfig, WorkerConfig
+from pdfabric.config import ServeConfig
 from pdfabric.profile_file import ProfileFile, for_kind
 
 
@@ -32,7 +32,7 @@ def sim_config(
     workers = []
     for worker_id, w in serve.launch_plan():
         pf = for_kind(profiles, w.kind)
-        num_blocks = worker_blocks(w, pf.kv_bytes_per_token)
+        num_blocks = w.kv_blocks(pf.kv_bytes_per_token)
         rate = pf.kv_rate(transport) if pf.kv_bytes_per_s else serve.predictor.default_kv_bytes_per_s
         workers.append(
             SimWorker(
@@ -51,18 +51,6 @@ def sim_config(
             )
         )
     return SimConfig(tuple(workers), serve.routing, serve.predictor, heartbeat_s=serve.worker.heartbeat_s)
-
-
-def worker_blocks(worker: WorkerConfig, kv_bytes_per_token: int) -> int:
-    """The KV blocks a real worker allocates (``engine.kv_cache.blocks_in_budget``, without torch)."""
-    if worker.num_blocks:
-        return worker.num_blocks
-    block_bytes = kv_bytes_per_token * worker.block_size
-    n = worker.kv_memory_mb * 2**20 // block_bytes
-    if n <= 0:
-        budget = worker.kv_memory_mb * 2**20
-        raise ValueError(f"a KV budget of {budget} bytes holds no block of {block_bytes} bytes")
-    return n
 
 
 FABRIC_TRANSPORT = "zmq-tcp"  # what the workers' KV link uses today (pdfabric.kvtransfer.link)

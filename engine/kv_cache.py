@@ -8,21 +8,6 @@ from pdfabric.engine.config import ModelConfig
 from pdfabric.engine.loader import DTYPES
 
 
-def block_bytes(cfg: ModelConfig, block_size: int) -> int:
-    """Bytes one block takes across all layers (keys and values)."""
-    return cfg.kv_bytes_per_token * block_size
-
-
-def blocks_in_budget(cfg: ModelConfig, block_size: int, budget_bytes: int) -> int:
-    """How many blocks fit in ``budget_bytes`` of KV memory."""
-    n = budget_bytes // block_bytes(cfg, block_size)
-    if n <= 0:
-        raise ValueError(
-            f"a KV budget of {budget_bytes} bytes holds no block of {block_bytes(cfg, block_size)} bytes"
-        )
-    return int(n)
-
-
 def allocate_kv_cache(
     cfg: ModelConfig, num_blocks: int, block_size: int, device: str | torch.device = "cpu"
 ) -> list[torch.Tensor]:

@@ -52,6 +52,17 @@ class WorkerConfig:
         if self.heartbeat_s <= 0:
             raise ValueError(f"heartbeat_s must be positive, got {self.heartbeat_s}")
 
+    def kv_blocks(self, kv_bytes_per_token: int) -> int:
+        """The KV blocks this worker allocates for a model whose tokens take ``kv_bytes_per_token``:
+        ``num_blocks`` if set, else as many as ``kv_memory_mb`` holds (the worker and the simulator
+        both use this)."""
+        if self.num_blocks:
+            return self.num_blocks
+        budget, block = self.kv_memory_mb * 2**20, kv_bytes_per_token * self.block_size
+        if budget < block:
+            raise ValueError(f"a KV budget of {budget} bytes holds no block of {block} bytes")
+        return budget // block
+
 
 @dataclass(frozen=True)
 class WorkerGroup:

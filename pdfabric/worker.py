@@ -212,7 +212,6 @@ def build_engine(cfg: WorkerConfig, on_prefilled: str = "decode") -> Engine:
     """Loads the model and sizes its KV cache as ``cfg`` says (threads, dtype, device, block budget);
     no sockets, so ``pdfabric profile`` measures exactly what a worker runs."""
     from pdfabric.engine.default_model import resolve_model
-    from pdfabric.engine.kv_cache import blocks_in_budget
     from pdfabric.engine.loader import load_model
     from pdfabric.engine.runner import ModelRunner
 
@@ -222,7 +221,7 @@ def build_engine(cfg: WorkerConfig, on_prefilled: str = "decode") -> Engine:
         torch.set_num_threads(cfg.threads)
     model = load_model(resolve_model(cfg.model), cfg.dtype, _device(cfg.device))
     mcfg = model.config
-    num_blocks = cfg.num_blocks or blocks_in_budget(mcfg, cfg.block_size, cfg.kv_memory_mb * 2**20)
+    num_blocks = cfg.kv_blocks(mcfg.kv_bytes_per_token)
     # One sequence must always fit in the pool on its own, or it could wait forever.
     max_model_len = min(mcfg.max_position_embeddings, num_blocks * cfg.block_size)
     runner = ModelRunner(model, num_blocks, cfg.block_size)
