@@ -279,16 +279,3 @@ def _order(fits: list[Choice], config: PredictorConfig, turn: int) -> tuple[Choi
     rest = fits[len(equal) :]
     random.Random(config.seed * 1_000_003 + turn).shuffle(equal)
     return tuple(equal + rest)
-
-
-class Predictor:
-    """``rank`` with a turn counter, so that successive requests spread among equal routes."""
-
-    def __init__(self, config: PredictorConfig | None = None) -> None:
-        self.config = config or PredictorConfig()
-        self.turn = 0
-
-    def rank(self, prompt_len: int, budgets: Budgets, candidates: Sequence[Candidate]) -> Ranking:
-        ranking = rank(prompt_len, budgets, candidates, self.config, self.turn)
-        self.turn += 1
-        return ranking
