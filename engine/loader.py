@@ -1,8 +1,10 @@
 """Loads a Hugging Face safetensors checkpoint (single file or sharded) into ``LlamaForCausalLM``.
 
 The model is built on the meta device and the checkpoint's tensors are assigned to it by name, so
-weights exist in memory once. Every expected tensor must be present with the expected shape; anything
-missing, misshapen or unknown is an error that names it.
+weights exist in memory once; the parts of a stacked projection (``model.stacked_shards``: q, k, v
+into ``qkv_proj``, gate and up into ``gate_up_proj``) are copied into their rows of one tensor. Every
+expected tensor must be present with the expected shape; anything missing, misshapen or unknown is
+an error that names it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 from pdfabric.engine.config import ModelConfig
-from pdfabric.engine.model import LlamaForCausalLM
+from pdfabric.engine.model import LlamaForCausalLM, stacked_shards
 
 log = logging.getLogger("pdfabric.engine")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -59,6 +61,24 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
+def checkpoint_places(model: LlamaForCausalLM) -> dict[str, tuple[str, slice]]:
+    """Each checkpoint tensor's place in ``model``: its parameter's name and rows (all rows, except
+    for the parts of a stacked projection)."""
+    stacked = stacked_shards(model.config)
+    places: dict[str, tuple[str, slice]] = {}
+    for name, p in model.named_parameters():
+        module, _, kind = name.rpartition(".")  # e.g. model.layers.0.self_attn.qkv_proj, weight
+        prefix, _, leaf = module.rpartition(".")
+        if leaf not in stacked:
+            places[name] = (name, slice(0, p.shape[0]))
+            continue
+        start = 0
+        for part, rows in stacked[leaf]:
+            places[f"{prefix}.{part}.{kind}"] = (name, slice(start, start + rows))
+            start += rows
+    return places
+
+
 def load_model(
     path: str | Path, dtype: str | None = None, device: str | torch.device = "cpu"
 ) -> LlamaForCausalLM:
@@ -76,24 +96,27 @@ def load_model(
         cfg = dataclasses.replace(cfg, dtype="float32")
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    expected = {name: p.shape for name, p in model.named_parameters()}
+    places = checkpoint_places(model)
     target = DTYPES[cfg.dtype]
-    state: dict[str, torch.Tensor] = {}
+    state = {name: torch.empty(p.shape, dtype=target, device=device) for name, p in model.named_parameters()}
+    seen: set[str] = set()
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 if name.endswith(_IGNORED_SUFFIXES):
                     continue
-                if name not in expected:
+                if name not in places:
                     raise CheckpointError(f"{file.name}: unexpected tensor {name!r} for {cfg.architecture}")
+                param, rows = places[name]
                 tensor = f.get_tensor(name)
-                if tensor.shape != expected[name]:
+                expected = (rows.stop - rows.start, *state[param].shape[1:])
+                if tensor.shape != expected:
                     raise CheckpointError(
-                        f"{file.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                        f"expected {tuple(expected[name])}"
+                        f"{file.name}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected}"
                     )
-                state[name] = tensor.to(device=device, dtype=target)
-    missing = sorted(set(expected) - set(state))
+                state[param][rows] = tensor.to(device=device, dtype=target)
+                seen.add(name)
+    missing = sorted(set(places) - seen)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"checkpoint in {path} lacks tensor(s): {shown}")

@@ -3,8 +3,9 @@
 One forward serves fresh prefills, chunked prefills that continue a cached prompt, and decode steps of
 many sequences: the batch is ``T`` tokens laid end to end, and ``AttentionMetadata`` says which
 sequence each belongs to, where its KV goes and how much context it sees. Parameter names follow the
-Hugging Face checkpoints so the loader can assign tensors by name. No parallelism, transport or
-scheduling lives here.
+Hugging Face checkpoints, except that the projections reading the same input are stacked into one
+matrix (``STACKED``: q, k and v; gate and up), so each layer runs two matmuls fewer; the loader
+assigns each checkpoint tensor to its rows. No parallelism, transport or scheduling lives here.
 """
 
 from __future__ import annotations
@@ -18,6 +19,15 @@ from pdfabric.engine.config import ModelConfig, RopeScaling
 from pdfabric.kernels import AttentionMetadata, paged_attention, store_kv
 
 
+def stacked_shards(cfg: ModelConfig) -> dict[str, tuple[tuple[str, int], ...]]:
+    """``STACKED``: each stacked projection's checkpoint parts, in row order, with their row counts."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return {
+        "qkv_proj": (("q_proj", q), ("k_proj", kv), ("v_proj", kv)),
+        "gate_up_proj": (("gate_proj", cfg.intermediate_size), ("up_proj", cfg.intermediate_size)),
+    }
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -26,8 +36,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32, scale in the model dtype (as the reference implementation does).
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * h.to(x.dtype)
 
 
@@ -53,11 +62,12 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, heads, head_dim]; cos, sin: [T, 1, head_dim] float32 (halves repeated)
+    # x: [T, heads, head_dim]; cos: [T, 1, head_dim], sin: [T, 1, head_dim] with the first half
+    # negated (so the rotation needs no negation of x), both float32
     half = x.shape[-1] // 2
     xf = x.float()
-    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)
+    rotated = torch.cat((xf[..., half:], xf[..., :half]), dim=-1)
+    return torch.addcmul(xf * cos, rotated, sin).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -65,10 +75,8 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_rows, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.attention_out_bias)
 
     def forward(
@@ -81,10 +89,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         # x: [T, hidden]; kv_cache: [2, num_blocks, block_size, kv_heads, head_dim]
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)  # [T, heads, head_dim]
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)  # [T, kv_heads, head_dim]
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qkv = self.qkv_proj(x).view(tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qk = apply_rope(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin)  # q and k heads together
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [T, heads | kv_heads, head_dim]
+        v = qkv[:, self.num_heads + self.num_kv_heads :]  # [T, kv_heads, head_dim]
         store_kv(k, v, kv_cache, meta.slot_mapping)
         out = paged_attention(q, kv_cache, meta, self.scale)  # [T, heads, head_dim]
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
@@ -93,13 +101,14 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, hidden] -> [T, intermediate] -> [T, hidden]
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        # x: [T, hidden] -> gate, up: [T, intermediate] -> [T, hidden]
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -156,8 +165,8 @@ class LlamaForCausalLM(nn.Module):
         """
         # input_ids, positions: [T]
         freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]  # [T, head_dim / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, head_dim]
-        cos, sin = emb.cos(), emb.sin()
+        cos = freqs.cos().repeat(1, 2)[:, None, :]  # [T, 1, head_dim]
+        sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)[:, None, :]  # first half negated
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, meta)
@@ -165,5 +174,6 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> logits [N, vocab] in float32
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(hidden, weight).float()
+        if self.lm_head is None:
+            return nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()

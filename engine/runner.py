@@ -14,7 +14,8 @@ import torch
 from pdfabric.engine.block_pool import blocks_for
 from pdfabric.engine.kv_cache import allocate_kv_cache
 from pdfabric.engine.model import LlamaForCausalLM
-from pdfabric.kernels import AttentionMetadata
+from pdfabric.kernels import AttentionMetadata, get_backend
+from pdfabric.kernels.linear_cpu import pack_linears
 
 
 @dataclass(frozen=True)
@@ -36,9 +37,15 @@ class PreparedStep:
 
 
 class ModelRunner:
-    """Owns the model and its KV-cache tensors on one device."""
+    """Owns the model and its KV-cache tensors on one device.
+
+    On the CPU it packs the model's linear layers for oneDNN (``kernels/linear_cpu.py``) unless the
+    kernel backend is ``torch`` (the plain reference path); the model passed in is changed in place.
+    """
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int) -> None:
+        if get_backend() != "torch":
+            pack_linears(model)
         self.model = model
         self.config = model.config
         self.block_size = block_size

@@ -1,9 +1,11 @@
-"""Chooses, per call, the implementation of each kernel: torch reference or Triton.
+"""Chooses, per call, the implementation of each kernel: torch reference, C kernel for the CPU, or Triton.
 
-``auto`` runs the Triton kernels on CUDA tensors (when Triton imports) and the torch references
-everywhere else; ``torch`` always runs the references; ``triton`` always runs the kernels, which on
-CPU tensors needs ``TRITON_INTERPRET=1`` set before the kernel modules are first imported. The
-kernel modules are imported on first use, so a CPU-only process never imports Triton.
+``auto`` runs the Triton kernels on CUDA tensors (when Triton imports), the CPU attention
+(``paged_attention_cpu``: a C kernel for decode rows, fused SDPA in the cache's dtype for prompts) on
+CPU tensors it supports, and the torch references everywhere else; ``torch`` always runs the
+references; ``cpu`` runs the CPU attention wherever it can; ``triton`` always runs the Triton
+kernels, which on CPU tensors needs ``TRITON_INTERPRET=1`` set before the kernel modules are first
+imported. Kernel modules are imported on first use, so a CPU-only process never imports Triton.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pdfabric.kernels.attention_ref import paged_attention_ref, store_kv_ref
 from pdfabric.kernels.kv_pack_ref import gather_blocks_ref, scatter_blocks_ref
 from pdfabric.kernels.metadata import AttentionMetadata
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "cpu", "triton")
 _backend: str = envs.get("PDFABRIC_KERNEL_BACKEND")
 
 
@@ -34,7 +36,7 @@ def get_backend() -> str:
 
 
 def _use_triton(t: torch.Tensor) -> bool:
-    if _backend == "torch":
+    if _backend in ("torch", "cpu"):
         return False
     if _backend == "triton":
         return True
@@ -48,6 +50,14 @@ def _triton_ready() -> bool:
     except ImportError:
         return False
     return True
+
+
+def _use_cpu_attention(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    if _backend not in ("auto", "cpu") or q.device.type != "cpu":
+        return False
+    from pdfabric.kernels.paged_attention_cpu import supports
+
+    return supports(q, kv_cache)
 
 
 def store_kv(
@@ -70,6 +80,10 @@ def paged_attention(
         from pdfabric.kernels.paged_attention_triton import paged_attention_triton
 
         return paged_attention_triton(q, kv_cache, meta, scale)
+    if _use_cpu_attention(q, kv_cache):
+        from pdfabric.kernels.paged_attention_cpu import paged_attention_cpu
+
+        return paged_attention_cpu(q, kv_cache, meta, scale)
     return paged_attention_ref(q, kv_cache, meta, scale)
 
 

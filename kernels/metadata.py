@@ -11,6 +11,7 @@ cached prompt (``query_len < seq_len``) and decode (``query_len == 1``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -41,6 +42,25 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return all(q == 1 for q in self.query_lens_host)
+
+    @cached_property
+    def single_query_rows(self) -> SingleQueryRows:
+        """The batch's one-token sequences (decode steps) as kernel rows, built once per step."""
+        tokens, seqs, ctx = [], [], []
+        start = 0
+        for s, (q_len, s_len) in enumerate(zip(self.query_lens_host, self.seq_lens_host, strict=True)):
+            if q_len == 1:
+                tokens.append(start)
+                seqs.append(s)
+                ctx.append(s_len)
+            start += q_len
+        as_int = {"dtype": torch.int32, "device": self.seq_lens.device}
+        return SingleQueryRows(
+            token=torch.tensor(tokens, **as_int),
+            seq=torch.tensor(seqs, **as_int),
+            ctx_len=torch.tensor(ctx, **as_int),
+            seqs_host=tuple(seqs),
+        )
 
     @staticmethod
     def build(
@@ -76,3 +96,14 @@ class AttentionMetadata:
             query_lens_host=tuple(query_lens),
             seq_lens_host=tuple(seq_lens),
         )
+
+
+@dataclass(frozen=True)
+class SingleQueryRows:
+    """Sequences with one new token this step: the token's row in the batch, the sequence's index
+    and how many cached tokens it attends to (its ``seq_len``)."""
+
+    token: torch.Tensor  # [R] int32
+    seq: torch.Tensor  # [R] int32
+    ctx_len: torch.Tensor  # [R] int32
+    seqs_host: tuple[int, ...]

@@ -20,8 +20,9 @@ def _choice(*allowed: str) -> Callable[[str], str]:
 REGISTRY: dict[str, tuple[str, Callable[[str], object], str]] = {
     "PDFABRIC_KERNEL_BACKEND": (
         "auto",
-        _choice("auto", "torch", "triton"),
-        "attention / KV-pack kernels: auto (Triton on CUDA, torch elsewhere), torch or triton",
+        _choice("auto", "torch", "cpu", "triton"),
+        "attention / KV-pack kernels: auto (Triton on CUDA, the C kernel on CPUs, torch elsewhere), "
+        "torch, cpu or triton",
     ),
     "PDFABRIC_CACHE_DIR": (
         str(Path.home() / ".cache" / "pdfabric"),

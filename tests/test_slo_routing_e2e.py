@@ -196,8 +196,10 @@ def test_tight_itl_lands_in_the_small_batch_pool(fabric: str) -> None:
     async def scenario() -> tuple[dict, dict, dict, list[dict]]:
         async with aiohttp.ClientSession() as session:
             idle = await _usage(session, fabric, {"prompt": [7] * 32, "max_tokens": 4, "slo": {}})
+            # Long contexts: decode attention reads the cache in place, so a batch costs several times a
+            # single sequence only through its context tokens, not through padding or copies.
             background_body = {
-                "model": "tiny", "prompt": [9] * 400, "max_tokens": 3000, "ignore_eos": True,
+                "model": "tiny", "prompt": [9] * 1500, "max_tokens": 2500, "ignore_eos": True,
                 "stream": True, "slo": {},
             }  # fmt: skip
             responses = []

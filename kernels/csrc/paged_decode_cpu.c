@@ -1,0 +1,203 @@
+/* Paged attention for a few query rows per sequence (decode steps), on the CPU.
+ *
+ * Query row r is token `row_token[r]` of the batch; it attends to the first `ctx_lens[r]` tokens of
+ * sequence `row_seq[r]`, read in place from the
+ * paged cache through the sequence's block table: nothing is gathered or copied. Work is split by
+ * row, and by ranges of kv heads when there are fewer rows than threads; the query heads that share
+ * a kv head read its keys and values once.
+ * Scores, softmax and the weighted sum of values are float32 whatever the cache dtype, and the
+ * order of every sum is fixed, so a row's result does not depend on the rest of the batch.
+ *
+ * Layouts (element strides, not bytes):
+ *   q:      [tokens, q_heads, head_dim], token stride q_stride, heads contiguous
+ *   k, v:   [num_blocks, block_size, kv_heads, head_dim] contiguous (one layer's keys or values)
+ *   tables: [seqs, tables_stride] int32 block ids; row r reads tables[row_seq[r]]
+ *   out:    [tokens, q_heads, head_dim] contiguous; only the rows' tokens are written
+ * dtype: 0 float32, 1 bfloat16 (for q, k, v and out alike).
+ *
+ * Built by kernels/cpu_build.py with -O3 -march=native -fopenmp. The OpenMP runtime it binds to is the
+ * one torch already loaded (same soname), so the kernel runs on torch's own thread pool instead of
+ * competing with it for the cores.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 16       /* partial sums per dot product: one 512-bit vector of float32 */
+#define MAX_GROUP 16   /* query heads per kv head */
+#define MAX_HEAD_DIM 256
+
+typedef struct {
+    const void *q, *k, *v;
+    const int32_t *tables, *row_token, *row_seq, *ctx_lens;
+    void *out;
+    int64_t q_stride, tables_stride;
+    int rows, q_heads, kv_heads, head_dim, block_size, dtype;
+    float scale;
+    int parts; /* kv-head ranges per row: more work items than rows when rows are few */
+} job_t;     /* work items are (row, kv-head range) pairs, row-major */
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    /* round to nearest even, as torch does; NaN stays NaN */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* exp(x) for x <= 0 (scores minus their maximum), within 2 ulp of expf; written so that a loop of
+ * calls vectorizes (glibc's expf does not without -ffast-math). */
+static inline float exp_nonpositive(float x) {
+    if (x < -87.0f) x = -87.0f; /* exp(-87) is below every weight that can change a float32 sum */
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f; /* x - n ln2, in two parts */
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { int32_t i; float f; } two_n = {.i = ((int32_t)n + 127) << 23};
+    return p * two_n.f;
+}
+
+/* Loads n elements starting at element offset `off` of `base` as float32. */
+static inline void load_row(const void *base, int64_t off, int n, int dtype, float *dst) {
+    if (dtype == 1) {
+        const uint16_t *src = (const uint16_t *)base + off;
+        for (int i = 0; i < n; i++) dst[i] = bf16_to_f32(src[i]);
+    } else {
+        memcpy(dst, (const float *)base + off, (size_t)n * sizeof(float));
+    }
+}
+
+/* Dot product of a float32 query row with one cached key, summed in LANES fixed partial sums. */
+static inline float dot_key(const float *q, const void *k, int64_t off, int d, int dtype) {
+    float acc[LANES] = {0};
+    if (dtype == 1) {
+        const uint16_t *kr = (const uint16_t *)k + off;
+        for (int i = 0; i < d; i += LANES)
+            for (int j = 0; j < LANES; j++) acc[j] += q[i + j] * bf16_to_f32(kr[i + j]);
+    } else {
+        const float *kr = (const float *)k + off;
+        for (int i = 0; i < d; i += LANES)
+            for (int j = 0; j < LANES; j++) acc[j] += q[i + j] * kr[i + j];
+    }
+    float s = 0.0f;
+    for (int j = 0; j < LANES; j++) s += acc[j];
+    return s;
+}
+
+/* acc[0:d] += p * value row */
+static inline void add_value(float *acc, float p, const void *v, int64_t off, int d, int dtype) {
+    if (dtype == 1) {
+        const uint16_t *vr = (const uint16_t *)v + off;
+        for (int i = 0; i < d; i++) acc[i] += p * bf16_to_f32(vr[i]);
+    } else {
+        const float *vr = (const float *)v + off;
+        for (int i = 0; i < d; i++) acc[i] += p * vr[i];
+    }
+}
+
+/* One work item: query heads [qh0, qh1) of one row, over the kv heads they share. Scratch holds
+ * (qh1 - qh0) * (ctx + head_dim * 2) floats. Keys and values are read token by token, each token's
+ * kv heads of the range being contiguous, so the reads stream through every block in order. */
+static void attend_item(const job_t *j, int item, float *scratch) {
+    const int row = item / j->parts, part = item % j->parts;
+    const int group = j->q_heads / j->kv_heads, d = j->head_dim, bs = j->block_size;
+    const int h0 = j->kv_heads * part / j->parts, h1 = j->kv_heads * (part + 1) / j->parts;
+    const int heads = (h1 - h0) * group, qh0 = h0 * group;
+    const int n = j->ctx_lens[row];
+    const int32_t *table = j->tables + (int64_t)j->row_seq[row] * j->tables_stride;
+    float *q = scratch, *acc = q + (int64_t)heads * d, *scores = acc + (int64_t)heads * d;
+
+    for (int i = 0; i < heads; i++) {
+        load_row(j->q, (int64_t)j->row_token[row] * j->q_stride + (int64_t)(qh0 + i) * d, d, j->dtype,
+                 q + (int64_t)i * d);
+        memset(acc + (int64_t)i * d, 0, (size_t)d * sizeof(float));
+    }
+    /* 1. scores of every cached key against the queries that share its kv head */
+    for (int t = 0; t < n; t++) {
+        const int64_t base = ((int64_t)table[t / bs] * bs + t % bs) * j->kv_heads;
+        for (int i = 0; i < heads; i++)
+            scores[(int64_t)i * n + t] =
+                dot_key(q + (int64_t)i * d, j->k, (base + h0 + i / group) * d, d, j->dtype) * j->scale;
+    }
+    /* 2. softmax weights, unnormalised */
+    for (int i = 0; i < heads; i++) {
+        float *s = scores + (int64_t)i * n, top = -INFINITY, sum = 0.0f;
+        for (int t = 0; t < n; t++) top = s[t] > top ? s[t] : top;
+        for (int t = 0; t < n; t++) s[t] = exp_nonpositive(s[t] - top);
+        for (int t = 0; t < n; t++) sum += s[t];
+        q[(int64_t)i * d] = 1.0f / sum; /* the query row is no longer needed: keep 1/sum there */
+    }
+    /* 3. weighted sum of values */
+    for (int t = 0; t < n; t++) {
+        const int64_t base = ((int64_t)table[t / bs] * bs + t % bs) * j->kv_heads;
+        for (int i = 0; i < heads; i++)
+            add_value(acc + (int64_t)i * d, scores[(int64_t)i * n + t], j->v, (base + h0 + i / group) * d,
+                      d, j->dtype);
+    }
+    for (int i = 0; i < heads; i++) {
+        const float inv = q[(int64_t)i * d];
+        const float *a = acc + (int64_t)i * d;
+        const int64_t o = ((int64_t)j->row_token[row] * j->q_heads + qh0 + i) * d;
+        if (j->dtype == 1) {
+            uint16_t *dst = (uint16_t *)j->out + o;
+            for (int x = 0; x < d; x++) dst[x] = f32_to_bf16(a[x] * inv);
+        } else {
+            float *dst = (float *)j->out + o;
+            for (int x = 0; x < d; x++) dst[x] = a[x] * inv;
+        }
+    }
+}
+
+/* Returns 0 on success, 1 on bad arguments, 2 when scratch memory could not be had. */
+int pd_paged_decode_attention(const void *q, int64_t q_stride, const void *k, const void *v,
+                              const int32_t *tables, int64_t tables_stride, const int32_t *row_token,
+                              const int32_t *row_seq, const int32_t *ctx_lens, void *out, int rows,
+                              int q_heads, int kv_heads, int head_dim, int block_size, float scale,
+                              int dtype, int threads) {
+    if (rows < 0 || kv_heads <= 0 || q_heads % kv_heads != 0 || q_heads / kv_heads > MAX_GROUP ||
+        head_dim <= 0 || head_dim > MAX_HEAD_DIM || head_dim % LANES != 0 || block_size <= 0 ||
+        (dtype != 0 && dtype != 1))
+        return 1;
+    int longest = 0;
+    for (int r = 0; r < rows; r++) {
+        if (ctx_lens[r] <= 0) return 1;
+        if (ctx_lens[r] > longest) longest = ctx_lens[r];
+    }
+    if (threads < 1) threads = 1;
+    int parts = rows >= threads ? 1 : (threads + rows - 1) / (rows > 0 ? rows : 1);
+    if (parts > kv_heads) parts = kv_heads;
+    const job_t job = {q, k, v, tables, row_token, row_seq, ctx_lens, out, q_stride, tables_stride,
+                       rows, q_heads, kv_heads, head_dim, block_size, dtype, scale, parts};
+    const int items = rows * parts;
+    const size_t most_heads = (size_t)((kv_heads + parts - 1) / parts * (q_heads / kv_heads));
+    const size_t scratch_floats = most_heads * ((size_t)longest + 2 * (size_t)head_dim);
+    int status = 0;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads) reduction(| : status)
+#endif
+    {
+        float *scratch = (float *)malloc(scratch_floats * sizeof(float));
+        if (scratch == NULL) status = 2; /* this thread's items are skipped; the caller sees 2 */
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int item = 0; item < items; item++)
+            if (scratch != NULL) attend_item(&job, item, scratch);
+        free(scratch);
+    }
+    return status;
+}

@@ -1,0 +1,131 @@
+"""Paged attention on the CPU: a C kernel for one-token rows, SDPA in the cache's dtype for prompts.
+
+Decode rows (sequences with one new token) go to ``csrc/paged_decode_cpu.c``, which reads each
+sequence's keys and values in place through its block table: no gathered copy, no float32 copy of
+the cache, no padding to the longest sequence, and a row's result does not depend on the batch.
+Prompt chunks gather their sequence's cached blocks (one contiguous copy) and run PyTorch's fused
+CPU attention in the cache's dtype, causal without a mask when the chunk is the whole prompt.
+``paged_attention_ref`` stays the float32 oracle these are tested against.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+from pdfabric.kernels import cpu_build
+from pdfabric.kernels.metadata import AttentionMetadata
+
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_MAX_GROUP, _MAX_HEAD_DIM, _LANES = 16, 256, 16  # the C kernel's limits
+
+
+def _library() -> ctypes.CDLL | None:
+    lib = cpu_build.load("paged_decode_cpu")
+    if lib is not None and not hasattr(lib, "_pdfabric_typed"):
+        fn = lib.pd_paged_decode_attention
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        fn.argtypes = [p, i64, p, p, p, i64, p, p, p, p, i32, i32, i32, i32, i32, ctypes.c_float, i32, i32]
+        fn.restype = ctypes.c_int
+        lib._pdfabric_typed = True
+    return lib
+
+
+def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether the C kernel can serve this batch: CPU tensors of a supported dtype and shape, and a
+    library that built on this machine."""
+    _, _, _, kv_heads, head_dim = kv_cache.shape
+    q_heads = q.shape[1]
+    return (
+        q.device.type == "cpu"
+        and kv_cache.dtype in DTYPE_CODES
+        and q.dtype == kv_cache.dtype
+        and kv_cache.is_contiguous()
+        and q_heads % kv_heads == 0
+        and q_heads // kv_heads <= _MAX_GROUP
+        and head_dim <= _MAX_HEAD_DIM
+        and head_dim % _LANES == 0
+        and _library() is not None
+    )
+
+
+def paged_attention_cpu(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Causal attention of the batch's new queries ``[T, q_heads, head_dim]`` over the paged cache,
+    in ``q``'s dtype. The caller checks ``supports`` first."""
+    out = torch.empty(q.shape, dtype=q.dtype)  # [T, q_heads, head_dim]
+    rows = meta.single_query_rows
+    if rows.seqs_host:
+        decode_rows(q, kv_cache, meta, scale, out)
+    if len(rows.seqs_host) < meta.num_seqs:
+        start = 0
+        for s, (q_len, s_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=True)):
+            if q_len > 1:
+                out[start : start + q_len] = _prompt_attention(
+                    q[start : start + q_len], kv_cache, meta.block_tables[s], s_len, scale
+                )
+            start += q_len
+    return out
+
+
+def decode_rows(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor
+) -> None:
+    """Writes ``out`` at the batch's one-token rows (``meta.single_query_rows``) with the C kernel."""
+    # q: [T, q_heads, head_dim] (rows may be strided: a view into the fused QKV projection)
+    _, _, block_size, kv_heads, head_dim = kv_cache.shape
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        q = q.contiguous()
+    rows = meta.single_query_rows
+    tables = meta.block_tables
+    with torch.profiler.record_function("pdfabric::paged_decode_cpu"):  # visible to the profiler
+        status = _library().pd_paged_decode_attention(
+            q.data_ptr(),
+            q.stride(0),
+            kv_cache[0].data_ptr(),
+            kv_cache[1].data_ptr(),
+            tables.data_ptr(),
+            tables.stride(0),
+            rows.token.data_ptr(),
+            rows.seq.data_ptr(),
+            rows.ctx_len.data_ptr(),
+            out.data_ptr(),
+            len(rows.seqs_host),
+            q.shape[1],
+            kv_heads,
+            head_dim,
+            block_size,
+            scale,
+            DTYPE_CODES[kv_cache.dtype],
+            torch.get_num_threads(),
+        )
+    if status != 0:
+        raise RuntimeError(f"paged_decode_cpu failed with status {status} (1: bad arguments, 2: no memory)")
+
+
+def _prompt_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, table: torch.Tensor, seq_len: int, scale: float
+) -> torch.Tensor:
+    # q: [q_len, q_heads, head_dim], the last q_len of the sequence's seq_len tokens
+    _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
+    used = -(-seq_len // block_size)
+    flat = kv_cache.view(2, num_blocks, block_size * kv_heads * head_dim)
+    kv = flat.index_select(1, table[:used].long())  # [2, used, block_size * kv_heads * head_dim]
+    kv = kv.view(2, used * block_size, kv_heads, head_dim)[:, :seq_len]
+    q_len = q.shape[0]
+    mask = None
+    if q_len != seq_len:  # a chunk after cached tokens: causal, aligned to the sequence's end
+        mask = torch.ones(q_len, seq_len, dtype=torch.bool).tril_(seq_len - q_len)
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],  # [1, q_heads, q_len, head_dim]
+        kv[0].transpose(0, 1)[None],  # [1, kv_heads, seq_len, head_dim]
+        kv[1].transpose(0, 1)[None],
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return o[0].transpose(0, 1)  # [q_len, q_heads, head_dim]

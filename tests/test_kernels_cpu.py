@@ -1,0 +1,162 @@
+"""The CPU kernels against their torch references: C decode attention, SDPA prompt attention, packed
+linear layers, and the build cache behind the C kernel."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdfabric.kernels import cpu_build, dispatch, paged_attention
+from pdfabric.kernels.attention_ref import paged_attention_ref
+from pdfabric.kernels.linear_cpu import PackedLinear, can_pack, pack_linears
+from pdfabric.kernels.paged_attention_cpu import paged_attention_cpu, supports
+from pdfabric.kernels.testing import assert_close, make_batch
+
+
+@pytest.fixture
+def c_kernel() -> None:
+    """Skips a case where the C kernel cannot be built (no C compiler)."""
+    if cpu_build.load("paged_decode_cpu") is None:
+        pytest.skip("the C kernel cannot be built on this machine")
+
+
+needs_kernel = pytest.mark.usefixtures("c_kernel")
+
+CASES = [
+    # query_lens, seq_lens, q_heads, kv_heads, head_dim, block_size
+    ([1], [1], 2, 2, 16, 4),  # one cached token
+    ([1, 1, 1], [5, 64, 17], 8, 2, 64, 16),  # decode, GQA 4
+    ([1] * 6, [300, 1, 33, 16, 17, 90], 16, 8, 64, 16),  # cpu-small's heads
+    ([1, 1], [40, 7], 4, 1, 128, 1),  # MQA, block size 1
+    ([13, 1, 4, 1], [13, 31, 20, 2], 4, 2, 32, 4),  # mixed: prefill, decode, chunk, decode
+    ([9], [9], 8, 8, 16, 16),  # prompt only, no GQA
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"q{c[0]}-s{c[1]}-h{c[2]}x{c[3]}-d{c[4]}-b{c[5]}")
+def test_cpu_attention_matches_reference(case: tuple, dtype: torch.dtype) -> None:
+    query_lens, seq_lens, q_heads, kv_heads, head_dim, block = case
+    q, kv, meta = make_batch(query_lens, seq_lens, q_heads, kv_heads, head_dim, block, dtype, seed=7)
+    assert supports(q, kv)
+    assert_close(
+        paged_attention_cpu(q, kv, meta, head_dim**-0.5), paged_attention_ref(q, kv, meta, head_dim**-0.5)
+    )
+
+
+@needs_kernel
+def test_decode_rows_read_strided_queries() -> None:
+    # In the model, q is a view into the fused QKV projection: rows are further apart than heads.
+    q, kv, meta = make_batch([1, 1, 1], [10, 3, 40], 4, 2, 16, 4, torch.float32, seed=3)
+    wide = torch.randn(3, 8, 16)
+    wide[:, :4] = q
+    strided = wide[:, :4]
+    assert not strided.is_contiguous()
+    torch.testing.assert_close(
+        paged_attention_cpu(strided, kv, meta, 0.25), paged_attention_ref(q, kv, meta, 0.25)
+    )
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_row_does_not_depend_on_the_batch(dtype: torch.dtype) -> None:
+    """Bit for bit: a sequence's decode output is the same alone and in any batch (token-exactness
+    across batch shapes rests on this)."""
+    q, kv, meta = make_batch([1] * 5, [70, 3, 129, 16, 1], 16, 8, 64, 16, dtype, seed=11)
+    batched = paged_attention_cpu(q, kv, meta, 0.125)
+    for s in range(5):
+        one = type(meta).build([1], [meta.seq_lens_host[s]], [meta.block_tables[s].tolist()], 16)
+        alone = paged_attention_cpu(q[s : s + 1], kv, one, 0.125)
+        assert torch.equal(alone[0], batched[s])
+
+
+@needs_kernel
+def test_auto_backend_runs_the_cpu_kernel_and_torch_backend_the_reference() -> None:
+    q, kv, meta = make_batch([1, 3], [9, 3], 4, 2, 16, 4, torch.bfloat16, seed=5)
+    saved = dispatch.get_backend()
+    try:
+        dispatch.set_backend("auto")
+        assert torch.equal(paged_attention(q, kv, meta, 0.25), paged_attention_cpu(q, kv, meta, 0.25))
+        dispatch.set_backend("torch")
+        assert torch.equal(paged_attention(q, kv, meta, 0.25), paged_attention_ref(q, kv, meta, 0.25))
+    finally:
+        dispatch.set_backend(saved)
+
+
+def test_unsupported_shapes_fall_back_to_the_reference() -> None:
+    # head_dim 8 is not a multiple of the kernel's 16 lanes; float16 is not a kernel dtype.
+    q, kv, meta = make_batch([1], [5], 2, 1, 8, 4, torch.float32)
+    assert not supports(q, kv)
+    torch.testing.assert_close(paged_attention(q, kv, meta, 0.3), paged_attention_ref(q, kv, meta, 0.3))
+    q, kv, meta = make_batch([1], [5], 2, 1, 16, 4, torch.float16)
+    assert not supports(q, kv)
+
+
+@pytest.fixture
+def fresh_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """An empty kernel cache and a forgotten library, restored afterwards."""
+    monkeypatch.setenv("PDFABRIC_CACHE_DIR", str(tmp_path))
+    cpu_build.load.cache_clear()
+    yield tmp_path / "kernels"
+    cpu_build.load.cache_clear()
+
+
+def test_without_a_compiler_the_reference_serves(
+    fresh_build: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    q, kv, meta = make_batch([1, 2], [6, 2], 4, 2, 16, 4, torch.float32)
+    assert not supports(q, kv)
+    assert "no C compiler" in caplog.text
+    torch.testing.assert_close(paged_attention(q, kv, meta, 0.25), paged_attention_ref(q, kv, meta, 0.25))
+
+
+@needs_kernel
+def test_the_library_is_built_once_per_cache(fresh_build: Path) -> None:
+    assert cpu_build.load("paged_decode_cpu") is not None
+    built = list(fresh_build.glob("paged_decode_cpu-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    cpu_build.load.cache_clear()
+    assert cpu_build.load("paged_decode_cpu") is not None
+    assert built[0].stat().st_mtime_ns == stamp  # loaded from the cache, not rebuilt
+    assert not list(fresh_build.glob(".*"))  # no temporary file left behind
+
+
+def test_a_failing_build_falls_back(fresh_build: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    assert cpu_build.load("paged_decode_cpu") is None
+    assert not list(fresh_build.glob("*.so"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_linear(dtype: torch.dtype, bias: bool) -> None:
+    torch.manual_seed(0)
+    layer = nn.Linear(96, 80, bias=bias).to(dtype)
+    if not can_pack(layer):
+        pytest.skip(f"{dtype} layers are not packed on this CPU")
+    packed = PackedLinear(layer)
+    for rows in (1, 7, 64):
+        x = torch.randn(rows, 96, dtype=dtype)
+        tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+        torch.testing.assert_close(packed(x), F.linear(x, layer.weight, layer.bias), **tol)
+
+
+def test_pack_linears_replaces_every_linear_and_keeps_the_output() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 48), nn.SiLU(), nn.Sequential(nn.Linear(48, 16, bias=False)))
+    if not can_pack(net[0]):
+        pytest.skip("float32 layers are not packed here (no oneDNN)")
+    x = torch.randn(5, 32)
+    with torch.inference_mode():
+        want = net(x)
+        assert pack_linears(net) == 2
+        assert not any(isinstance(m, nn.Linear) for m in net.modules())
+        torch.testing.assert_close(net(x), want, atol=1e-5, rtol=1e-5)
