@@ -1,14 +1,17 @@
 """``pdfabric bench engine``: prefill throughput and decode step time beside the machine's floors.
 
-Floors are measured in the same run: a large GEMM in the model's dtype gives the compute rate, a large
-copy gives the memory bandwidth. Prefill is reported as achieved FLOP/s over the GEMM rate; a decode
-step as its time over the time to read the weights (and the batch's KV) once at that bandwidth.
+Floors are measured in the same run: GEMMs in the model's dtype give the compute rate, a large copy
+gives the memory bandwidth. Both are the best of several tries (a floor is what the machine can do,
+and a busy moment only ever makes a try slower), while the model's own points are medians. Prefill
+is reported as achieved FLOP/s over the GEMM rate; a decode step as its time over the time to read
+the weights (and the batch's KV) once at that bandwidth.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import platform
 import statistics
 import sys
 import time
@@ -19,13 +22,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="cpu-small", help="model directory or preset (default cpu-small)")
     parser.add_argument(
         "--prefill-tokens",
-        default="32,64,128,256,512,1024",
-        help="comma-separated prompt lengths for prefill",
+        default="256,512,1024,2048",
+        help="comma-separated prompt lengths for prefill (default 256,512,1024,2048)",
     )
-    parser.add_argument("--batch-sizes", default="1,2,4,8,16,32", help="comma-separated decode batch sizes")
-    parser.add_argument("--context", type=int, default=256, help="context tokens per decoding sequence")
+    parser.add_argument(
+        "--batch-sizes", default="1,2,4,8,16,32", help="comma-separated decode batch sizes (default 1-32)"
+    )
+    parser.add_argument(
+        "--context", type=int, default=512, help="context tokens per decoding sequence (default 512)"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        help="compute dtype (default: the checkpoint's, float32 on a CPU without native bfloat16)",
+    )
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
     parser.add_argument(
         "--repeats", type=int, default=5, help="timed repetitions per point (median reported)"
+    )
+    parser.add_argument(
+        "--op-profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also profile one step of the longest prefill and of the largest decode batch with the "
+        "torch profiler and print the N ops with the most self time",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
 
@@ -40,21 +61,49 @@ def _median_time(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def _gemm_rate(dtype: object, repeats: int, n: int = 2048) -> float:
-    """FLOP/s of an n x n x n matrix product in ``dtype``."""
+def _best_time(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _gemm_rate(dtype: object, repeats: int) -> float:
+    """The best FLOP/s of square matrix products (1024 to 4096) in ``dtype``."""
     import torch
 
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    return 2 * n**3 / _median_time(lambda: a @ b, repeats)
+    best = 0.0
+    for n in (1024, 2048, 4096):
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        best = max(best, 2 * n**3 / _best_time(lambda a=a, b=b: a @ b, max(repeats, 5)))
+    return best
 
 
 def _copy_rate(repeats: int, nbytes: int = 256 * 2**20) -> float:
-    """Memory traffic of a large copy, bytes read plus bytes written per second."""
+    """Memory traffic of a large copy, bytes read plus bytes written per second (best of tries)."""
     import torch
 
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
-    return 2 * nbytes / _median_time(lambda: dst.copy_(src), repeats)
+    return 2 * nbytes / _best_time(lambda: dst.copy_(src), max(2 * repeats, 10))
+
+
+def _cpu_name() -> str:
+    """The CPU's model name and whether it multiplies bfloat16 natively, for the record."""
+    from pdfabric.engine.loader import cpu_has_half_math
+
+    name = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name} ({'native bf16' if cpu_has_half_math() else 'no native bf16'})"
 
 
 def _progress(msg: str) -> None:
@@ -67,12 +116,22 @@ def run(args: argparse.Namespace) -> int:
     from pdfabric.engine.default_model import resolve_model
     from pdfabric.engine.loader import load_model
     from pdfabric.engine.runner import ModelRunner, StepEntry
+    from pdfabric.kernels import get_backend
 
     prefill_lens = [int(x) for x in args.prefill_tokens.split(",")]
     batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
-    model = load_model(resolve_model(args.model))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = load_model(resolve_model(args.model), args.dtype)
     cfg = model.config
     dtype = model.model.norm.weight.dtype
+    # Counted before the runner packs the linear layers (packed weights are buffers, not parameters).
+    matmul_params = sum(
+        p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in name
+    )
+    weight_bytes = sum(
+        p.numel() * p.element_size() for name, p in model.named_parameters() if "embed_tokens" not in name
+    )
     block = 16
     per_seq_blocks = -(-max(max(prefill_lens), args.context + 1) // block)
     runner = ModelRunner(model, num_blocks=per_seq_blocks * max(batch_sizes) + 1, block_size=block)
@@ -82,16 +141,12 @@ def run(args: argparse.Namespace) -> int:
     _progress("floors: copy")
     copy_bw = _copy_rate(args.repeats)
 
-    matmul_params = sum(
-        p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in name
-    )
-    weight_bytes = sum(
-        p.numel() * p.element_size() for name, p in model.named_parameters() if "embed_tokens" not in name
-    )
     results: dict[str, object] = {
         "model": str(args.model),
         "dtype": cfg.dtype,
         "threads": torch.get_num_threads(),
+        "kernel_backend": get_backend(),
+        "cpu": _cpu_name(),
         "gemm_flops": gemm_flops,
         "copy_bytes_per_s": copy_bw,
         "weight_bytes": weight_bytes,
@@ -135,6 +190,13 @@ def run(args: argparse.Namespace) -> int:
                 "tokens_per_s": bs / t,
             }
         )
+    if args.op_profile:
+        _progress("op profile")
+        prefill = StepEntry(token * prefill_lens[-1], 0, tuple(range(-(-prefill_lens[-1] // block))))
+        results["op_profile"] = {
+            f"prefill {prefill_lens[-1]} tokens": _op_profile(runner, [prefill], args.op_profile),
+            f"decode batch {batch_sizes[-1]}": _op_profile(runner, entries, args.op_profile),
+        }
     _progress("")
     _print_table(results)
     if args.json:
@@ -143,8 +205,31 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _op_profile(runner: object, entries: list, top: int, steps: int = 3) -> list[dict]:
+    """The ``top`` ops by self CPU time over ``steps`` runs of one step, per step, with their share."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner.step(entries)  # warm-up
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            runner.step(entries)
+    events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    total = sum(e.self_cpu_time_total for e in events)
+    events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    return [
+        {
+            "op": e.key,
+            "ms_per_step": e.self_cpu_time_total / 1e3 / steps,
+            "calls_per_step": e.count / steps,
+            "share": e.self_cpu_time_total / total,
+        }
+        for e in events[:top]
+    ]
+
+
 def _print_table(r: dict) -> None:
-    print(f"model {r['model']} ({r['dtype']}), {r['threads']} threads")
+    print(f"model {r['model']} ({r['dtype']}), {r['threads']} threads, kernels {r['kernel_backend']}")
+    print(f"cpu: {r['cpu']}")
     print(
         f"floors: GEMM {r['gemm_flops'] / 1e9:.1f} GFLOP/s, copy {r['copy_bytes_per_s'] / 1e9:.2f} GB/s "
         f"(read+write), weights {r['weight_bytes'] / 2**20:.0f} MiB"
@@ -161,3 +246,10 @@ def _print_table(r: dict) -> None:
             f"{d['batch']:>14} {d['seconds'] * 1e3:>9.1f} {d['floor_seconds'] * 1e3:>9.1f} "
             f"{d['ratio_to_floor']:>8.2f} {d['tokens_per_s']:>9.0f}"
         )
+    for step, ops in r.get("op_profile", {}).items():
+        print(f"\n{step}: ops by self CPU time (torch profiler, per step)")
+        print(f"{'op':<48} {'ms':>8} {'calls':>7} {'share':>6}")
+        for o in ops:
+            print(
+                f"{o['op'][:48]:<48} {o['ms_per_step']:>8.2f} {o['calls_per_step']:>7.0f} {o['share']:>6.1%}"
+            )
