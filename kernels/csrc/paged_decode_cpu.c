@@ -20,6 +20,10 @@
  * competing with it for the cores.
  */
 #include <math.h>
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define HAVE_AVX512_BF16 1 /* bfloat16 rows with head_dim % 32 == 0 take the intrinsics below */
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -27,6 +31,7 @@
 #define LANES 16       /* partial sums per dot product: one 512-bit vector of float32 */
 #define MAX_GROUP 16   /* query heads per kv head */
 #define MAX_HEAD_DIM 256
+#define PREFETCH_TOKENS 4 /* how far ahead keys and values are asked for */
 
 typedef struct {
     const void *q, *k, *v;
@@ -93,10 +98,30 @@ static inline float dot_key(const float *q, const void *k, int64_t off, int d, i
         for (int i = 0; i < d; i += LANES)
             for (int j = 0; j < LANES; j++) acc[j] += q[i + j] * kr[i + j];
     }
-    float s = 0.0f;
-    for (int j = 0; j < LANES; j++) s += acc[j];
-    return s;
+    for (int w = LANES / 2; w > 0; w /= 2) /* pairwise: a short dependency chain that vectorizes */
+        for (int j = 0; j < w; j++) acc[j] += acc[j + w];
+    return acc[0];
 }
+
+#ifdef HAVE_AVX512_BF16
+/* The same two operations for bfloat16 rows on CPUs with AVX512-BF16: the query stays in bfloat16
+ * (exact: it came from there) and VDPBF16PS multiplies pairs exactly and sums them in float32. */
+static inline float dot_key_bf16(const uint16_t *q, const uint16_t *k, int d) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int i = 0; i < d; i += 32)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + i), (__m512bh)_mm512_loadu_si512(k + i));
+    return _mm512_reduce_add_ps(acc);
+}
+
+static inline void add_value_bf16(float *acc, float p, const uint16_t *v, int d) {
+    const __m512 weight = _mm512_set1_ps(p);
+    for (int i = 0; i < d; i += 16) {
+        const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v + i)));
+        const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+        _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(weight, x, _mm512_loadu_ps(acc + i)));
+    }
+}
+#endif
 
 /* acc[0:d] += p * value row */
 static inline void add_value(float *acc, float p, const void *v, int64_t off, int d, int dtype) {
@@ -107,6 +132,18 @@ static inline void add_value(float *acc, float p, const void *v, int64_t off, in
         const float *vr = (const float *)v + off;
         for (int i = 0; i < d; i++) acc[i] += p * vr[i];
     }
+}
+
+/* Asks for the cache lines of token `t`'s kv heads [h0, h1) a few tokens ahead of their use: block
+ * tables scatter a sequence over memory, so the hardware prefetcher loses the stream at each block. */
+static inline void prefetch_token(const job_t *j, const void *base, const int32_t *table, int t, int n,
+                                  int h0, int h1) {
+    if (t >= n) return;
+    const int bs = j->block_size, esize = j->dtype == 1 ? 2 : 4;
+    const int64_t row = ((int64_t)table[t / bs] * bs + t % bs) * j->kv_heads + h0;
+    const char *p = (const char *)base + row * j->head_dim * esize;
+    const int64_t bytes = (int64_t)(h1 - h0) * j->head_dim * esize;
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 0);
 }
 
 /* One work item: query heads [qh0, qh1) of one row, over the kv heads they share. Scratch holds
@@ -127,11 +164,24 @@ static void attend_item(const job_t *j, int item, float *scratch) {
         memset(acc + (int64_t)i * d, 0, (size_t)d * sizeof(float));
     }
     /* 1. scores of every cached key against the queries that share its kv head */
+#ifdef HAVE_AVX512_BF16
+    const int fast = j->dtype == 1 && d % 32 == 0;
+    const uint16_t *q16 = (const uint16_t *)j->q + (int64_t)j->row_token[row] * j->q_stride + (int64_t)qh0 * d;
+#endif
     for (int t = 0; t < n; t++) {
         const int64_t base = ((int64_t)table[t / bs] * bs + t % bs) * j->kv_heads;
-        for (int i = 0; i < heads; i++)
-            scores[(int64_t)i * n + t] =
-                dot_key(q + (int64_t)i * d, j->k, (base + h0 + i / group) * d, d, j->dtype) * j->scale;
+        prefetch_token(j, j->k, table, t + PREFETCH_TOKENS, n, h0, h1);
+        for (int i = 0; i < heads; i++) {
+            const int64_t off = (base + h0 + i / group) * d;
+#ifdef HAVE_AVX512_BF16
+            if (fast) {
+                scores[(int64_t)i * n + t] =
+                    dot_key_bf16(q16 + (int64_t)i * d, (const uint16_t *)j->k + off, d) * j->scale;
+                continue;
+            }
+#endif
+            scores[(int64_t)i * n + t] = dot_key(q + (int64_t)i * d, j->k, off, d, j->dtype) * j->scale;
+        }
     }
     /* 2. softmax weights, unnormalised */
     for (int i = 0; i < heads; i++) {
@@ -144,9 +194,17 @@ static void attend_item(const job_t *j, int item, float *scratch) {
     /* 3. weighted sum of values */
     for (int t = 0; t < n; t++) {
         const int64_t base = ((int64_t)table[t / bs] * bs + t % bs) * j->kv_heads;
-        for (int i = 0; i < heads; i++)
-            add_value(acc + (int64_t)i * d, scores[(int64_t)i * n + t], j->v, (base + h0 + i / group) * d,
-                      d, j->dtype);
+        prefetch_token(j, j->v, table, t + PREFETCH_TOKENS, n, h0, h1);
+        for (int i = 0; i < heads; i++) {
+            const int64_t off = (base + h0 + i / group) * d;
+#ifdef HAVE_AVX512_BF16
+            if (fast) {
+                add_value_bf16(acc + (int64_t)i * d, scores[(int64_t)i * n + t], (const uint16_t *)j->v + off, d);
+                continue;
+            }
+#endif
+            add_value(acc + (int64_t)i * d, scores[(int64_t)i * n + t], j->v, off, d, j->dtype);
+        }
     }
     for (int i = 0; i < heads; i++) {
         const float inv = q[(int64_t)i * d];
