@@ -61,6 +61,13 @@ def rescore(search_dir: Path, slo: Any, target: float) -> dict[str, Any]:
     return out
 
 
+def _goodput_text(r: dict[str, Any]) -> str:
+    """``1.5``, ``>= 3`` (no measured rate failed) or ``< 0.25`` (none passed: below the lowest)."""
+    if r["goodput_rps"] is None:
+        return f"< {min(t['rate'] for t in r['trials']):g}" if r["trials"] else "none"
+    return f"{'>= ' if r['at_least'] else ''}{r['goodput_rps']:g}"
+
+
 def run(args: argparse.Namespace) -> int:
     from pdfabric.bench.options import fail, slo_from_args
 
@@ -80,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"{'search':<32} {'goodput req/s':>14}  attainment by rate")
     for name, r in results.items():
-        g = "none" if r["goodput_rps"] is None else f"{'>= ' if r['at_least'] else ''}{r['goodput_rps']:g}"
+        g = _goodput_text(r)
         trials = ", ".join(f"{t['rate']:g}: {t['attainment']:.0%}" for t in r["trials"])
         print(f"{name:<32} {g:>14}  {trials}")
     if args.json:

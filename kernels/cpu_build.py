@@ -41,8 +41,7 @@ def _cpu_identity() -> str:
 
 
 def _compiler() -> str | None:
-    cc = os.environ.get("CC") or "cc"
-    return shutil.which(cc)
+    return shutil.which(envs.get("CC") or "cc")
 
 
 @functools.cache

@@ -27,7 +27,12 @@ REGISTRY: dict[str, tuple[str, Callable[[str], object], str]] = {
     "PDFABRIC_CACHE_DIR": (
         str(Path.home() / ".cache" / "pdfabric"),
         lambda v: str(Path(v).expanduser()),
-        "where the built-in default models are written",
+        "where the built-in default models and the compiled CPU kernels are written",
+    ),
+    "CC": (
+        "cc",
+        lambda v: v,
+        "the C compiler that builds the CPU kernels on first use (none found: the torch reference serves)",
     ),
 }
 

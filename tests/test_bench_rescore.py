@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pdfabric.bench.metrics import SLO
 from pdfabric.bench.records import OK, RequestRecord, write_jsonl
-from pdfabric.bench.rescore_cmd import find_searches, rescore
+from pdfabric.bench.rescore_cmd import _goodput_text, find_searches, rescore
 
 
 def _trial(root: Path, rate: float, ttft_ms: float, gaps: list[float], n: int = 10) -> None:
@@ -42,6 +42,8 @@ def test_one_search_answers_a_mean_and_a_no_stall_slo(tmp_path: Path) -> None:
     assert no_stall["goodput_rps"] == 0.5 and no_stall["first_failing_rps"] == 1
     loose = rescore(search, SLO(5000, 400, "max"), 0.9)
     assert loose["goodput_rps"] == 4 and loose["at_least"]  # never failed: at least the top rate
+    strict = rescore(search, SLO(100, 100, "max"), 0.9)
+    assert strict["goodput_rps"] is None and _goodput_text(strict) == "< 0.5"
 
 
 def test_searches_are_found_per_deployment(tmp_path: Path) -> None:
