@@ -4,7 +4,7 @@ One forward serves fresh prefills, chunked prefills that continue a cached promp
 many sequences: the batch is ``T`` tokens laid end to end, and ``AttentionMetadata`` says which
 sequence each belongs to, where its KV goes and how much context it sees. Parameter names follow the
 Hugging Face checkpoints, except that the projections reading the same input are stacked into one
-matrix (``STACKED``: q, k and v; gate and up), so each layer runs two matmuls fewer; the loader
+matrix (``stacked_shards``: q, k and v; gate and up), so each layer runs two matmuls fewer; the loader
 assigns each checkpoint tensor to its rows. No parallelism, transport or scheduling lives here.
 """
 
@@ -20,7 +20,7 @@ from pdfabric.kernels import AttentionMetadata, paged_attention, store_kv
 
 
 def stacked_shards(cfg: ModelConfig) -> dict[str, tuple[tuple[str, int], ...]]:
-    """``STACKED``: each stacked projection's checkpoint parts, in row order, with their row counts."""
+    """Each stacked projection's checkpoint parts, in row order, with their row counts."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     return {
         "qkv_proj": (("q_proj", q), ("k_proj", kv), ("v_proj", kv)),
