@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).parent / "csrc"
 # -fopenmp binds to libgomp.so.1, which torch has already loaded: the kernels share torch's threads.
-FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c11", "-Wall", "-Werror", "-fopenmp")
+FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c11", "-Wall", "-fopenmp")
 
 
 def _cpu_identity() -> str:

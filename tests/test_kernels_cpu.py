@@ -160,3 +160,18 @@ def test_pack_linears_replaces_every_linear_and_keeps_the_output() -> None:
         assert pack_linears(net) == 2
         assert not any(isinstance(m, nn.Linear) for m in net.modules())
         torch.testing.assert_close(net(x), want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_c_source_compiles_without_warnings(tmp_path: Path) -> None:
+    """The runtime build tolerates warnings (a newer compiler must not turn the kernel off), so this
+    keeps the source itself warning-free."""
+    import shutil
+    import subprocess
+
+    cc = shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    src = cpu_build.SOURCES / "paged_decode_cpu.c"
+    cmd = [cc, *cpu_build.FLAGS, "-Wextra", "-Werror", "-o", str(tmp_path / "k.so"), str(src), "-lm"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr

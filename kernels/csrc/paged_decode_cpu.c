@@ -134,13 +134,18 @@ static inline void add_value(float *acc, float p, const void *v, int64_t off, in
     }
 }
 
+/* The cache row (in kv-head rows of head_dim elements) where token `t` of a sequence starts. */
+static inline int64_t token_row(const job_t *j, const int32_t *table, int t) {
+    return ((int64_t)table[t / j->block_size] * j->block_size + t % j->block_size) * j->kv_heads;
+}
+
 /* Asks for the cache lines of token `t`'s kv heads [h0, h1) a few tokens ahead of their use: block
  * tables scatter a sequence over memory, so the hardware prefetcher loses the stream at each block. */
 static inline void prefetch_token(const job_t *j, const void *base, const int32_t *table, int t, int n,
                                   int h0, int h1) {
     if (t >= n) return;
-    const int bs = j->block_size, esize = j->dtype == 1 ? 2 : 4;
-    const int64_t row = ((int64_t)table[t / bs] * bs + t % bs) * j->kv_heads + h0;
+    const int esize = j->dtype == 1 ? 2 : 4;
+    const int64_t row = token_row(j, table, t) + h0;
     const char *p = (const char *)base + row * j->head_dim * esize;
     const int64_t bytes = (int64_t)(h1 - h0) * j->head_dim * esize;
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 0);
@@ -151,7 +156,7 @@ static inline void prefetch_token(const job_t *j, const void *base, const int32_
  * kv heads of the range being contiguous, so the reads stream through every block in order. */
 static void attend_item(const job_t *j, int item, float *scratch) {
     const int row = item / j->parts, part = item % j->parts;
-    const int group = j->q_heads / j->kv_heads, d = j->head_dim, bs = j->block_size;
+    const int group = j->q_heads / j->kv_heads, d = j->head_dim;
     const int h0 = j->kv_heads * part / j->parts, h1 = j->kv_heads * (part + 1) / j->parts;
     const int heads = (h1 - h0) * group, qh0 = h0 * group;
     const int n = j->ctx_lens[row];
@@ -169,7 +174,7 @@ static void attend_item(const job_t *j, int item, float *scratch) {
     const uint16_t *q16 = (const uint16_t *)j->q + (int64_t)j->row_token[row] * j->q_stride + (int64_t)qh0 * d;
 #endif
     for (int t = 0; t < n; t++) {
-        const int64_t base = ((int64_t)table[t / bs] * bs + t % bs) * j->kv_heads;
+        const int64_t base = token_row(j, table, t);
         prefetch_token(j, j->k, table, t + PREFETCH_TOKENS, n, h0, h1);
         for (int i = 0; i < heads; i++) {
             const int64_t off = (base + h0 + i / group) * d;
@@ -193,7 +198,7 @@ static void attend_item(const job_t *j, int item, float *scratch) {
     }
     /* 3. weighted sum of values */
     for (int t = 0; t < n; t++) {
-        const int64_t base = ((int64_t)table[t / bs] * bs + t % bs) * j->kv_heads;
+        const int64_t base = token_row(j, table, t);
         prefetch_token(j, j->v, table, t + PREFETCH_TOKENS, n, h0, h1);
         for (int i = 0; i < heads; i++) {
             const int64_t off = (base + h0 + i / group) * d;
