@@ -59,8 +59,9 @@ def add_client_arguments(p: argparse.ArgumentParser, url: bool = True) -> None:
     g = p.add_argument_group("server and client")
     if url:
         g.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
-    g.add_argument("--model", required=url,
-                   help="model name sent in each request" if url else
+    g.add_argument("--model",
+                   help="model name sent in each request (default: the one model the server lists at "
+                   "/v1/models)" if url else
                    "model name sent to URL deployments (started ones use the name they announce)")
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
     g.add_argument("--max-run-time", type=float, metavar="S",
@@ -122,10 +123,34 @@ def prompt_config(args: argparse.Namespace) -> PromptConfig:
     return cfg
 
 
+def served_model(url: str, api_key: str | None = None, timeout_s: float = 10.0) -> str:
+    """The model a server lists at ``GET /v1/models``; ``ValueError`` when it cannot be read or lists
+    no model or several (then ``--model`` must choose)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url.rstrip("/") + "/v1/models")
+    if api_key:
+        req.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            listed = [m["id"] for m in json.load(r)["data"]]
+    except (OSError, urllib.error.URLError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"no --model given and {url}/v1/models could not be read: {exc}") from None
+    if len(listed) != 1:
+        raise ValueError(f"no --model given and {url} serves {len(listed)} models "
+                         f"({', '.join(map(repr, listed)) or 'none'}): name one with --model")
+    return listed[0]
+
+
 def client_from_args(args: argparse.Namespace, url: str, model: str | None = None) -> ClientConfig:
+    """The client settings for ``url``; the model is ``model``, else ``--model``, else the one the
+    server lists (``served_model``)."""
     from pdfabric.bench.client import ClientConfig
 
-    return ClientConfig(url=url, model=model or args.model, request_timeout_s=args.request_timeout,
+    model = model or args.model or served_model(url, args.api_key)
+    return ClientConfig(url=url, model=model, request_timeout_s=args.request_timeout,
                         max_run_s=args.max_run_time, ignore_eos=not args.no_ignore_eos,
                         include_usage=not args.no_usage, extra_body=dict(args.extra_body),
                         api_key=args.api_key, lateness_warn_ms=args.lateness_warn_ms)

@@ -41,7 +41,12 @@ class FakeServer:
     reject_every: int = 0
     usage: bool = True
     concurrency: int = 1000
+    models: tuple[str, ...] = ("fake",)  # what GET /v1/models lists
     seen: list[dict[str, Any]] = field(default_factory=list)
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        data = [{"id": m, "object": "model"} for m in self.models]
+        return web.json_response({"object": "list", "data": data})
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -90,6 +95,7 @@ def serving(fake: FakeServer) -> Iterator[str]:
         try:
             app = web.Application()
             app.router.add_post("/v1/completions", fake.handle)
+            app.router.add_get("/v1/models", fake.list_models)
             runner = web.AppRunner(app, shutdown_timeout=0.5)
             loop.run_until_complete(runner.setup())
             loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 0).start())
@@ -238,3 +244,16 @@ def test_ctrl_c_writes_a_partial_report(tmp_path: Path) -> None:
     report = json.loads((out / "report.json").read_text())
     assert report["partial"] is True and report["stopped"] == "interrupted"
     assert report["requests"]["not_sent"] > 0 and report["requests"]["total"] < 40
+
+
+def test_without_model_the_servers_one_model_is_used(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    fake = FakeServer(ttft_s=0.01, itl_s=0.001, models=("served-name",))
+    with serving(fake) as url:
+        rc = cli.main(["bench", "replay", "--url", url, "--trace", "synthetic", "--rate", "50",
+                       "--num-requests", "3", "--input-len", "8", "--output-len", "2", "--no-progress",
+                       "--out", str(tmp_path / "run")])  # fmt: skip
+    assert rc == 0 and {b["model"] for b in fake.seen} == {"served-name"}
+    with serving(FakeServer(models=("a", "b"))) as url:
+        rc = cli.main(["bench", "replay", "--url", url, "--trace", "synthetic", "--rate", "50",
+                       "--num-requests", "3", "--no-progress", "--out", str(tmp_path / "two")])  # fmt: skip
+    assert rc == 2 and "serves 2 models ('a', 'b'): name one with --model" in capsys.readouterr().err
