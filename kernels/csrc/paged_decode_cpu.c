@@ -86,26 +86,10 @@ static inline void load_row(const void *base, int64_t off, int n, int dtype, flo
     }
 }
 
-/* Dot product of a float32 query row with one cached key, summed in LANES fixed partial sums. */
-static inline float dot_key(const float *q, const void *k, int64_t off, int d, int dtype) {
-    float acc[LANES] = {0};
-    if (dtype == 1) {
-        const uint16_t *kr = (const uint16_t *)k + off;
-        for (int i = 0; i < d; i += LANES)
-            for (int j = 0; j < LANES; j++) acc[j] += q[i + j] * bf16_to_f32(kr[i + j]);
-    } else {
-        const float *kr = (const float *)k + off;
-        for (int i = 0; i < d; i += LANES)
-            for (int j = 0; j < LANES; j++) acc[j] += q[i + j] * kr[i + j];
-    }
-    for (int w = LANES / 2; w > 0; w /= 2) /* pairwise: a short dependency chain that vectorizes */
-        for (int j = 0; j < w; j++) acc[j] += acc[j + w];
-    return acc[0];
-}
-
 #ifdef HAVE_AVX512_BF16
-/* The same two operations for bfloat16 rows on CPUs with AVX512-BF16: the query stays in bfloat16
- * (exact: it came from there) and VDPBF16PS multiplies pairs exactly and sums them in float32. */
+/* dot_key and add_value for bfloat16 rows with head_dim % 32 == 0 on CPUs with AVX512-BF16: the
+ * query stays in bfloat16 (exact: it came from there) and VDPBF16PS multiplies pairs exactly and
+ * sums them in float32. */
 static inline float dot_key_bf16(const uint16_t *q, const uint16_t *k, int d) {
     __m512 acc = _mm512_setzero_ps();
     for (int i = 0; i < d; i += 32)
@@ -123,8 +107,50 @@ static inline void add_value_bf16(float *acc, float p, const uint16_t *v, int d)
 }
 #endif
 
+/* Whether bfloat16 rows of head_dim d take the AVX512-BF16 functions above. */
+static inline int bf16_fast(int dtype, int d) {
+#ifdef HAVE_AVX512_BF16
+    return dtype == 1 && d % 32 == 0;
+#else
+    (void)dtype;
+    (void)d;
+    return 0;
+#endif
+}
+
+/* Dot product of a query row with one cached key: the float32 row `q` summed in LANES fixed partial
+ * sums, or on the bf16_fast path the query's own bfloat16 row `q16`. */
+static inline float dot_key(const float *q, const uint16_t *q16, const void *k, int64_t off, int d,
+                            int dtype) {
+#ifdef HAVE_AVX512_BF16
+    if (bf16_fast(dtype, d)) return dot_key_bf16(q16, (const uint16_t *)k + off, d);
+#else
+    (void)q16;
+#endif
+    float acc[LANES] = {0};
+    if (dtype == 1) {
+        const uint16_t *kr = (const uint16_t *)k + off;
+        for (int i = 0; i < d; i += LANES)
+            for (int j = 0; j < LANES; j++) acc[j] += q[i + j] * bf16_to_f32(kr[i + j]);
+    } else {
+        const float *kr = (const float *)k + off;
+        for (int i = 0; i < d; i += LANES)
+            for (int j = 0; j < LANES; j++) acc[j] += q[i + j] * kr[i + j];
+    }
+    for (int w = LANES / 2; w > 0; w /= 2) /* pairwise: a short dependency chain that vectorizes */
+        for (int j = 0; j < w; j++) acc[j] += acc[j + w];
+    return acc[0];
+}
+
+
 /* acc[0:d] += p * value row */
 static inline void add_value(float *acc, float p, const void *v, int64_t off, int d, int dtype) {
+#ifdef HAVE_AVX512_BF16
+    if (bf16_fast(dtype, d)) {
+        add_value_bf16(acc, p, (const uint16_t *)v + off, d);
+        return;
+    }
+#endif
     if (dtype == 1) {
         const uint16_t *vr = (const uint16_t *)v + off;
         for (int i = 0; i < d; i++) acc[i] += p * bf16_to_f32(vr[i]);
@@ -169,23 +195,14 @@ static void attend_item(const job_t *j, int item, float *scratch) {
         memset(acc + (int64_t)i * d, 0, (size_t)d * sizeof(float));
     }
     /* 1. scores of every cached key against the queries that share its kv head */
-#ifdef HAVE_AVX512_BF16
-    const int fast = j->dtype == 1 && d % 32 == 0;
     const uint16_t *q16 = (const uint16_t *)j->q + (int64_t)j->row_token[row] * j->q_stride + (int64_t)qh0 * d;
-#endif
     for (int t = 0; t < n; t++) {
         const int64_t base = token_row(j, table, t);
         prefetch_token(j, j->k, table, t + PREFETCH_TOKENS, n, h0, h1);
         for (int i = 0; i < heads; i++) {
             const int64_t off = (base + h0 + i / group) * d;
-#ifdef HAVE_AVX512_BF16
-            if (fast) {
-                scores[(int64_t)i * n + t] =
-                    dot_key_bf16(q16 + (int64_t)i * d, (const uint16_t *)j->k + off, d) * j->scale;
-                continue;
-            }
-#endif
-            scores[(int64_t)i * n + t] = dot_key(q + (int64_t)i * d, j->k, off, d, j->dtype) * j->scale;
+            scores[(int64_t)i * n + t] =
+                dot_key(q + (int64_t)i * d, q16 + (int64_t)i * d, j->k, off, d, j->dtype) * j->scale;
         }
     }
     /* 2. softmax weights, unnormalised */
@@ -202,12 +219,6 @@ static void attend_item(const job_t *j, int item, float *scratch) {
         prefetch_token(j, j->v, table, t + PREFETCH_TOKENS, n, h0, h1);
         for (int i = 0; i < heads; i++) {
             const int64_t off = (base + h0 + i / group) * d;
-#ifdef HAVE_AVX512_BF16
-            if (fast) {
-                add_value_bf16(acc + (int64_t)i * d, scores[(int64_t)i * n + t], (const uint16_t *)j->v + off, d);
-                continue;
-            }
-#endif
             add_value(acc + (int64_t)i * d, scores[(int64_t)i * n + t], j->v, off, d, j->dtype);
         }
     }
