@@ -51,24 +51,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
 
 
-def _median_time(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up
+def _times(fn: Callable[[], object], repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``fn``, after one warm-up call."""
+    fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def _median_time(fn: Callable[[], object], repeats: int) -> float:
+    return statistics.median(_times(fn, repeats))
 
 
 def _best_time(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+    return min(_times(fn, repeats))
 
 
 def _gemm_rate(dtype: object, repeats: int) -> float:

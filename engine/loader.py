@@ -97,8 +97,9 @@ def load_model(
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     places = checkpoint_places(model)
+    shapes = {name: p.shape for name, p in model.named_parameters()}
     target = DTYPES[cfg.dtype]
-    state = {name: torch.empty(p.shape, dtype=target, device=device) for name, p in model.named_parameters()}
+    state: dict[str, torch.Tensor] = {}
     seen: set[str] = set()
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -109,12 +110,16 @@ def load_model(
                     raise CheckpointError(f"{file.name}: unexpected tensor {name!r} for {cfg.architecture}")
                 param, rows = places[name]
                 tensor = f.get_tensor(name)
-                expected = (rows.stop - rows.start, *state[param].shape[1:])
+                expected = (rows.stop - rows.start, *shapes[param][1:])
                 if tensor.shape != expected:
                     raise CheckpointError(
                         f"{file.name}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected}"
                     )
-                state[param][rows] = tensor.to(device=device, dtype=target)
+                if expected == tuple(shapes[param]):  # a whole parameter: no copy if dtype and device match
+                    state[param] = tensor.to(device=device, dtype=target)
+                else:  # one part of a stacked projection: into its rows
+                    whole = state.setdefault(param, torch.empty(shapes[param], dtype=target, device=device))
+                    whole[rows] = tensor.to(device=device, dtype=target)
                 seen.add(name)
     missing = sorted(set(places) - seen)
     if missing:
