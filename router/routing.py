@@ -9,7 +9,8 @@ A request's life here:
    deadline; a cancelled ``admit`` (the client went away) takes the ticket out of the queue;
 3. from admission on, the request counts as *pending* load on its route's workers until each of them
    reports its next heartbeat (which then includes it): ``routed`` moves it when the dispatcher ends
-   up on another route than the first, ``forget`` drops it when no route took it.
+   up on another route than the first, ``forget`` drops it when no route took it. The pending load is
+   kept by ``holders.Holders``, the record of which workers hold which request.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import replace
 
 from pdfabric.control import COLOCATED, PREFILL
 from pdfabric.router.admission import ADMIT, QUEUE, AdmissionQueue, Outcome, Ticket
+from pdfabric.router.holders import Holders
 from pdfabric.router.openai_api import ApiError
 from pdfabric.router.policies import rank_routes
 from pdfabric.router.registry import Registry, Route, WorkerInfo
@@ -137,7 +139,7 @@ class Routing:
         self.turn = 0  # requests admitted so far: where round robin goes next, the order among equals
         self.queue = AdmissionQueue(self.config)
         self.clock = clock
-        self._pending: dict[str, dict[str, int]] = {}  # worker id -> {request id: prompt tokens}
+        self.holders: Holders = Holders()  # which workers hold which request; the pending load
         self._sent: dict[str, deque[tuple[float, int]]] = {}  # worker id -> (time, prompt tokens) sent
         self._first_sent: dict[str, float] = {}  # worker id -> when its first prompt was sent
         self._waiters: dict[str, asyncio.Future[Outcome]] = {}
@@ -148,7 +150,7 @@ class Routing:
     def candidates(self) -> list[Candidate]:
         now = self.clock()
         return [
-            candidate(w, self.config, self._pending.get(wid, {}).values(), self.prompt_rate(wid, now))
+            candidate(w, self.config, self.holders.pending(wid), self.prompt_rate(wid, now))
             for wid, w in self.registry.workers.items()
         ]
 
@@ -179,13 +181,11 @@ class Routing:
 
     def routed(self, request_id: str, prompt_len: int, choice: Choice) -> None:
         """Counts ``request_id`` as pending on ``choice``'s workers (and nowhere else)."""
-        self.forget(request_id)
-        for worker_id in {choice.prefill, choice.decode}:
-            self._pending.setdefault(worker_id, {})[request_id] = prompt_len
+        self.holders.routed(request_id, prompt_len, {choice.prefill, choice.decode})
 
     def forget(self, request_id: str) -> None:
-        for pending in self._pending.values():
-            pending.pop(request_id, None)
+        """No route took ``request_id``: it is pending nowhere."""
+        self.holders.unrouted(request_id)
 
     # --- admission ------------------------------------------------------------------------------
 
@@ -217,11 +217,7 @@ class Routing:
 
     def on_heartbeat(self, worker_id: str) -> None:
         """The worker's report now includes what was sent to it: its pending load is spent."""
-        self._pending.pop(worker_id, None)
-        self.poll()
-
-    def worker_gone(self, worker_id: str) -> None:
-        self._pending.pop(worker_id, None)
+        self.holders.heartbeat(worker_id)
         self.poll()
 
     def _settle(self, outcomes: list[Outcome]) -> None:
