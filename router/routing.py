@@ -75,11 +75,12 @@ def worker_load(info: WorkerInfo) -> WorkerLoad:
     )
 
 
-def with_pending(load: WorkerLoad, kind: str, prompt_len: int) -> WorkerLoad:
-    """``load`` once one more request of ``prompt_len`` tokens has been sent to a ``kind`` worker."""
+def with_pending(load: WorkerLoad, kind: str, prompt_len: int, requests: int = 1) -> WorkerLoad:
+    """``load`` once one more request of ``prompt_len`` tokens (or ``requests`` requests of that many
+    tokens in all) has been sent to a ``kind`` worker."""
     if kind == PREFILL:
-        return load.with_prefill(prompt_len)
-    decoded = load.with_decode(prompt_len)
+        return load.with_prefill(prompt_len, requests)
+    decoded = load.with_decode(prompt_len, requests)
     if kind == COLOCATED:  # it also queues the prompt for its own prefill
         return WorkerLoad(
             decoded.queued_tokens + prompt_len,
@@ -102,8 +103,9 @@ def candidate(
     pool = config.pool(reg.kind, reg.pool)
     max_batch, chunk_tokens = pool.limits(reg.max_running, reg.max_batch_tokens)
     load = replace(worker_load(info), prompt_tokens_per_s=prompt_rate)
-    for prompt_len in pending:
-        load = with_pending(load, reg.kind, prompt_len)
+    lengths = list(pending)
+    if lengths:  # the pending load adds up: one step for all of it
+        load = with_pending(load, reg.kind, sum(lengths), len(lengths))
     profile = info.load.profile if info.load is not None else reg.profile
     return Candidate(
         reg.worker_id, reg.kind, reg.pool, profile, load, max_batch, chunk_tokens, reg.kv_bytes_per_token,
@@ -141,6 +143,7 @@ class Routing:
         self.clock = clock
         self.holders: Holders = Holders()  # which workers hold which request; the pending load
         self._sent: dict[str, deque[tuple[float, int]]] = {}  # worker id -> (time, prompt tokens) sent
+        self._sent_tokens: dict[str, int] = {}  # worker id -> the prompt tokens in its _sent window
         self._first_sent: dict[str, float] = {}  # worker id -> when its first prompt was sent
         self._waiters: dict[str, asyncio.Future[Outcome]] = {}
         self._timer: asyncio.TimerHandle | None = None
@@ -161,9 +164,9 @@ class Routing:
         if not sent:
             return 0.0
         while sent and sent[0][0] < now - RATE_WINDOW_S:
-            sent.popleft()
+            self._sent_tokens[worker_id] -= sent.popleft()[1]
         span = max(min(RATE_WINDOW_S, now - self._first_sent[worker_id]), 1.0)
-        return sum(tokens for _, tokens in sent) / span
+        return self._sent_tokens[worker_id] / span
 
     def fit(self, ticket: Ticket, budgets: Budgets) -> Ranking:
         """``FitFn`` for the admission queue: ranks the routes under the configured policy; an admitted
@@ -176,6 +179,7 @@ class Routing:
             self.routed(ticket.request_id, ticket.prompt_len, ranking.choices[0])
             first, now = ranking.choices[0].prefill, self.clock()  # the worker that prefills it
             self._sent.setdefault(first, deque()).append((now, ticket.prompt_len))
+            self._sent_tokens[first] = self._sent_tokens.get(first, 0) + ticket.prompt_len
             self._first_sent.setdefault(first, now)
         return ranking
 
