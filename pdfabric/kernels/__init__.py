@@ -5,7 +5,11 @@ tensors' device (Triton kernels on CUDA where available, the torch references el
 forced with ``PDFABRIC_KERNEL_BACKEND`` (``auto``, ``torch``, ``triton``) or ``set_backend``.
 """
 
-from pdfabric.kernels.dispatch import (
+from pdfabric._layout import root_folder
+
+__path__ += root_folder(__file__)  # the modules: the top-level kernels/ folder in the source tree
+
+from pdfabric.kernels.dispatch import (  # noqa: E402 - found through the __path__ just set
     gather_blocks,
     get_backend,
     paged_attention,
@@ -13,7 +17,7 @@ from pdfabric.kernels.dispatch import (
     set_backend,
     store_kv,
 )
-from pdfabric.kernels.metadata import AttentionMetadata
+from pdfabric.kernels.metadata import AttentionMetadata  # noqa: E402
 
 __all__ = [
     "AttentionMetadata",
