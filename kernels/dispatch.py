@@ -1,7 +1,7 @@
 """Chooses, per call, the implementation of each kernel: torch reference, C kernel for the CPU, or Triton.
 
 ``auto`` runs the Triton kernels on CUDA tensors (when Triton imports), the CPU attention
-(``paged_attention_cpu``: a C kernel for decode rows, fused SDPA in the cache's dtype for prompts) on
+(``paged_attention_cpu``: C kernels for decode rows and bfloat16 prompts, fused SDPA elsewhere) on
 CPU tensors it supports, and the torch references everywhere else; ``torch`` always runs the
 references; ``cpu`` runs the CPU attention wherever it can; ``triton`` always runs the Triton
 kernels, which on CPU tensors needs ``TRITON_INTERPRET=1`` set before the kernel modules are first

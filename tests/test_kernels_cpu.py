@@ -1,5 +1,6 @@
-"""The CPU kernels against their torch references: C decode attention, SDPA prompt attention, packed
-linear layers, and the build cache behind the C kernel."""
+"""The CPU kernels against their torch references: C decode and prefill attention, SDPA prompt
+attention where the prefill kernel does not apply, packed linear layers, and the build cache behind
+the C kernels."""
 
 from __future__ import annotations
 
@@ -14,7 +15,12 @@ from torch import nn
 from pdfabric.kernels import cpu_build, dispatch, paged_attention
 from pdfabric.kernels.attention_ref import paged_attention_ref
 from pdfabric.kernels.linear_cpu import PackedLinear, can_pack, pack_linears
-from pdfabric.kernels.paged_attention_cpu import paged_attention_cpu, supports
+from pdfabric.kernels.paged_attention_cpu import (
+    paged_attention_cpu,
+    prefill_rows,
+    prefill_supported,
+    supports,
+)
 from pdfabric.kernels.testing import assert_close, make_batch
 
 
@@ -99,6 +105,59 @@ def test_unsupported_shapes_fall_back_to_the_reference() -> None:
 
 
 @pytest.fixture
+def prefill_kernel() -> None:
+    """Skips a case where the C prefill kernel does not serve (no compiler, or no AVX512-BF16)."""
+    q, kv, _ = make_batch([2], [2], 2, 1, 64, 4, torch.bfloat16)
+    if not prefill_supported(q, kv):
+        pytest.skip("the C prefill kernel does not serve on this machine")
+
+
+PREFILL_CASES = [
+    # query_lens, seq_lens, q_heads, kv_heads, head_dim, block_size
+    ([100], [100], 16, 8, 64, 16),  # cpu-small's heads, a whole prompt
+    ([37], [90], 16, 8, 128, 16),  # a chunk after 53 cached tokens
+    ([300, 1, 17], [300, 20, 17], 8, 2, 64, 4),  # prompts around a decode row, GQA 4
+    ([5], [5], 4, 4, 64, 1),  # shorter than a tile, no GQA, block size 1
+    ([65], [129], 16, 1, 64, 16),  # MQA 16, keys past one 64-key panel
+]
+
+
+@pytest.mark.usefixtures("prefill_kernel")
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"q{c[0]}-s{c[1]}-h{c[2]}x{c[3]}-d{c[4]}")
+def test_prefill_kernel_matches_reference(case: tuple) -> None:
+    q, kv, meta = make_batch(*case, torch.bfloat16, seed=5)
+    assert_close(paged_attention_cpu(q, kv, meta, 0.125), paged_attention_ref(q, kv, meta, 0.125))
+
+
+@pytest.mark.usefixtures("prefill_kernel")
+def test_prefill_kernel_reads_strided_queries_and_ignores_the_thread_count() -> None:
+    q, kv, meta = make_batch([70], [90], 8, 2, 64, 16, torch.bfloat16, seed=2)
+    wide = torch.zeros(70, 12, 64, dtype=torch.bfloat16)  # q inside a fused QKV row, as in the model
+    wide[:, :8] = q
+    runs = []
+    saved = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            out = torch.empty_like(q)
+            prefill_rows(wide[:, :8], kv, meta.block_tables[0], 90, 0.125, out)
+            runs.append(out)
+    finally:
+        torch.set_num_threads(saved)
+    assert all(torch.equal(runs[0], other) for other in runs[1:])  # bit for bit
+    assert_close(runs[0], paged_attention_ref(q, kv, meta, 0.125))
+
+
+def test_prefill_kernel_declines_what_it_cannot_do() -> None:
+    # head_dim 32 is below one 64-dim register block; float32 caches take SDPA.
+    q, kv, meta = make_batch([9], [9], 4, 2, 32, 4, torch.bfloat16)
+    assert not prefill_supported(q, kv)
+    assert_close(paged_attention(q, kv, meta, 0.2), paged_attention_ref(q, kv, meta, 0.2))
+    q, kv, _ = make_batch([9], [9], 4, 2, 64, 4, torch.float32)
+    assert not prefill_supported(q, kv)
+
+
+@pytest.fixture
 def fresh_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """An empty kernel cache and a forgotten library, restored afterwards."""
     monkeypatch.setenv("PDFABRIC_CACHE_DIR", str(tmp_path))
@@ -162,7 +221,8 @@ def test_pack_linears_replaces_every_linear_and_keeps_the_output() -> None:
         torch.testing.assert_close(net(x), want, atol=1e-5, rtol=1e-5)
 
 
-def test_the_c_source_compiles_without_warnings(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["paged_decode_cpu", "paged_prefill_cpu"])
+def test_the_c_source_compiles_without_warnings(tmp_path: Path, name: str) -> None:
     """The runtime build tolerates warnings (a newer compiler must not turn the kernel off), so this
     keeps the source itself warning-free."""
     import shutil
@@ -171,7 +231,7 @@ def test_the_c_source_compiles_without_warnings(tmp_path: Path) -> None:
     cc = shutil.which("cc")
     if cc is None:
         pytest.skip("no C compiler")
-    src = cpu_build.SOURCES / "paged_decode_cpu.c"
+    src = cpu_build.SOURCES / f"{name}.c"
     cmd = [cc, *cpu_build.FLAGS, "-Wextra", "-Werror", "-o", str(tmp_path / "k.so"), str(src), "-lm"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
