@@ -14,6 +14,8 @@ from torch import nn
 
 from pdfabric.kernels import cpu_build, dispatch, paged_attention
 from pdfabric.kernels.attention_ref import paged_attention_ref
+from pdfabric.kernels.layer_ops_cpu import rms_norm_cpu, rope_cpu, silu_mul_cpu
+from pdfabric.kernels.layer_ops_ref import rms_norm_ref, rope_ref, silu_mul_ref
 from pdfabric.kernels.linear_cpu import PackedLinear, can_pack, pack_linears
 from pdfabric.kernels.paged_attention_cpu import (
     paged_attention_cpu,
@@ -158,6 +160,64 @@ def test_prefill_kernel_declines_what_it_cannot_do() -> None:
 
 
 @pytest.fixture
+def layer_ops() -> None:
+    if cpu_build.load("layer_ops_cpu") is None:
+        pytest.skip("the C layer ops cannot be built on this machine")
+
+
+def _rope_tables(tokens: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    freqs = torch.arange(tokens).float()[:, None] * inv_freq[None, :]
+    return freqs.cos().repeat(1, 2)[:, None], torch.cat((-freqs.sin(), freqs.sin()), -1)[:, None]
+
+
+def _layer_tol(dtype: torch.dtype) -> dict[str, float]:
+    # float32 may differ by an ulp (another rsqrt, exp); bfloat16 by one rounding step where a float32
+    # result sits on a bfloat16 tie
+    return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+
+
+@pytest.mark.usefixtures("layer_ops")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_ops_match_their_references(dtype: torch.dtype) -> None:
+    torch.manual_seed(3)
+    for rows in (1, 5, 300):  # one thread below PARALLEL_MIN elements, all threads above
+        x = (torch.randn(rows, 1000) * 3).to(dtype)  # hidden not a multiple of 16: a tail
+        weight = (torch.rand(1000) + 0.5).to(dtype)
+        tol = _layer_tol(dtype)
+        torch.testing.assert_close(rms_norm_cpu(x, weight, 1e-5), rms_norm_ref(x, weight, 1e-5), **tol)
+        qkv = torch.randn(rows, 12, 64).to(dtype)  # q and k heads inside a wider fused row
+        cos, sin = _rope_tables(rows, 64)
+        torch.testing.assert_close(rope_cpu(qkv[:, :8], cos, sin), rope_ref(qkv[:, :8], cos, sin), **tol)
+        gate_up = (torch.randn(rows, 2 * 352) * 4).to(dtype)
+        torch.testing.assert_close(silu_mul_cpu(gate_up), silu_mul_ref(gate_up), **tol)
+
+
+@pytest.mark.usefixtures("layer_ops")
+def test_layer_ops_rows_do_not_depend_on_the_batch() -> None:
+    torch.manual_seed(4)
+    x = torch.randn(200, 512, dtype=torch.bfloat16)
+    weight = torch.rand(512, dtype=torch.bfloat16)
+    batched = rms_norm_cpu(x, weight, 1e-6)
+    gate_up = torch.randn(200, 1024, dtype=torch.bfloat16)
+    act = silu_mul_cpu(gate_up)
+    for r in (0, 77, 199):
+        assert torch.equal(rms_norm_cpu(x[r : r + 1], weight, 1e-6)[0], batched[r])
+        assert torch.equal(silu_mul_cpu(gate_up[r : r + 1])[0], act[r])
+
+
+def test_the_torch_backend_runs_the_layer_references() -> None:
+    x = torch.randn(3, 32)
+    saved = dispatch.get_backend()
+    try:
+        dispatch.set_backend("torch")
+        assert torch.equal(dispatch.silu_and_mul(x), silu_mul_ref(x))
+        assert torch.equal(dispatch.rms_norm(x, torch.ones(32), 1e-6), rms_norm_ref(x, torch.ones(32), 1e-6))
+    finally:
+        dispatch.set_backend(saved)
+
+
+@pytest.fixture
 def fresh_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """An empty kernel cache and a forgotten library, restored afterwards."""
     monkeypatch.setenv("PDFABRIC_CACHE_DIR", str(tmp_path))
@@ -221,7 +281,7 @@ def test_pack_linears_replaces_every_linear_and_keeps_the_output() -> None:
         torch.testing.assert_close(net(x), want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["paged_decode_cpu", "paged_prefill_cpu"])
+@pytest.mark.parametrize("name", ["paged_decode_cpu", "paged_prefill_cpu", "layer_ops_cpu"])
 def test_the_c_source_compiles_without_warnings(tmp_path: Path, name: str) -> None:
     """The runtime build tolerates warnings (a newer compiler must not turn the kernel off), so this
     keeps the source itself warning-free."""
