@@ -1,6 +1,6 @@
-"""Wrappers for ``csrc/layer_ops_cpu.c``: RMSNorm, rotary embedding and the SiLU-gated product, each one
-pass over its rows on the CPU. ``supports`` says whether a tensor can take them; the references in
-``layer_ops_ref`` serve everywhere else.
+"""Wrappers for ``csrc/layer_ops_cpu.c``: RMSNorm, rotary embedding, the SiLU-gated product and the paged
+KV write, each one pass over its rows on the CPU. ``supports`` says whether a tensor can take them; the
+references in ``layer_ops_ref`` and ``attention_ref`` serve everywhere else.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ def _library() -> ctypes.CDLL | None:
         lib.pd_rms_norm.argtypes = [p, i64, p, p, i32, i32, f32, i32, i32]
         lib.pd_rope.argtypes = [p, i64, p, p, p, i32, i32, i32, i32, i32]
         lib.pd_silu_mul.argtypes = [p, i64, p, i32, i32, i32, i32]
-        for fn in (lib.pd_rms_norm, lib.pd_rope, lib.pd_silu_mul):
+        lib.pd_store_kv.argtypes = [p, i64, p, i64, p, p, p, i64, i32, i32, i32, i32]
+        for fn in (lib.pd_rms_norm, lib.pd_rope, lib.pd_silu_mul, lib.pd_store_kv):
             fn.restype = ctypes.c_int
         lib._pdfabric_typed = True
     return lib
@@ -43,14 +44,19 @@ def _check(status: int, name: str) -> None:
         raise RuntimeError(f"{name} rejected its arguments (status {status})")
 
 
+def _profiled(name: str) -> torch.profiler.record_function:
+    return torch.profiler.record_function(f"pdfabric::{name}")  # visible to bench engine --op-profile
+
+
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # x: [T, hidden] with contiguous rows; weight: [hidden] in x's dtype
     weight = weight.to(x.dtype).contiguous()
     out = torch.empty(x.shape, dtype=x.dtype)
-    status = _library().pd_rms_norm(
-        x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
-        eps, DTYPE_CODES[x.dtype], torch.get_num_threads(),
-    )  # fmt: skip
+    with _profiled("rms_norm_cpu"):
+        status = _library().pd_rms_norm(
+            x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
+            eps, DTYPE_CODES[x.dtype], torch.get_num_threads(),
+        )  # fmt: skip
     _check(status, "pd_rms_norm")
     return out
 
@@ -62,10 +68,11 @@ def rope_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
         x = x.contiguous()
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
     out = torch.empty(x.shape, dtype=x.dtype)  # [T, heads, head_dim]
-    status = _library().pd_rope(
-        x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), tokens, heads,
-        head_dim, DTYPE_CODES[x.dtype], torch.get_num_threads(),
-    )  # fmt: skip
+    with _profiled("rope_cpu"):
+        status = _library().pd_rope(
+            x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), tokens, heads,
+            head_dim, DTYPE_CODES[x.dtype], torch.get_num_threads(),
+        )  # fmt: skip
     _check(status, "pd_rope")
     return out
 
@@ -74,9 +81,35 @@ def silu_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
     # gate_up: [T, 2 * intermediate] with contiguous rows -> [T, intermediate]
     tokens, width = gate_up.shape
     out = torch.empty(tokens, width // 2, dtype=gate_up.dtype)
-    status = _library().pd_silu_mul(
-        gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), tokens, width // 2,
-        DTYPE_CODES[gate_up.dtype], torch.get_num_threads(),
-    )  # fmt: skip
+    with _profiled("silu_mul_cpu"):
+        status = _library().pd_silu_mul(
+            gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), tokens, width // 2,
+            DTYPE_CODES[gate_up.dtype], torch.get_num_threads(),
+        )  # fmt: skip
     _check(status, "pd_silu_mul")
     return out
+
+
+def can_store_kv(key: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether ``store_kv_cpu`` can write ``key`` into ``kv_cache``: the same dtype, a contiguous
+    cache and heads contiguous within a token."""
+    head_dim = kv_cache.shape[-1]
+    same_layout = kv_cache.dtype == key.dtype and kv_cache.is_contiguous() and key.stride(1) == head_dim
+    return same_layout and supports(key)
+
+
+def store_kv_cpu(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    # key, value: [T, kv_heads, head_dim] (token rows may be strided); slot_mapping: [T] int64
+    _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
+    if value.stride(1) != head_dim or value.stride(2) != 1:
+        value = value.contiguous()
+    slots = slot_mapping.to(torch.int64).contiguous()
+    with _profiled("store_kv_cpu"):
+        status = _library().pd_store_kv(
+            key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), kv_cache[0].data_ptr(),
+            kv_cache[1].data_ptr(), slots.data_ptr(), num_blocks * block_size, key.shape[0],
+            kv_heads * head_dim, key.element_size(), torch.get_num_threads(),
+        )  # fmt: skip
+    _check(status, "pd_store_kv")

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdfabric.kernels import cpu_build, dispatch, paged_attention
-from pdfabric.kernels.attention_ref import paged_attention_ref
-from pdfabric.kernels.layer_ops_cpu import rms_norm_cpu, rope_cpu, silu_mul_cpu
+from pdfabric.kernels.attention_ref import paged_attention_ref, store_kv_ref
+from pdfabric.kernels.layer_ops_cpu import can_store_kv, rms_norm_cpu, rope_cpu, silu_mul_cpu, store_kv_cpu
 from pdfabric.kernels.layer_ops_ref import rms_norm_ref, rope_ref, silu_mul_ref
 from pdfabric.kernels.linear_cpu import PackedLinear, can_pack, pack_linears
 from pdfabric.kernels.paged_attention_cpu import (
@@ -204,6 +204,22 @@ def test_layer_ops_rows_do_not_depend_on_the_batch() -> None:
     for r in (0, 77, 199):
         assert torch.equal(rms_norm_cpu(x[r : r + 1], weight, 1e-6)[0], batched[r])
         assert torch.equal(silu_mul_cpu(gate_up[r : r + 1])[0], act[r])
+
+
+@pytest.mark.usefixtures("layer_ops")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_matches_the_reference_and_checks_slots(dtype: torch.dtype) -> None:
+    torch.manual_seed(5)
+    qkv = torch.randn(40, 8, 16).to(dtype)  # k and v inside a fused row, as in the model
+    key, value = qkv[:, 4:6], qkv[:, 6:8]
+    slots = torch.randperm(12 * 4)[:40]
+    want, got = torch.zeros(2, 12, 4, 2, 16, dtype=dtype), torch.zeros(2, 12, 4, 2, 16, dtype=dtype)
+    store_kv_ref(key, value, want, slots)
+    assert can_store_kv(key, got)
+    store_kv_cpu(key, value, got, slots)
+    assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="pd_store_kv"):
+        store_kv_cpu(key[:1], value[:1], got, torch.tensor([48]))  # past the cache's last slot
 
 
 def test_the_torch_backend_runs_the_layer_references() -> None:

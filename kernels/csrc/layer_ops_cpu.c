@@ -2,6 +2,7 @@
  *   pd_rms_norm:  out = weight * round(x * rsqrt(mean(x^2) + eps))         (RMSNorm)
  *   pd_rope:      out = round(x * cos + rotate_half(x) * sin)              (rotary embedding)
  *   pd_silu_mul:  out = round(round(silu(gate)) * up)                      (the MLP's activation)
+ *   pd_store_kv:  cache[slot[r]] = key[r], value[r]                        (the paged KV write)
  * In PyTorch each is three to six passes, each through a fresh tensor, and together they were a
  * quarter or more of a long prefill step. The arithmetic is float32 and every rounding to the
  * model dtype happens where the reference (kernels/layer_ops_ref.py) rounds, so the two agree to
@@ -168,6 +169,24 @@ int pd_silu_mul(const void *gate_up, int64_t stride, void *out, int rows, int in
             silu_mul_row_bf16((const uint16_t *)gate, (const uint16_t *)up, (uint16_t *)dst, inter);
         else
             silu_mul_row_f32((const float *)gate, (const float *)up, (float *)dst, inter);
+    }
+    return 0;
+}
+
+/* Copies row r of key and value ([rows, width] with token strides key_stride, value_stride, the row
+ * contiguous) to row slots[r] of k_cache and v_cache ([slots, width] contiguous); esize bytes an element. */
+int pd_store_kv(const void *key, int64_t key_stride, const void *value, int64_t value_stride, void *k_cache,
+                void *v_cache, const int64_t *slots, int64_t num_slots, int rows, int width, int esize,
+                int threads) {
+    if (rows < 0 || width <= 0 || key_stride < width || value_stride < width || (esize != 2 && esize != 4))
+        return 1;
+    for (int r = 0; r < rows; r++)
+        if (slots[r] < 0 || slots[r] >= num_slots) return 1;
+    const size_t bytes = (size_t)width * esize;
+#pragma omp parallel for num_threads(threads) if ((int64_t)rows * width >= PARALLEL_MIN) schedule(static)
+    for (int r = 0; r < rows; r++) {
+        memcpy((char *)k_cache + slots[r] * bytes, (const char *)key + r * key_stride * esize, bytes);
+        memcpy((char *)v_cache + slots[r] * bytes, (const char *)value + r * value_stride * esize, bytes);
     }
     return 0;
 }
