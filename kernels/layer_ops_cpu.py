@@ -44,15 +44,11 @@ def _check(status: int, name: str) -> None:
         raise RuntimeError(f"{name} rejected its arguments (status {status})")
 
 
-def _profiled(name: str) -> torch.profiler.record_function:
-    return torch.profiler.record_function(f"pdfabric::{name}")  # visible to bench engine --op-profile
-
-
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # x: [T, hidden] with contiguous rows; weight: [hidden] in x's dtype
     weight = weight.to(x.dtype).contiguous()
     out = torch.empty(x.shape, dtype=x.dtype)
-    with _profiled("rms_norm_cpu"):
+    with cpu_build.profiled("rms_norm_cpu"):
         status = _library().pd_rms_norm(
             x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
             eps, DTYPE_CODES[x.dtype], torch.get_num_threads(),
@@ -68,7 +64,7 @@ def rope_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
         x = x.contiguous()
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
     out = torch.empty(x.shape, dtype=x.dtype)  # [T, heads, head_dim]
-    with _profiled("rope_cpu"):
+    with cpu_build.profiled("rope_cpu"):
         status = _library().pd_rope(
             x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), tokens, heads,
             head_dim, DTYPE_CODES[x.dtype], torch.get_num_threads(),
@@ -81,7 +77,7 @@ def silu_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
     # gate_up: [T, 2 * intermediate] with contiguous rows -> [T, intermediate]
     tokens, width = gate_up.shape
     out = torch.empty(tokens, width // 2, dtype=gate_up.dtype)
-    with _profiled("silu_mul_cpu"):
+    with cpu_build.profiled("silu_mul_cpu"):
         status = _library().pd_silu_mul(
             gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), tokens, width // 2,
             DTYPE_CODES[gate_up.dtype], torch.get_num_threads(),
@@ -106,7 +102,7 @@ def store_kv_cpu(
     if value.stride(1) != head_dim or value.stride(2) != 1:
         value = value.contiguous()
     slots = slot_mapping.to(torch.int64).contiguous()
-    with _profiled("store_kv_cpu"):
+    with cpu_build.profiled("store_kv_cpu"):
         status = _library().pd_store_kv(
             key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), kv_cache[0].data_ptr(),
             kv_cache[1].data_ptr(), slots.data_ptr(), num_blocks * block_size, key.shape[0],

@@ -99,7 +99,7 @@ def decode_rows(
         q = q.contiguous()
     rows = meta.single_query_rows
     tables = meta.block_tables
-    with torch.profiler.record_function("pdfabric::paged_decode_cpu"):  # visible to the profiler
+    with cpu_build.profiled("paged_decode_cpu"):
         status = _library().pd_paged_decode_attention(
             q.data_ptr(),
             q.stride(0),
@@ -145,7 +145,7 @@ def prefill_rows(
     if q.stride(2) != 1 or q.stride(1) != head_dim:
         q = q.contiguous()
     table = table.contiguous()
-    with torch.profiler.record_function("pdfabric::paged_prefill_cpu"):
+    with cpu_build.profiled("paged_prefill_cpu"):
         status = _prefill_library().pd_paged_prefill_attention(
             q.data_ptr(),
             q.stride(0),
