@@ -36,7 +36,7 @@
 #define LANES 16       /* partial sums per dot product: one 512-bit vector of float32 */
 #define MAX_GROUP 16   /* query heads per kv head */
 #define MAX_HEAD_DIM 256
-#define PREFETCH_TOKENS 4 /* how far ahead keys and values are asked for */
+#define PREFETCH_TOKENS 16 /* how far ahead keys and values are asked for */
 
 typedef struct {
     const void *q, *k, *v;
