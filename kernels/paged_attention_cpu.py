@@ -5,15 +5,17 @@ sequence's keys and values in place through its block table: no gathered copy, n
 the cache, no padding to the longest sequence, and a row's result does not depend on the batch.
 Prompt chunks in bfloat16 on a CPU with AVX512-BF16 go to ``csrc/paged_prefill_cpu.c``: it packs the
 sequence's keys and values once through the block table and runs tiled Q K^T, an exact softmax and
-P V on VDPBF16PS, four to seven times PyTorch's fused CPU attention. Other prompt chunks (float32,
-or a CPU without AVX512-BF16) gather their cached blocks and run that fused attention in the cache's
-dtype, causal without a mask when the chunk is the whole prompt. ``paged_attention_ref`` stays the
+P V on VDPBF16PS, four to seven times PyTorch's fused CPU attention. Float32 chunks go to its plain-C
+twin ``csrc/paged_prefill_f32_cpu.c``. Other prompt chunks (bfloat16 on a CPU without AVX512-BF16,
+float16) gather their cached blocks and run that fused attention in the cache's dtype, causal
+without a mask when the chunk is the whole prompt. ``paged_attention_ref`` stays the
 float32 oracle all of these are tested against.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -36,16 +38,23 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
-def _prefill_library() -> ctypes.CDLL | None:
-    lib = cpu_build.load("paged_prefill_cpu")
-    if lib is not None and not hasattr(lib, "_pdfabric_typed"):
-        fn = lib.pd_paged_prefill_attention
+@functools.cache
+def _prefill_library(dtype: torch.dtype) -> ctypes.CDLL | None:
+    """The prompt kernel for ``dtype``: ``paged_prefill_cpu`` (bfloat16, AVX512-BF16) or
+    ``paged_prefill_f32_cpu`` (float32, any CPU the compiler vectorises for); ``None`` for others."""
+    name, fn_name, ok_name = {
+        torch.bfloat16: ("paged_prefill_cpu", "pd_paged_prefill_attention", "pd_prefill_supported"),
+        torch.float32: ("paged_prefill_f32_cpu", "pd_paged_prefill_f32", "pd_prefill_f32_supported"),
+    }.get(dtype, (None, None, None))
+    lib = cpu_build.load(name) if name else None
+    if lib is not None:
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        fn = getattr(lib, fn_name)
         fn.argtypes = [p, i64, p, p, p, p, i32, i32, i32, i32, i32, i32, ctypes.c_float, i32]
         fn.restype = ctypes.c_int
-        lib.pd_prefill_supported.argtypes = [i32]
-        lib.pd_prefill_supported.restype = ctypes.c_int
-        lib._pdfabric_typed = True
+        lib.attention = fn
+        getattr(lib, ok_name).argtypes = [i32]
+        lib.supported = getattr(lib, ok_name)
     return lib
 
 
@@ -125,10 +134,10 @@ def decode_rows(
 
 
 def prefill_supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Whether prompt chunks take the C prefill kernel: bfloat16 on a CPU with AVX512-BF16, a head
-    size it handles (``pd_prefill_supported``), and a library that built here."""
-    lib = _prefill_library()
-    return kv_cache.dtype == torch.bfloat16 and lib is not None and bool(lib.pd_prefill_supported(q.shape[2]))
+    """Whether prompt chunks take a C prefill kernel: bfloat16 on a CPU with AVX512-BF16 or float32
+    anywhere, a head size the kernel handles, and a library that built here."""
+    lib = _prefill_library(kv_cache.dtype)
+    return q.dtype == kv_cache.dtype and lib is not None and bool(lib.supported(q.shape[2]))
 
 
 def prefill_rows(
@@ -146,7 +155,7 @@ def prefill_rows(
         q = q.contiguous()
     table = table.contiguous()
     with cpu_build.profiled("paged_prefill_cpu"):
-        status = _prefill_library().pd_paged_prefill_attention(
+        status = _prefill_library(kv_cache.dtype).attention(
             q.data_ptr(),
             q.stride(0),
             kv_cache[0].data_ptr(),

@@ -106,12 +106,10 @@ def test_unsupported_shapes_fall_back_to_the_reference() -> None:
     assert not supports(q, kv)
 
 
-@pytest.fixture
-def prefill_kernel() -> None:
-    """Skips a case where the C prefill kernel does not serve (no compiler, or no AVX512-BF16)."""
-    q, kv, _ = make_batch([2], [2], 2, 1, 64, 4, torch.bfloat16)
+def _need_prefill_kernel(q: torch.Tensor, kv: torch.Tensor) -> None:
+    """Skips a case where the C prefill kernel does not serve (no compiler; bfloat16 without AVX512-BF16)."""
     if not prefill_supported(q, kv):
-        pytest.skip("the C prefill kernel does not serve on this machine")
+        pytest.skip(f"the C prefill kernel does not serve {kv.dtype} on this machine")
 
 
 PREFILL_CASES = [
@@ -124,17 +122,19 @@ PREFILL_CASES = [
 ]
 
 
-@pytest.mark.usefixtures("prefill_kernel")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"q{c[0]}-s{c[1]}-h{c[2]}x{c[3]}-d{c[4]}")
-def test_prefill_kernel_matches_reference(case: tuple) -> None:
-    q, kv, meta = make_batch(*case, torch.bfloat16, seed=5)
+def test_prefill_kernel_matches_reference(case: tuple, dtype: torch.dtype) -> None:
+    q, kv, meta = make_batch(*case, dtype, seed=5)
+    _need_prefill_kernel(q, kv)
     assert_close(paged_attention_cpu(q, kv, meta, 0.125), paged_attention_ref(q, kv, meta, 0.125))
 
 
-@pytest.mark.usefixtures("prefill_kernel")
-def test_prefill_kernel_reads_strided_queries_and_ignores_the_thread_count() -> None:
-    q, kv, meta = make_batch([70], [90], 8, 2, 64, 16, torch.bfloat16, seed=2)
-    wide = torch.zeros(70, 12, 64, dtype=torch.bfloat16)  # q inside a fused QKV row, as in the model
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_kernel_reads_strided_queries_and_ignores_the_thread_count(dtype: torch.dtype) -> None:
+    q, kv, meta = make_batch([70], [90], 8, 2, 64, 16, dtype, seed=2)
+    _need_prefill_kernel(q, kv)
+    wide = torch.zeros(70, 12, 64, dtype=dtype)  # q inside a fused QKV row, as in the model
     wide[:, :8] = q
     runs = []
     saved = torch.get_num_threads()
@@ -151,12 +151,13 @@ def test_prefill_kernel_reads_strided_queries_and_ignores_the_thread_count() -> 
 
 
 def test_prefill_kernel_declines_what_it_cannot_do() -> None:
-    # head_dim 32 is below one 64-dim register block; float32 caches take SDPA.
+    # bfloat16 head_dim 32 is below one 64-dim register block, float32 head_dim 8 below a 16-float
+    # vector; float16 has no kernel. They take SDPA.
+    for head_dim, dtype in ((32, torch.bfloat16), (8, torch.float32), (64, torch.float16)):
+        q, kv, meta = make_batch([9], [9], 4, 2, head_dim, 4, dtype)
+        assert not prefill_supported(q, kv)
     q, kv, meta = make_batch([9], [9], 4, 2, 32, 4, torch.bfloat16)
-    assert not prefill_supported(q, kv)
     assert_close(paged_attention(q, kv, meta, 0.2), paged_attention_ref(q, kv, meta, 0.2))
-    q, kv, _ = make_batch([9], [9], 4, 2, 64, 4, torch.float32)
-    assert not prefill_supported(q, kv)
 
 
 @pytest.fixture
@@ -297,7 +298,9 @@ def test_pack_linears_replaces_every_linear_and_keeps_the_output() -> None:
         torch.testing.assert_close(net(x), want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["paged_decode_cpu", "paged_prefill_cpu", "layer_ops_cpu"])
+@pytest.mark.parametrize(
+    "name", ["paged_decode_cpu", "paged_prefill_cpu", "paged_prefill_f32_cpu", "layer_ops_cpu"]
+)
 def test_the_c_source_compiles_without_warnings(tmp_path: Path, name: str) -> None:
     """The runtime build tolerates warnings (a newer compiler must not turn the kernel off), so this
     keeps the source itself warning-free."""

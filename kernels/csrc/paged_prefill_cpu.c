@@ -243,10 +243,11 @@ int pd_paged_prefill_attention(const void *q, int64_t q_stride, const void *k, c
         uint32_t *qpack = (uint32_t *)(probs + rows_padded * lds);
         float *o = (float *)(qpack + rows_padded * (size_t)head_dim / 2);
         float *inv = o + rows_padded * (size_t)head_dim;
-        /* later tiles see more keys: hand them out from the end, dynamically */
+        /* one head's tiles in a row, so its packed keys and values stay in this core's cache; later
+         * tiles see more keys, so each head's are handed out from the end, dynamically */
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < kv_heads * tiles; item++) {
-            const int tile = tiles - 1 - item / kv_heads, h = item % kv_heads;
+            const int h = item / tiles, tile = tiles - 1 - item % tiles;
             if (scores != NULL) attend_tile(&job, h, tile * TILE_TOKENS, scores, probs, qpack, o, inv);
         }
         free(scores);
