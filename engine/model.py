@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from pdfabric.engine.config import ModelConfig, RopeScaling
-from pdfabric.kernels import AttentionMetadata, paged_attention, store_kv
+from pdfabric.kernels import AttentionMetadata, apply_rope, paged_attention, rms_norm, silu_and_mul, store_kv
 
 
 def stacked_shards(cfg: ModelConfig) -> dict[str, tuple[tuple[str, int], ...]]:
@@ -35,9 +35,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32, scale in the model dtype (as the reference implementation does).
-        h = nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * h.to(x.dtype)
+        # x: [T, hidden]; normalised in float32, scaled in the model dtype (as Hugging Face does)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -59,15 +58,6 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(medium, blended, scaled)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, heads, head_dim]; cos: [T, 1, head_dim], sin: [T, 1, head_dim] with the first half
-    # negated (so the rotation needs no negation of x), both float32
-    half = x.shape[-1] // 2
-    xf = x.float()
-    rotated = torch.cat((xf[..., half:], xf[..., :half]), dim=-1)
-    return torch.addcmul(xf * cos, rotated, sin).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -101,14 +91,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> gate, up: [T, intermediate] -> [T, hidden]
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -127,8 +115,10 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # x: [T, hidden], the residual stream: each block's output is added to it in place
+        x += self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        x += self.mlp(self.post_attention_layernorm(x))
+        return x
 
 
 class Backbone(nn.Module):

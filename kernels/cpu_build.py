@@ -6,10 +6,12 @@ second. Each library is compiled with ``-O3 -march=native`` for the machine it r
 identity, the flags and the CPU's model and feature flags, so a cache directory shared between
 machines never hands one CPU another's code. Where no C compiler is found, or the build fails,
 ``load`` returns ``None`` and callers use their torch reference; the reason is logged once.
+``profiled`` labels a kernel call for the torch profiler.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -20,6 +22,8 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+
+import torch
 
 from pdfabric import envs
 
@@ -91,3 +95,11 @@ def load(name: str) -> ctypes.CDLL | None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("could not build the C kernel %s, using the torch reference: %s", name, exc)
         return None
+
+
+def profiled(name: str) -> contextlib.AbstractContextManager:
+    """A ``pdfabric::<name>`` label for a C kernel call in the torch profiler (``bench engine
+    --op-profile``); a no-op, not a few microseconds a call, when no profiler is running."""
+    if torch.autograd._profiler_enabled():
+        return torch.profiler.record_function(f"pdfabric::{name}")
+    return contextlib.nullcontext()

@@ -1,8 +1,9 @@
 """Chooses, per call, the implementation of each kernel: torch reference, C kernel for the CPU, or Triton.
 
 ``auto`` runs the Triton kernels on CUDA tensors (when Triton imports), the CPU attention
-(``paged_attention_cpu``: a C kernel for decode rows, fused SDPA in the cache's dtype for prompts) on
-CPU tensors it supports, and the torch references everywhere else; ``torch`` always runs the
+(``paged_attention_cpu``: C kernels for decode rows and bfloat16 prompts, fused SDPA elsewhere) and
+the fused layer ops (``layer_ops_cpu``: RMSNorm, rotary embedding, SiLU-gated product) on CPU tensors
+they support, and the torch references everywhere else; ``torch`` always runs the
 references; ``cpu`` runs the CPU attention wherever it can; ``triton`` always runs the Triton
 kernels, which on CPU tensors needs ``TRITON_INTERPRET=1`` set before the kernel modules are first
 imported. Kernel modules are imported on first use, so a CPU-only process never imports Triton.
@@ -17,6 +18,7 @@ import torch
 from pdfabric import envs
 from pdfabric.kernels.attention_ref import paged_attention_ref, store_kv_ref
 from pdfabric.kernels.kv_pack_ref import gather_blocks_ref, scatter_blocks_ref
+from pdfabric.kernels.layer_ops_ref import rms_norm_ref, rope_ref, silu_mul_ref
 from pdfabric.kernels.metadata import AttentionMetadata
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
@@ -60,6 +62,48 @@ def _use_cpu_attention(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     return supports(q, kv_cache)
 
 
+def _use_cpu_layer_ops(x: torch.Tensor) -> bool:
+    if _backend not in ("auto", "cpu") or x.device.type != "cpu":
+        return False
+    from pdfabric.kernels.layer_ops_cpu import supports
+
+    return supports(x)
+
+
+def _can_store_kv_cpu(key: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    from pdfabric.kernels.layer_ops_cpu import can_store_kv
+
+    return can_store_kv(key, kv_cache)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / rms(x)`` per row of ``x: [T, hidden]``, normalised in float32."""
+    if _use_cpu_layer_ops(x):
+        from pdfabric.kernels.layer_ops_cpu import rms_norm_cpu
+
+        return rms_norm_cpu(x, weight, eps)
+    return rms_norm_ref(x, weight, eps)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x: [T, heads, head_dim]`` with float32 ``cos``, ``sin: [T, 1, head_dim]``
+    (``sin``'s first half negated), in ``x``'s dtype."""
+    if _use_cpu_layer_ops(x):
+        from pdfabric.kernels.layer_ops_cpu import rope_cpu
+
+        return rope_cpu(x, cos, sin)
+    return rope_ref(x, cos, sin)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up: [T, 2 * intermediate]`` holding gate then up."""
+    if _use_cpu_layer_ops(gate_up):
+        from pdfabric.kernels.layer_ops_cpu import silu_mul_cpu
+
+        return silu_mul_cpu(gate_up)
+    return silu_mul_ref(gate_up)
+
+
 def store_kv(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
@@ -68,6 +112,10 @@ def store_kv(
         from pdfabric.kernels.store_kv_triton import store_kv_triton
 
         store_kv_triton(key, value, kv_cache, slot_mapping)
+    elif _use_cpu_layer_ops(key) and _can_store_kv_cpu(key, kv_cache):
+        from pdfabric.kernels.layer_ops_cpu import store_kv_cpu
+
+        store_kv_cpu(key, value, kv_cache, slot_mapping)
     else:
         store_kv_ref(key, value, kv_cache, slot_mapping)
 

@@ -1,16 +1,21 @@
-"""Paged attention on the CPU: a C kernel for one-token rows, SDPA in the cache's dtype for prompts.
+"""Paged attention on the CPU: C kernels for one-token rows and for bfloat16 prompt chunks.
 
 Decode rows (sequences with one new token) go to ``csrc/paged_decode_cpu.c``, which reads each
 sequence's keys and values in place through its block table: no gathered copy, no float32 copy of
 the cache, no padding to the longest sequence, and a row's result does not depend on the batch.
-Prompt chunks gather their sequence's cached blocks (one contiguous copy) and run PyTorch's fused
-CPU attention in the cache's dtype, causal without a mask when the chunk is the whole prompt.
-``paged_attention_ref`` stays the float32 oracle these are tested against.
+Prompt chunks in bfloat16 on a CPU with AVX512-BF16 go to ``csrc/paged_prefill_cpu.c``: it packs the
+sequence's keys and values once through the block table and runs tiled Q K^T, an exact softmax and
+P V on VDPBF16PS, four to seven times PyTorch's fused CPU attention. Float32 chunks go to its plain-C
+twin ``csrc/paged_prefill_f32_cpu.c``. Other prompt chunks (bfloat16 on a CPU without AVX512-BF16,
+float16) gather their cached blocks and run that fused attention in the cache's dtype, causal
+without a mask when the chunk is the whole prompt. ``paged_attention_ref`` stays the
+float32 oracle all of these are tested against.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +35,26 @@ def _library() -> ctypes.CDLL | None:
         fn.argtypes = [p, i64, p, p, p, i64, p, p, p, p, i32, i32, i32, i32, i32, ctypes.c_float, i32, i32]
         fn.restype = ctypes.c_int
         lib._pdfabric_typed = True
+    return lib
+
+
+@functools.cache
+def _prefill_library(dtype: torch.dtype) -> ctypes.CDLL | None:
+    """The prompt kernel for ``dtype``: ``paged_prefill_cpu`` (bfloat16, AVX512-BF16) or
+    ``paged_prefill_f32_cpu`` (float32, any CPU the compiler vectorises for); ``None`` for others."""
+    name, fn_name, ok_name = {
+        torch.bfloat16: ("paged_prefill_cpu", "pd_paged_prefill_attention", "pd_prefill_supported"),
+        torch.float32: ("paged_prefill_f32_cpu", "pd_paged_prefill_f32", "pd_prefill_f32_supported"),
+    }.get(dtype, (None, None, None))
+    lib = cpu_build.load(name) if name else None
+    if lib is not None:
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        fn = getattr(lib, fn_name)
+        fn.argtypes = [p, i64, p, p, p, p, i32, i32, i32, i32, i32, i32, ctypes.c_float, i32]
+        fn.restype = ctypes.c_int
+        lib.attention = fn
+        getattr(lib, ok_name).argtypes = [i32]
+        lib.supported = getattr(lib, ok_name)
     return lib
 
 
@@ -64,9 +89,11 @@ def paged_attention_cpu(
         start = 0
         for s, (q_len, s_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=True)):
             if q_len > 1:
-                out[start : start + q_len] = _prompt_attention(
-                    q[start : start + q_len], kv_cache, meta.block_tables[s], s_len, scale
-                )
+                chunk = slice(start, start + q_len)
+                if prefill_supported(q, kv_cache):
+                    prefill_rows(q[chunk], kv_cache, meta.block_tables[s], s_len, scale, out[chunk])
+                else:
+                    out[chunk] = _prompt_attention(q[chunk], kv_cache, meta.block_tables[s], s_len, scale)
             start += q_len
     return out
 
@@ -81,7 +108,7 @@ def decode_rows(
         q = q.contiguous()
     rows = meta.single_query_rows
     tables = meta.block_tables
-    with torch.profiler.record_function("pdfabric::paged_decode_cpu"):  # visible to the profiler
+    with cpu_build.profiled("paged_decode_cpu"):
         status = _library().pd_paged_decode_attention(
             q.data_ptr(),
             q.stride(0),
@@ -104,6 +131,50 @@ def decode_rows(
         )
     if status != 0:
         raise RuntimeError(f"paged_decode_cpu failed with status {status} (1: bad arguments, 2: no memory)")
+
+
+def prefill_supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether prompt chunks take a C prefill kernel: bfloat16 on a CPU with AVX512-BF16 or float32
+    anywhere, a head size the kernel handles, and a library that built here."""
+    lib = _prefill_library(kv_cache.dtype)
+    return q.dtype == kv_cache.dtype and lib is not None and bool(lib.supported(q.shape[2]))
+
+
+def prefill_rows(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    table: torch.Tensor,
+    seq_len: int,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Writes ``out`` (``[q_len, q_heads, head_dim]``, contiguous) with the causal attention of one
+    sequence's prompt chunk ``q``, the last ``q_len`` of its ``seq_len`` cached tokens."""
+    _, _, block_size, kv_heads, head_dim = kv_cache.shape
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        q = q.contiguous()
+    table = table.contiguous()
+    with cpu_build.profiled("paged_prefill_cpu"):
+        status = _prefill_library(kv_cache.dtype).attention(
+            q.data_ptr(),
+            q.stride(0),
+            kv_cache[0].data_ptr(),
+            kv_cache[1].data_ptr(),
+            table.data_ptr(),
+            out.data_ptr(),
+            q.shape[0],
+            seq_len,
+            q.shape[1],
+            kv_heads,
+            head_dim,
+            block_size,
+            scale,
+            torch.get_num_threads(),
+        )
+    if status != 0:
+        raise RuntimeError(
+            f"paged_prefill_cpu failed with status {status} (1: bad arguments, 2: no memory, 3: unsupported)"
+        )
 
 
 def _prompt_attention(

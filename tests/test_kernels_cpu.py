@@ -1,5 +1,6 @@
-"""The CPU kernels against their torch references: C decode attention, SDPA prompt attention, packed
-linear layers, and the build cache behind the C kernel."""
+"""The CPU kernels against their torch references: C decode and prefill attention, SDPA prompt
+attention where the prefill kernel does not apply, packed linear layers, and the build cache behind
+the C kernels."""
 
 from __future__ import annotations
 
@@ -12,9 +13,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdfabric.kernels import cpu_build, dispatch, paged_attention
-from pdfabric.kernels.attention_ref import paged_attention_ref
+from pdfabric.kernels.attention_ref import paged_attention_ref, store_kv_ref
+from pdfabric.kernels.layer_ops_cpu import can_store_kv, rms_norm_cpu, rope_cpu, silu_mul_cpu, store_kv_cpu
+from pdfabric.kernels.layer_ops_ref import rms_norm_ref, rope_ref, silu_mul_ref
 from pdfabric.kernels.linear_cpu import PackedLinear, can_pack, pack_linears
-from pdfabric.kernels.paged_attention_cpu import paged_attention_cpu, supports
+from pdfabric.kernels.paged_attention_cpu import (
+    paged_attention_cpu,
+    prefill_rows,
+    prefill_supported,
+    supports,
+)
 from pdfabric.kernels.testing import assert_close, make_batch
 
 
@@ -98,6 +106,134 @@ def test_unsupported_shapes_fall_back_to_the_reference() -> None:
     assert not supports(q, kv)
 
 
+def _need_prefill_kernel(q: torch.Tensor, kv: torch.Tensor) -> None:
+    """Skips a case where the C prefill kernel does not serve (no compiler; bfloat16 without AVX512-BF16)."""
+    if not prefill_supported(q, kv):
+        pytest.skip(f"the C prefill kernel does not serve {kv.dtype} on this machine")
+
+
+PREFILL_CASES = [
+    # query_lens, seq_lens, q_heads, kv_heads, head_dim, block_size
+    ([100], [100], 16, 8, 64, 16),  # cpu-small's heads, a whole prompt
+    ([37], [90], 16, 8, 128, 16),  # a chunk after 53 cached tokens
+    ([300, 1, 17], [300, 20, 17], 8, 2, 64, 4),  # prompts around a decode row, GQA 4
+    ([5], [5], 4, 4, 64, 1),  # shorter than a tile, no GQA, block size 1
+    ([65], [129], 16, 1, 64, 16),  # MQA 16, keys past one 64-key panel
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"q{c[0]}-s{c[1]}-h{c[2]}x{c[3]}-d{c[4]}")
+def test_prefill_kernel_matches_reference(case: tuple, dtype: torch.dtype) -> None:
+    q, kv, meta = make_batch(*case, dtype, seed=5)
+    _need_prefill_kernel(q, kv)
+    assert_close(paged_attention_cpu(q, kv, meta, 0.125), paged_attention_ref(q, kv, meta, 0.125))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_kernel_reads_strided_queries_and_ignores_the_thread_count(dtype: torch.dtype) -> None:
+    q, kv, meta = make_batch([70], [90], 8, 2, 64, 16, dtype, seed=2)
+    _need_prefill_kernel(q, kv)
+    wide = torch.zeros(70, 12, 64, dtype=dtype)  # q inside a fused QKV row, as in the model
+    wide[:, :8] = q
+    runs = []
+    saved = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            out = torch.empty_like(q)
+            prefill_rows(wide[:, :8], kv, meta.block_tables[0], 90, 0.125, out)
+            runs.append(out)
+    finally:
+        torch.set_num_threads(saved)
+    assert all(torch.equal(runs[0], other) for other in runs[1:])  # bit for bit
+    assert_close(runs[0], paged_attention_ref(q, kv, meta, 0.125))
+
+
+def test_prefill_kernel_declines_what_it_cannot_do() -> None:
+    # bfloat16 head_dim 32 is below one 64-dim register block, float32 head_dim 8 below a 16-float
+    # vector; float16 has no kernel. They take SDPA.
+    for head_dim, dtype in ((32, torch.bfloat16), (8, torch.float32), (64, torch.float16)):
+        q, kv, meta = make_batch([9], [9], 4, 2, head_dim, 4, dtype)
+        assert not prefill_supported(q, kv)
+    q, kv, meta = make_batch([9], [9], 4, 2, 32, 4, torch.bfloat16)
+    assert_close(paged_attention(q, kv, meta, 0.2), paged_attention_ref(q, kv, meta, 0.2))
+
+
+@pytest.fixture
+def layer_ops() -> None:
+    if cpu_build.load("layer_ops_cpu") is None:
+        pytest.skip("the C layer ops cannot be built on this machine")
+
+
+def _rope_tables(tokens: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    freqs = torch.arange(tokens).float()[:, None] * inv_freq[None, :]
+    return freqs.cos().repeat(1, 2)[:, None], torch.cat((-freqs.sin(), freqs.sin()), -1)[:, None]
+
+
+def _layer_tol(dtype: torch.dtype) -> dict[str, float]:
+    # float32 may differ by an ulp (another rsqrt, exp); bfloat16 by one rounding step where a float32
+    # result sits on a bfloat16 tie
+    return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+
+
+@pytest.mark.usefixtures("layer_ops")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_ops_match_their_references(dtype: torch.dtype) -> None:
+    torch.manual_seed(3)
+    for rows in (1, 5, 300):  # one thread below PARALLEL_MIN elements, all threads above
+        x = (torch.randn(rows, 1000) * 3).to(dtype)  # hidden not a multiple of 16: a tail
+        weight = (torch.rand(1000) + 0.5).to(dtype)
+        tol = _layer_tol(dtype)
+        torch.testing.assert_close(rms_norm_cpu(x, weight, 1e-5), rms_norm_ref(x, weight, 1e-5), **tol)
+        qkv = torch.randn(rows, 12, 64).to(dtype)  # q and k heads inside a wider fused row
+        cos, sin = _rope_tables(rows, 64)
+        torch.testing.assert_close(rope_cpu(qkv[:, :8], cos, sin), rope_ref(qkv[:, :8], cos, sin), **tol)
+        gate_up = (torch.randn(rows, 2 * 352) * 4).to(dtype)
+        torch.testing.assert_close(silu_mul_cpu(gate_up), silu_mul_ref(gate_up), **tol)
+
+
+@pytest.mark.usefixtures("layer_ops")
+def test_layer_ops_rows_do_not_depend_on_the_batch() -> None:
+    torch.manual_seed(4)
+    x = torch.randn(200, 512, dtype=torch.bfloat16)
+    weight = torch.rand(512, dtype=torch.bfloat16)
+    batched = rms_norm_cpu(x, weight, 1e-6)
+    gate_up = torch.randn(200, 1024, dtype=torch.bfloat16)
+    act = silu_mul_cpu(gate_up)
+    for r in (0, 77, 199):
+        assert torch.equal(rms_norm_cpu(x[r : r + 1], weight, 1e-6)[0], batched[r])
+        assert torch.equal(silu_mul_cpu(gate_up[r : r + 1])[0], act[r])
+
+
+@pytest.mark.usefixtures("layer_ops")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_matches_the_reference_and_checks_slots(dtype: torch.dtype) -> None:
+    torch.manual_seed(5)
+    qkv = torch.randn(40, 8, 16).to(dtype)  # k and v inside a fused row, as in the model
+    key, value = qkv[:, 4:6], qkv[:, 6:8]
+    slots = torch.randperm(12 * 4)[:40]
+    want, got = torch.zeros(2, 12, 4, 2, 16, dtype=dtype), torch.zeros(2, 12, 4, 2, 16, dtype=dtype)
+    store_kv_ref(key, value, want, slots)
+    assert can_store_kv(key, got)
+    store_kv_cpu(key, value, got, slots)
+    assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="pd_store_kv"):
+        store_kv_cpu(key[:1], value[:1], got, torch.tensor([48]))  # past the cache's last slot
+
+
+def test_the_torch_backend_runs_the_layer_references() -> None:
+    x = torch.randn(3, 32)
+    saved = dispatch.get_backend()
+    try:
+        dispatch.set_backend("torch")
+        assert torch.equal(dispatch.silu_and_mul(x), silu_mul_ref(x))
+        assert torch.equal(dispatch.rms_norm(x, torch.ones(32), 1e-6), rms_norm_ref(x, torch.ones(32), 1e-6))
+    finally:
+        dispatch.set_backend(saved)
+
+
 @pytest.fixture
 def fresh_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """An empty kernel cache and a forgotten library, restored afterwards."""
@@ -162,7 +298,10 @@ def test_pack_linears_replaces_every_linear_and_keeps_the_output() -> None:
         torch.testing.assert_close(net(x), want, atol=1e-5, rtol=1e-5)
 
 
-def test_the_c_source_compiles_without_warnings(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "name", ["paged_decode_cpu", "paged_prefill_cpu", "paged_prefill_f32_cpu", "layer_ops_cpu"]
+)
+def test_the_c_source_compiles_without_warnings(tmp_path: Path, name: str) -> None:
     """The runtime build tolerates warnings (a newer compiler must not turn the kernel off), so this
     keeps the source itself warning-free."""
     import shutil
@@ -171,7 +310,7 @@ def test_the_c_source_compiles_without_warnings(tmp_path: Path) -> None:
     cc = shutil.which("cc")
     if cc is None:
         pytest.skip("no C compiler")
-    src = cpu_build.SOURCES / "paged_decode_cpu.c"
+    src = cpu_build.SOURCES / f"{name}.c"
     cmd = [cc, *cpu_build.FLAGS, "-Wextra", "-Werror", "-o", str(tmp_path / "k.so"), str(src), "-lm"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr

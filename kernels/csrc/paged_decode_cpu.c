@@ -19,6 +19,11 @@
  * one torch already loaded (same soname), so the kernel runs on torch's own thread pool instead of
  * competing with it for the cores.
  */
+/* The max and exp loops of the softmax vectorise only when the compiler may ignore infinities, NaN and
+ * the sign of zero in float comparisons (GCC; other compilers leave them scalar). Scores are finite and
+ * the running maximum starts at -FLT_MAX, not -INFINITY; the bfloat16 rounding works on the bits. */
+#pragma GCC optimize("finite-math-only", "no-signed-zeros")
+#include <float.h>
 #include <math.h>
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -31,7 +36,7 @@
 #define LANES 16       /* partial sums per dot product: one 512-bit vector of float32 */
 #define MAX_GROUP 16   /* query heads per kv head */
 #define MAX_HEAD_DIM 256
-#define PREFETCH_TOKENS 4 /* how far ahead keys and values are asked for */
+#define PREFETCH_TOKENS 16 /* how far ahead keys and values are asked for */
 
 typedef struct {
     const void *q, *k, *v;
@@ -60,10 +65,11 @@ static inline uint16_t f32_to_bf16(float f) {
 }
 
 /* exp(x) for x <= 0 (scores minus their maximum), within 2 ulp of expf; written so that a loop of
- * calls vectorizes (glibc's expf does not without -ffast-math). */
+ * calls vectorizes (glibc's expf does not without -ffast-math; the shift by 128 makes the truncation
+ * a floor without floorf). */
 static inline float exp_nonpositive(float x) {
-    if (x < -87.0f) x = -87.0f; /* exp(-87) is below every weight that can change a float32 sum */
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    x = x < -87.0f ? -87.0f : x; /* exp(-87) is below every weight that can change a float32 sum */
+    const float n = (float)(int32_t)(x * 1.44269504088896341f + 128.5f) - 128.0f;
     const float r = x - n * 0.693359375f + n * 2.12194440e-4f; /* x - n ln2, in two parts */
     float p = 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
@@ -72,8 +78,10 @@ static inline float exp_nonpositive(float x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    union { int32_t i; float f; } two_n = {.i = ((int32_t)n + 127) << 23};
-    return p * two_n.f;
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
 }
 
 /* Loads n elements starting at element offset `off` of `base` as float32. */
@@ -104,6 +112,22 @@ static inline void add_value_bf16(float *acc, float p, const uint16_t *v, int d)
         const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
         _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(weight, x, _mm512_loadu_ps(acc + i)));
     }
+}
+
+/* The lane sums of 16 vectors: lane u of the result is the sum of v[u]'s lanes, in a fixed order (pairs
+ * of lanes, then pairs of those, then across the four 128-bit quarters). */
+static inline __m512 sum_lanes16(const __m512 v[16]) {
+    __m512 w[8], x[4];
+    for (int i = 0; i < 8; i++)
+        w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+        x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    /* x[g]'s every quarter holds tokens 4g .. 4g + 3; add the quarters */
+    const __m512 lo = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xdd));
+    const __m512 hi = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(lo, hi, 0x88), _mm512_shuffle_f32x4(lo, hi, 0xdd));
 }
 #endif
 
@@ -177,6 +201,33 @@ static inline void prefetch_token(const job_t *j, const void *base, const int32_
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 0);
 }
 
+#ifdef HAVE_AVX512_BF16
+/* Step 1 on the bf16_fast path for the cnt <= 16 tokens from t0: each token's products with a query
+ * head stay a vector until sum_lanes16 reduces 16 of them together (one reduction per token would cost
+ * more than its two VDPBF16PS). Writes scores[i * n + t] for the range's query heads i. */
+static void scores16(const job_t *j, const int32_t *table, const uint16_t *q16, int t0, int cnt, int n, int h0,
+                     int heads, float *scores) {
+    const int d = j->head_dim, group = j->q_heads / j->kv_heads;
+    int64_t rows[16];
+    for (int u = 0; u < cnt; u++) rows[u] = token_row(j, table, t0 + u) + h0;
+    const __mmask16 live = cnt >= 16 ? 0xffff : (__mmask16)((1u << cnt) - 1);
+    const __m512 scale = _mm512_set1_ps(j->scale);
+    for (int i = 0; i < heads; i++) {
+        const uint16_t *qi = q16 + (int64_t)i * d;
+        __m512 acc[16];
+        for (int u = 0; u < 16; u++) {
+            acc[u] = _mm512_setzero_ps();
+            if (u >= cnt) continue;
+            const uint16_t *kr = (const uint16_t *)j->k + (rows[u] + i / group) * d;
+            for (int x = 0; x < d; x += 32)
+                acc[u] = _mm512_dpbf16_ps(acc[u], (__m512bh)_mm512_loadu_si512(qi + x),
+                                          (__m512bh)_mm512_loadu_si512(kr + x));
+        }
+        _mm512_mask_storeu_ps(scores + (int64_t)i * n + t0, live, _mm512_mul_ps(sum_lanes16(acc), scale));
+    }
+}
+#endif
+
 /* One work item: query heads [qh0, qh1) of one row, over the kv heads they share. Scratch holds
  * (qh1 - qh0) * (ctx + head_dim * 2) floats. Keys and values are read token by token, each token's
  * kv heads of the range being contiguous, so the reads stream through every block in order. */
@@ -196,18 +247,26 @@ static void attend_item(const job_t *j, int item, float *scratch) {
     }
     /* 1. scores of every cached key against the queries that share its kv head */
     const uint16_t *q16 = (const uint16_t *)j->q + (int64_t)j->row_token[row] * j->q_stride + (int64_t)qh0 * d;
-    for (int t = 0; t < n; t++) {
-        const int64_t base = token_row(j, table, t);
-        prefetch_token(j, j->k, table, t + PREFETCH_TOKENS, n, h0, h1);
-        for (int i = 0; i < heads; i++) {
-            const int64_t off = (base + h0 + i / group) * d;
-            scores[(int64_t)i * n + t] =
-                dot_key(q + (int64_t)i * d, q16 + (int64_t)i * d, j->k, off, d, j->dtype) * j->scale;
+#ifdef HAVE_AVX512_BF16
+    if (bf16_fast(j->dtype, d)) {
+        for (int t0 = 0; t0 < n; t0 += 16) {
+            for (int u = 0; u < 16; u++) prefetch_token(j, j->k, table, t0 + 16 + u, n, h0, h1);
+            scores16(j, table, q16, t0, n - t0 < 16 ? n - t0 : 16, n, h0, heads, scores);
         }
-    }
+    } else
+#endif
+        for (int t = 0; t < n; t++) {
+            const int64_t base = token_row(j, table, t);
+            prefetch_token(j, j->k, table, t + PREFETCH_TOKENS, n, h0, h1);
+            for (int i = 0; i < heads; i++) {
+                const int64_t off = (base + h0 + i / group) * d;
+                scores[(int64_t)i * n + t] =
+                    dot_key(q + (int64_t)i * d, q16 + (int64_t)i * d, j->k, off, d, j->dtype) * j->scale;
+            }
+        }
     /* 2. softmax weights, unnormalised */
     for (int i = 0; i < heads; i++) {
-        float *s = scores + (int64_t)i * n, top = -INFINITY, sum = 0.0f;
+        float *s = scores + (int64_t)i * n, top = -FLT_MAX, sum = 0.0f;
         for (int t = 0; t < n; t++) top = s[t] > top ? s[t] : top;
         for (int t = 0; t < n; t++) s[t] = exp_nonpositive(s[t] - top);
         for (int t = 0; t < n; t++) sum += s[t];
