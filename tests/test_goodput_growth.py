@@ -143,3 +143,18 @@ def test_plan_json_is_one_document_on_stdout(tmp_path: Path, capsys: pytest.Capt
     assert chosen["goodput_rps"] is None and "could not be bounded" in chosen["headline"]
     assert chosen["unbounded"] and chosen["unbounded"][0]["name"].startswith("1C")
     assert "note:" in captured.err and "note:" not in captured.out
+
+
+def test_a_goodput_report_says_plainly_when_the_rate_is_not_bounded() -> None:
+    from pdfabric.bench.goodput_cmd import SearchRun, search_report, summary_md
+
+    res = GoodputResult(target=0.9)
+    res.record(2.0, Trial(1.0, 50.0, 0.5, 100))
+    res.record(4.0, Trial(0.95, 25.0, 0.6, 400))
+    run = SearchRun(result=settle(res))
+    report = search_report(run, SLO_, {"command": "goodput"})
+    assert report["goodput_rps"] is None and report["goodput"]["lower_bound_rps"] == 4.0
+    assert not report["goodput"]["bounded"] and report["goodput"]["trials"][1]["requests"] == 400
+    text = summary_md(report, "x")
+    assert "not bounded" in text and "at least 4 req/s" in text
+    assert "not bounded" in res.describe() and "400 requests" in res.describe()
