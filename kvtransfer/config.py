@@ -5,19 +5,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 TRANSPORTS = ("zmq", "shm", "dist")
+CHOICES = ("auto", *TRANSPORTS)
 
 
 @dataclass(frozen=True)
 class TransferConfig:
-    """``transport``: how tensor bytes move (``zmq`` frames, ``shm`` direct writes, ``dist`` p2p);
-    control always rides ZeroMQ. ``timeout_s`` bounds a whole transfer (receiver: from ``expect``;
+    """``transport``: how tensor bytes move (``zmq`` frames, ``shm`` direct writes, ``dist`` p2p), or
+    ``auto``: per peer, ``dist`` where both sides are in one torch.distributed group with GPU caches,
+    ``shm`` where the receiver's cache is in shared memory on the sender's host, else ``zmq``. A
+    receiver set to one transport accepts only that one; ``auto`` accepts each it can. Control always
+    rides ZeroMQ. ``timeout_s`` bounds a whole transfer (receiver: from ``expect``;
     sender: from ``start`` to the acknowledgement). ``idle_timeout_s`` fails a receiver's transfer that
     started but made no progress for that long (a sender gone mid-transfer). ``shm_quarantine_s``
     (default: ``timeout_s``): with ``shm`` a sender writes into the receiver's blocks directly, so the
     blocks of a transfer that failed on the receiver's side go back to the pool only after this long,
     when no sender can still be writing into them (the result is reported at once)."""
 
-    transport: str = "zmq"
+    transport: str = "auto"
     timeout_s: float = 30.0
     idle_timeout_s: float = 5.0
     checksum: bool = False
@@ -26,8 +30,8 @@ class TransferConfig:
     shm_quarantine_s: float | None = None
 
     def __post_init__(self) -> None:
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+        if self.transport not in CHOICES:
+            raise ValueError(f"transport must be one of {', '.join(CHOICES)}, got {self.transport!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
         if not self.idle_timeout_s > 0:
@@ -39,7 +43,7 @@ class TransferConfig:
 
     @property
     def quarantine_s(self) -> float:
-        """How long a failed transfer's blocks stay held before release (0 unless ``shm``)."""
-        if self.transport != "shm":
+        """How long a failed transfer's blocks stay held before release (0 unless ``shm`` may be used)."""
+        if self.transport not in ("shm", "auto"):
             return 0.0
         return self.timeout_s if self.shm_quarantine_s is None else self.shm_quarantine_s

@@ -179,8 +179,8 @@ def profile(args: argparse.Namespace, transports: list[str]) -> tuple[ProfileFil
     )  # fmt: skip
     started = time.perf_counter()
     engine = build_engine(cfg)
-    runner, builder = engine.runner, engine.stepper.profile
-    kv_tokens = engine.tables.pool.num_blocks * cfg.block_size
+    runner, builder = engine.runner, engine.profile
+    kv_tokens = engine.num_blocks * cfg.block_size
     plan = profiling_plan(
         cfg.max_batch_tokens,
         cfg.max_running,
