@@ -58,6 +58,7 @@ class PeerInfo:
     shm_paths: tuple[str, ...] = ()  # shm: one file per layer holding that layer's cache tensor
     rank: int = -1  # dist: the receiver's rank in the process group
     host: str = ""  # the receiver's host identity (``transport.host_id``): shm only where it is ours
+    name: str = ""  # the receiver's name (a decode worker's id), for reasons
 
 
 @dataclass(frozen=True)

@@ -173,7 +173,14 @@ class KVReceiver:
             extra: dict = {}
             for path in self.paths.values():
                 extra.update(path.info())
-            info = PeerInfo(self.config.transport, self.layout, self.num_blocks, host=host_id(), **extra)
+            info = PeerInfo(
+                self.config.transport,
+                self.layout,
+                self.num_blocks,
+                host=host_id(),
+                name=self.config.name,
+                **extra,
+            )
             self._reply(peer, info)
         elif isinstance(msg, Abort):
             t = self._in.get(msg.request_id)

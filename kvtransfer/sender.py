@@ -191,14 +191,15 @@ class KVSender:
 
     def _on_info(self, peer: _Peer, info: PeerInfo) -> None:
         peer.info = info
+        who = f"receiver {info.name}" if info.name else "receiver"
         if info.layout != self.layout:
-            peer.error = f"receiver layout {info.layout} differs from ours {self.layout}"
+            peer.error = f"receiver layout {info.layout} differs from ours {self.layout} ({who})"
         else:
             peer.transport = choose_transport(self.config.transport, info, self.caches)
             try:
                 peer.path = make_send_path(peer.transport, info)
             except ValueError as exc:
-                peer.error = f"cannot reach receiver over {peer.transport}: {exc}"
+                peer.error = f"cannot reach {who} over {peer.transport}: {exc}"
         for out in list(self._out.values()):
             if out.endpoint == peer.endpoint and not out.state.finished:
                 self._pump(out)
