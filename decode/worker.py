@@ -16,10 +16,12 @@ the blocks straight into it; others send ZeroMQ frames (or use torch.distributed
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import zmq
 
 from pdfabric.config import WorkerConfig
-from pdfabric.core import CancelKV, CoreSpec, ExpectKV, ProfileSource, PushKV, WorkerCore
+from pdfabric.core import CancelKV, CoreSpec, ExpectKV, OpenPush, ProfileSource, PushKV, WorkerCore
 from pdfabric.decode.core import DecodeCore
 from pdfabric.kvtransfer.config import TransferConfig
 from pdfabric.kvtransfer.receiver import KVReceiver
@@ -44,6 +46,9 @@ class ReceiverSide:
 
     def sockets(self) -> list[zmq.Socket]:
         return [self.receiver.sock]
+
+    def layer_hook(self, opens: tuple[OpenPush, ...]) -> Callable[[int], None] | None:
+        return None
 
     def command(self, cmd: PushKV | ExpectKV | CancelKV) -> None:
         rid = cmd.request_id

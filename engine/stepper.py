@@ -7,6 +7,8 @@ profile's step time in the same place.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from pdfabric.engine.block_pool import BlockTables
 from pdfabric.engine.runner import ModelRunner, StepEntry
 from pdfabric.engine.sampler import sample
@@ -17,10 +19,12 @@ class Stepper:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
 
-    def run(self, chunks: list[Chunk], tables: BlockTables) -> list[tuple[int, float]]:
+    def run(
+        self, chunks: list[Chunk], tables: BlockTables, after_layer: Callable[[int], None] | None = None
+    ) -> list[tuple[int, float]]:
         """Runs the chunks (writing their KV into the cache); one (token, logprob) per chunk with
-        ``sample``, in order."""
-        logits = self.runner.step([_entry(c, tables) for c in chunks])
+        ``sample``, in order. ``after_layer(i)``: called as each layer finishes (layer-wise KV push)."""
+        logits = self.runner.step([_entry(c, tables) for c in chunks], after_layer)
         sampled = [c for c in chunks if c.sample]
         picks = sample(logits, [c.seq.params for c in sampled], [len(c.seq.output_ids) for c in sampled])
         return [(p.token_id, p.logprob) for p in picks]

@@ -12,6 +12,10 @@ It is driven the same way by the ZeroMQ worker loop (``pdfabric.worker``) and by
 3. ``transfer_ended(result)`` / ``kv_released(request_id)``: what the KV side reports;
 4. ``heartbeat(now)``: a ``Heartbeat`` when one is due (time is a value the driver passes in).
 
+A prefill core's ``Step`` also lists ``opens``: the transfers of the prompts this step finishes, so
+that a driver can ship each layer's KV as the model finishes that layer (the server's loop does; the
+simulator's link model starts the push at the step's end).
+
 Each call returns the messages to send: control messages for the router (``pdfabric.control``) and
 commands for the worker's own KV side (``PushKV``, ``ExpectKV``, ``CancelKV``, below), which the
 driver hands to the kvtransfer state machines (or to the simulator's link model).
@@ -51,6 +55,17 @@ class PushKV:
     remote_blocks: tuple[int, ...]
     first_token: int
     first_logprob: float
+
+
+@dataclass(frozen=True)
+class OpenPush:
+    """Prefill side, before a step that finishes the prompt: start the transfer so that its layers can
+    leave as the step computes them (``PushKV`` after the step sends the rest with the first token)."""
+
+    request_id: str
+    endpoint: str
+    local_blocks: tuple[int, ...]
+    remote_blocks: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -121,6 +136,7 @@ class Step:
 
     chunks: list[Chunk]
     shape: StepShape
+    opens: tuple[OpenPush, ...] = ()  # transfers whose layers may leave during this step
 
     @property
     def num_samples(self) -> int:

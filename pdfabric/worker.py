@@ -7,8 +7,9 @@ turn of the loop, never blocking for long:
    gave back, go to the core;
 2. control messages from the router go to the core (waiting up to 5 ms when there is no work; a
    control or KV socket wakes it);
-3. if the core schedules a step, the model runs it (``Stepper``) and the core completes it with the
-   samples and the measured time;
+3. if the core schedules a step, the model runs it (``Stepper``; a prefill worker's KV side ships each
+   finished prompt's layers as the model completes them) and the core completes it with the samples
+   and the measured time;
 4. a heartbeat goes out when the core says one is due.
 
 Whatever the core returns is sent: control messages to the router, KV commands to the KV side. The
@@ -20,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -27,7 +29,7 @@ import zmq
 
 from pdfabric.config import WorkerConfig
 from pdfabric.control import Shutdown
-from pdfabric.core import CancelKV, CoreSpec, ExpectKV, Out, ProfileSource, PushKV, WorkerCore
+from pdfabric.core import CancelKV, CoreSpec, ExpectKV, OpenPush, Out, ProfileSource, PushKV, WorkerCore
 from pdfabric.engine.stepper import Stepper
 from pdfabric.kvtransfer.state import TransferResult
 from pdfabric.profile import ProfileBuilder
@@ -47,6 +49,8 @@ class KVSide(Protocol):
     def sockets(self) -> list[zmq.Socket]: ...  # whose messages should wake the loop
 
     def command(self, cmd: PushKV | ExpectKV | CancelKV) -> None: ...
+
+    def layer_hook(self, opens: tuple[OpenPush, ...]) -> Callable[[int], None] | None: ...  # per layer
 
     def poll(self) -> tuple[list[TransferResult], list[str]]: ...  # ended transfers, released requests
 
@@ -140,7 +144,8 @@ class Worker:
                 step = core.schedule()
                 if step is not None:
                     start = time.perf_counter()
-                    sampled = self.stepper.run(step.chunks, core.tables)
+                    hook = self.kv.layer_hook(step.opens) if self.kv is not None and step.opens else None
+                    sampled = self.stepper.run(step.chunks, core.tables, hook)
                     self.dispatch(core.complete(step, sampled, time.perf_counter() - start))
                 self._heartbeat()
         finally:

@@ -4,9 +4,10 @@ A request's life here:
 1. ``Prefill`` arrives with the prompt, the decode worker's KV endpoint and the blocks it reserved;
    the sequence waits in the queue (WAITING). A prompt that cannot fit ends at once with an error.
 2. Its prompt is prefilled in chunks under the step's token budget, batched with other prompts.
-3. The last chunk yields the first token: it goes to the router at once (this is the TTFT), and the
-   sequence is parked (HANDOFF, its blocks held) while ``PushKV`` ships its blocks to the decode
-   worker, the first token riding on the transfer.
+3. The step that runs its last chunk opens its transfer (``Step.opens``), so the driver can ship each
+   layer as the model finishes it; the step yields the first token: it goes to the router at once
+   (this is the TTFT), and the sequence is parked (HANDOFF, its blocks held) while ``PushKV`` ships
+   what is left (the last layer, or everything) with the first token riding on it.
 4. The transfer ends (``transfer_ended``): DONE frees the blocks and tells the router ``HandedOff``
    (bytes and seconds, which also feed the heartbeat's KV rate); FAILED frees them and sends an error
    delta (the router aborts the decode side). An ``Abort`` at any point frees the blocks and sends
@@ -16,7 +17,7 @@ A request's life here:
 from __future__ import annotations
 
 from pdfabric.control import HandedOff, Prefill, TokenDelta
-from pdfabric.core import CancelKV, CoreSpec, Out, ProfileSource, PushKV, WorkerCore, delta_of
+from pdfabric.core import CancelKV, CoreSpec, OpenPush, Out, ProfileSource, PushKV, Step, WorkerCore, delta_of
 from pdfabric.engine.sequence import SeqState, Sequence
 from pdfabric.kvtransfer.state import TransferResult
 
@@ -37,6 +38,19 @@ class PrefillCore(WorkerCore):
         self._targets[msg.request_id] = (msg.kv_endpoint, msg.block_ids)
         self.scheduler.add(Sequence(msg.request_id, msg.prompt_ids, msg.params, frozenset(msg.eos_token_ids)))
         return []
+
+    def schedule(self) -> Step | None:
+        """The next step, with an ``OpenPush`` for each prompt whose last chunk it runs (its blocks
+        are all allocated by now, and the step writes their final KV layer by layer)."""
+        step = super().schedule()
+        if step is None:
+            return None
+        opens = tuple(self._open(c.seq.request_id) for c in step.chunks if c.sample)
+        return Step(step.chunks, step.shape, opens)
+
+    def _open(self, request_id: str) -> OpenPush:
+        endpoint, remote = self._targets[request_id]
+        return OpenPush(request_id, endpoint, tuple(self.tables.table(request_id)), remote)
 
     def stepped(self, changed: list[Sequence]) -> Out:
         deltas: list[TokenDelta] = []

@@ -289,3 +289,44 @@ def test_readme_serve_and_curl_work(tmp_path: Path) -> None:
     events = [line for line in out.stdout.splitlines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]" and len(events) >= 3
     assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_forced_zmq_transport_with_chunked_prompts_is_token_exact(
+    tmp_path: Path, reference: ReferenceEngine
+) -> None:
+    """``kv_transport = "zmq"`` and 32-token steps: prompts prefill in several chunks, their layers
+    leave over ZeroMQ tcp as the last chunk computes them, and the output is still the reference's."""
+    config = tmp_path / "zmq.toml"
+    config.write_text('[worker]\nkv_transport = "zmq"\nmax_batch_tokens = 32\n')
+    flags = (
+        "--config",
+        str(config),
+        "--model",
+        "tiny",
+        "--num-blocks",
+        "256",
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+    )
+    bodies = [
+        {"prompt": [3 + i] * (5 + 19 * i), "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        for i in range(6)
+    ]
+    with running_fabric(*flags) as url:
+
+        async def run_all() -> list:
+            return await asyncio.gather(*(_stream(url, b) for b in bodies))
+
+        for body, (ids, _, finish, _) in zip(bodies, asyncio.run(run_all()), strict=True):
+            want = reference.generate(body["prompt"], SamplingParams(max_tokens=6, ignore_eos=True))
+            assert ids == want.token_ids and finish == "length"
+        wait_blocks_free(url)
+        deadline = time.monotonic() + 10
+        while True:
+            (pre,) = [w for w in get_json(url + "/health")[1]["workers"] if w["kind"] == "prefill"]
+            if pre["kv_rates"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert set(pre["kv_rates"]) == {"zmq"}, pre

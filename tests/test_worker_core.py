@@ -190,3 +190,22 @@ def test_first_token_that_stops_ends_the_request_on_arrival() -> None:
     (out,) = dec.transfer_ended(TransferResult("r", TransferState.DONE, meta={"first_token": 9}))
     assert isinstance(out, StepOutputs) and out.deltas == (TokenDelta("r", 1, (), (), "stop"),)
     assert dec.tables.pool.num_free == dec.tables.pool.num_blocks and not dec.has_work
+
+
+def test_prefill_step_opens_the_transfers_of_the_prompts_it_finishes() -> None:
+    pre = PrefillCore(_spec("prefill"), PROFILE)  # 16 tokens per step
+    params = SamplingParams(max_tokens=2)
+    pre.handle(Prefill("long", tuple(range(1, 21)), params, (), "kv://d", (10, 11, 12, 13, 14)))
+    pre.handle(Prefill("short", (1, 2), params, (), "kv://d", (20,)))
+    first = pre.schedule()
+    assert first is not None and first.opens == ()  # 16 of 20 tokens: not finished yet
+    pre.complete(first, [], 0.01)
+    second = pre.schedule()
+    assert second is not None
+    assert [(o.request_id, o.remote_blocks) for o in second.opens] == [
+        ("long", (10, 11, 12, 13, 14)),
+        ("short", (20,)),
+    ]
+    assert second.opens[0].local_blocks == tuple(pre.tables.table("long"))
+    out = pre.complete(second, [(4, 0.0), (5, 0.0)], 0.01)
+    assert [m.request_id for m in out if isinstance(m, PushKV)] == ["long", "short"]

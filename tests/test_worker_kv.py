@@ -9,12 +9,12 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from pdfabric.core import CancelKV, ExpectKV, PushKV
+from pdfabric.core import CancelKV, ExpectKV, OpenPush, PushKV
 from pdfabric.decode.worker import ReceiverSide
 from pdfabric.kvtransfer.config import TransferConfig
 from pdfabric.kvtransfer.sender import KVSender
 from pdfabric.kvtransfer.shm_pool import SharedKVPool
-from pdfabric.kvtransfer.state import TransferResult
+from pdfabric.kvtransfer.state import TransferResult, TransferState
 from pdfabric.prefill.worker import SenderSide
 
 LAYERS, BLOCKS, BLOCK, HEADS, DIM = 3, 32, 4, 2, 8
@@ -97,3 +97,23 @@ def test_cancel_of_an_unknown_transfer_releases_at_once(sides) -> None:  # noqa:
     _, recv, _ = sides("auto")
     recv.command(CancelKV("nobody", "gone"))
     assert recv.poll() == ([], ["nobody"])
+
+
+@pytest.mark.parametrize("transport", ["shm", "zmq"])
+def test_layers_leave_as_the_step_computes_them(sides, transport: str) -> None:  # noqa: ANN001
+    send, recv, src = sides(transport)
+    local, remote = (0, 1, 2), (7, 8, 9)
+    recv.command(ExpectKV("r", remote))
+    hook = send.layer_hook((OpenPush("r", recv.endpoint, local, remote),))
+    assert hook is not None
+    for layer in range(LAYERS):  # the model finishing each layer
+        hook(layer)
+    landed = lambda: recv.poll() == ([], []) and recv.receiver.layers_ready("r") == LAYERS - 1  # noqa: E731
+    _until(landed, send)  # all but the last layer landed, nothing ended
+    assert recv.receiver.state("r") is TransferState.TRANSFERRING
+    send.command(PushKV("r", recv.endpoint, local, remote, 5, -1.0))  # after the step: the rest
+    (got,) = _until(lambda: _ended(recv), send)
+    assert got.ok and got.layers == LAYERS and got.meta["first_token"] == 5
+    assert _until(lambda: _ended(send))[0].ok
+    for layer in range(LAYERS):
+        assert torch.equal(recv.receiver.caches[layer][:, list(remote)], src[layer][:, list(local)])
