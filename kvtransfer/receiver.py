@@ -64,6 +64,9 @@ class KVReceiver:
         self._quarantine_s = config.quarantine_s if "shm" in self.paths else 0.0
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if config.socket_buffer_bytes:
+            self.sock.setsockopt(zmq.SNDBUF, config.socket_buffer_bytes)
+            self.sock.setsockopt(zmq.RCVBUF, config.socket_buffer_bytes)
         self.sock.bind(bind)
         self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._in: dict[str, _In] = {}

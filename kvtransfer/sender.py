@@ -164,6 +164,9 @@ class KVSender:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 0)
+            if self.config.socket_buffer_bytes:
+                sock.setsockopt(zmq.SNDBUF, self.config.socket_buffer_bytes)
+                sock.setsockopt(zmq.RCVBUF, self.config.socket_buffer_bytes)
             sock.connect(endpoint)  # without ZMQ_IMMEDIATE: messages queue until the peer is up
             try:
                 sock.send(encode(Hello(self.config.name)), zmq.NOBLOCK)
