@@ -22,8 +22,7 @@ from typing import TYPE_CHECKING
 
 from pdfabric.control import COLOCATED, DECODE, PREFILL, Register
 from pdfabric.core import CancelKV, CoreSpec, ExpectKV, FixedProfile, Out, PushKV, Step, WorkerCore
-from pdfabric.decode.colocated import ColocatedCore
-from pdfabric.decode.core import DecodeCore
+from pdfabric.decode.core import ColocatedCore, DecodeCore
 from pdfabric.kvtransfer.state import TransferResult
 from pdfabric.prefill.core import PrefillCore
 

@@ -1,4 +1,7 @@
-"""The decode worker's core: reservations, KV arrivals and decode steps (no sockets, no clocks).
+"""The decode-side cores (no sockets, no clocks, no torch): ``DecodeCore`` for a disaggregated decode
+worker, ``ColocatedCore`` for a worker that also prefills.
+
+A request's life in a ``DecodeCore``:
 
 A request's life here:
 1. ``Reserve`` arrives: blocks for the prompt are reserved, ``ExpectKV`` tells the KV receiver to
@@ -11,11 +14,19 @@ A request's life here:
    still in flight: on an ``Abort`` (``CancelKV``) or a failed transfer (an error delta). Then its
    blocks stay out of the pool (QUARANTINED) until the receiver says no sender can still write into
    them (``kv_released``).
+
+A request's life in a ``ColocatedCore``:
+1. ``Generate`` arrives: the sequence waits in the queue (WAITING); a prompt that cannot fit ends at
+   once with an error delta.
+2. Its prompt is prefilled in chunks under the step's token budget, beside running decodes.
+3. Its last prompt chunk yields the first token; it decodes one token per step (RUNNING), each sent
+   to the router in the step's ``StepOutputs``.
+4. It ends (FINISHED) on a stop token, its length limit, or an ``Abort``; its blocks return to the pool.
 """
 
 from __future__ import annotations
 
-from pdfabric.control import Reserve, Reserved, TokenDelta
+from pdfabric.control import Generate, Reserve, Reserved, TokenDelta
 from pdfabric.core import CancelKV, CoreSpec, ExpectKV, Out, ProfileSource, WorkerCore
 from pdfabric.engine.sequence import SeqState, Sequence
 from pdfabric.kvtransfer.state import TransferResult
@@ -71,3 +82,16 @@ class DecodeCore(WorkerCore):
         """Ends the sequence but keeps its blocks out of the pool until ``kv_released``."""
         self.quarantined[request_id] = self.tables.detach(request_id)
         self.scheduler.finish(request_id, reason)
+
+
+class ColocatedCore(WorkerCore):
+    on_prefilled = "decode"
+
+    def on_message(self, msg: object) -> Out:
+        if not isinstance(msg, Generate):
+            raise TypeError(f"a colocated worker cannot handle {type(msg).__name__}")
+        reason = self.too_long(msg.request_id, len(msg.prompt_ids))
+        if reason:
+            return self.error(msg.request_id, 0, reason)
+        self.scheduler.add(Sequence(msg.request_id, msg.prompt_ids, msg.params, frozenset(msg.eos_token_ids)))
+        return []

@@ -5,6 +5,9 @@ A fake model samples a token that depends on the sequence's history; time is a n
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 from pdfabric.control import (
     Abort,
     Generate,
@@ -18,8 +21,7 @@ from pdfabric.control import (
     TokenDelta,
 )
 from pdfabric.core import CancelKV, CoreSpec, ExpectKV, FixedProfile, Out, PushKV, WorkerCore
-from pdfabric.decode.colocated import ColocatedCore
-from pdfabric.decode.core import DecodeCore
+from pdfabric.decode.core import ColocatedCore, DecodeCore
 from pdfabric.engine.sampling_params import SamplingParams
 from pdfabric.kvtransfer.state import TransferResult, TransferState
 from pdfabric.prefill.core import PrefillCore
@@ -209,3 +211,12 @@ def test_prefill_step_opens_the_transfers_of_the_prompts_it_finishes() -> None:
     assert second.opens[0].local_blocks == tuple(pre.tables.table("long"))
     out = pre.complete(second, [(4, 0.0), (5, 0.0)], 0.01)
     assert [m.request_id for m in out if isinstance(m, PushKV)] == ["long", "short"]
+
+
+def test_cores_and_the_simulator_never_import_torch() -> None:
+    code = (
+        "import sys, pdfabric.prefill.core, pdfabric.decode.core, pdfabric.bench.simulator; "
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
