@@ -27,7 +27,7 @@ A request's life in a ``ColocatedCore``:
 from __future__ import annotations
 
 from pdfabric.control import Generate, Reserve, Reserved, TokenDelta
-from pdfabric.core import CancelKV, CoreSpec, ExpectKV, Out, ProfileSource, WorkerCore
+from pdfabric.core import CancelKV, CoreSpec, ExpectKV, Out, ProfileSource, WorkerCore, WrongMessage
 from pdfabric.engine.sequence import SeqState, Sequence
 from pdfabric.kvtransfer.state import TransferResult
 
@@ -41,7 +41,7 @@ class DecodeCore(WorkerCore):
 
     def on_message(self, msg: object) -> Out:
         if not isinstance(msg, Reserve):
-            raise TypeError(f"a decode worker cannot handle {type(msg).__name__}")
+            raise WrongMessage(f"a decode worker cannot handle {type(msg).__name__}")
         rid = msg.request_id
         seq = Sequence(rid, msg.prompt_ids, msg.params, frozenset(msg.eos_token_ids))
         reason = self.too_long(rid, len(msg.prompt_ids))
@@ -89,7 +89,7 @@ class ColocatedCore(WorkerCore):
 
     def on_message(self, msg: object) -> Out:
         if not isinstance(msg, Generate):
-            raise TypeError(f"a colocated worker cannot handle {type(msg).__name__}")
+            raise WrongMessage(f"a colocated worker cannot handle {type(msg).__name__}")
         reason = self.too_long(msg.request_id, len(msg.prompt_ids))
         if reason:
             return self.error(msg.request_id, 0, reason)

@@ -96,7 +96,7 @@ class HandedOff:
     worker_id: str
     request_id: str
     kv_bytes: int = 0  # what the transfer moved
-    kv_seconds: float = 0.0  # from the start of the push to the receiver's acknowledgement
+    kv_seconds: float = 0.0  # from the end of the prefill step to the receiver's acknowledgement
 
 
 # --- router -> worker ---------------------------------------------------------------------------

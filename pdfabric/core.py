@@ -85,6 +85,12 @@ class CancelKV:
 
 
 KVCommand = PushKV | ExpectKV | CancelKV
+
+
+class WrongMessage(TypeError):
+    """A control message that this kind of worker does not take (the loop logs and drops it)."""
+
+
 Out = list[object]  # control messages for the router and KV commands, in the order they were made
 
 

@@ -29,7 +29,17 @@ import zmq
 
 from pdfabric.config import WorkerConfig
 from pdfabric.control import Shutdown
-from pdfabric.core import CancelKV, CoreSpec, ExpectKV, OpenPush, Out, ProfileSource, PushKV, WorkerCore
+from pdfabric.core import (
+    CancelKV,
+    CoreSpec,
+    ExpectKV,
+    OpenPush,
+    Out,
+    ProfileSource,
+    PushKV,
+    WorkerCore,
+    WrongMessage,
+)
 from pdfabric.engine.stepper import Stepper
 from pdfabric.kvtransfer.state import TransferResult
 from pdfabric.profile import ProfileBuilder
@@ -193,7 +203,7 @@ class Worker:
                 return
             try:
                 out = self.core.handle(msg)
-            except TypeError as exc:
+            except WrongMessage as exc:
                 log.error("%s", exc)
                 continue
             self.dispatch(out)

@@ -17,7 +17,18 @@ A request's life here:
 from __future__ import annotations
 
 from pdfabric.control import HandedOff, Prefill, TokenDelta
-from pdfabric.core import CancelKV, CoreSpec, OpenPush, Out, ProfileSource, PushKV, Step, WorkerCore, delta_of
+from pdfabric.core import (
+    CancelKV,
+    CoreSpec,
+    OpenPush,
+    Out,
+    ProfileSource,
+    PushKV,
+    Step,
+    WorkerCore,
+    WrongMessage,
+    delta_of,
+)
 from pdfabric.engine.sequence import SeqState, Sequence
 from pdfabric.kvtransfer.state import TransferResult
 
@@ -31,7 +42,7 @@ class PrefillCore(WorkerCore):
 
     def on_message(self, msg: object) -> Out:
         if not isinstance(msg, Prefill):
-            raise TypeError(f"a prefill worker cannot handle {type(msg).__name__}")
+            raise WrongMessage(f"a prefill worker cannot handle {type(msg).__name__}")
         reason = self.too_long(msg.request_id, len(msg.prompt_ids))
         if reason:
             return self.error(msg.request_id, 0, reason)

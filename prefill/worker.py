@@ -15,7 +15,9 @@ A request's life here (the core's states, ``prefill.core``):
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import zmq
 
@@ -33,7 +35,12 @@ class SenderSide:
     the CPU: ``layer_hook`` starts the step's ``OpenPush`` transfers and ships layer ``i`` of each as
     the model finishes it (all but the last); ``PushKV`` after the step ships the rest with the first
     token. Elsewhere (a GPU cache, where a per-layer host copy would stall the device) ``PushKV``
-    ships every layer at once."""
+    ships every layer at once.
+
+    A transfer's reported ``seconds`` run from ``PushKV`` (the end of the prefill step) to the
+    receiver's acknowledgement: the latency the transfer adds after the compute, which is what the
+    router's TTFT prediction and the heartbeat's KV rate stand for. Counting from the layer-wise
+    start would charge the step's own compute to the link."""
 
     endpoint = ""
 
@@ -42,6 +49,7 @@ class SenderSide:
         self.num_layers = sender.layout.num_layers
         self.layerwise = sender.caches[0].device.type == "cpu"
         self._sent: dict[str, int] = {}  # request -> layers shipped so far
+        self._pushed: dict[str, float] = {}  # request -> when PushKV came (monotonic seconds)
 
     def layer_hook(self, opens: tuple[OpenPush, ...]) -> Callable[[int], None] | None:
         if not self.layerwise:
@@ -65,6 +73,7 @@ class SenderSide:
 
     def command(self, cmd: PushKV | ExpectKV | CancelKV) -> None:
         if isinstance(cmd, PushKV):
+            self._pushed[cmd.request_id] = time.monotonic()
             sent = self._sent.pop(cmd.request_id, None)
             if sent is None:
                 self.sender.start(cmd.request_id, cmd.endpoint, cmd.local_blocks, cmd.remote_blocks)
@@ -73,12 +82,19 @@ class SenderSide:
             self.sender.send_layers(cmd.request_id, sent, self.num_layers, meta)
         elif isinstance(cmd, CancelKV):
             self._sent.pop(cmd.request_id, None)
+            self._pushed.pop(cmd.request_id, None)
             self.sender.abort(cmd.request_id, cmd.reason)
         else:
             raise TypeError(f"a prefill worker's KV side cannot {type(cmd).__name__}")
 
     def poll(self) -> tuple[list[TransferResult], list[str]]:
-        return self.sender.poll(), []
+        results = self.sender.poll()
+        now = time.monotonic()
+        for i, r in enumerate(results):
+            pushed = self._pushed.pop(r.request_id, None)
+            if pushed is not None:
+                results[i] = replace(r, seconds=max(0.0, now - pushed))
+        return results, []
 
     def close(self) -> None:
         self.sender.close()

@@ -117,3 +117,22 @@ def test_layers_leave_as_the_step_computes_them(sides, transport: str) -> None: 
     assert _until(lambda: _ended(send))[0].ok
     for layer in range(LAYERS):
         assert torch.equal(recv.receiver.caches[layer][:, list(remote)], src[layer][:, list(local)])
+
+
+def test_reported_seconds_start_when_the_step_ends(sides) -> None:  # noqa: ANN001
+    """Layers shipped during the step are not charged to the link: the transfer's seconds count from
+    ``PushKV`` (the step's end), so the step's own compute never lowers the measured KV rate."""
+    send, recv, _ = sides("zmq")
+    recv.command(ExpectKV("r", (3, 4)))
+    hook = send.layer_hook((OpenPush("r", recv.endpoint, (0, 1), (3, 4)),))
+    assert hook is not None
+    hook(0)
+    time.sleep(0.05)  # the rest of the step's compute
+    pushed = time.monotonic()
+    send.command(PushKV("r", recv.endpoint, (0, 1), (3, 4), 1, 0.0))
+    results: list[TransferResult] = []
+    end = time.monotonic() + 5
+    while not results and time.monotonic() < end:
+        recv.poll()
+        results = _ended(send)
+    assert results and results[0].ok and 0 < results[0].seconds <= time.monotonic() - pushed
