@@ -13,13 +13,14 @@ messages it sends, heartbeat content); this driver only models time the way the 
    step's end), and on time when idle.
 
 Control messages go to the simulation's router (``Simulation.receive``); KV commands go to its link
-model (``Simulation.kv_command``).
+model (``bench.sim_link``).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pdfabric.bench.sim_link import endpoint_of
 from pdfabric.control import COLOCATED, DECODE, PREFILL, Register
 from pdfabric.core import CancelKV, CoreSpec, ExpectKV, FixedProfile, Out, PushKV, Step, WorkerCore
 from pdfabric.decode.core import ColocatedCore, DecodeCore
@@ -30,11 +31,6 @@ if TYPE_CHECKING:
     from pdfabric.bench.simulator import Simulation, SimWorker
 
 CORES: dict[str, type[WorkerCore]] = {PREFILL: PrefillCore, DECODE: DecodeCore, COLOCATED: ColocatedCore}
-
-
-def endpoint_of(worker_id: str) -> str:
-    """A simulated decode worker's KV endpoint."""
-    return f"sim://{worker_id}"
 
 
 class SimulatedWorker:
@@ -92,7 +88,7 @@ class SimulatedWorker:
                 if isinstance(event, str):
                     self._emit(core.kv_released(event))
                 else:
-                    self.sim.landed(self, event)
+                    self.sim.link.landed(self, event)
                     self._emit(core.transfer_ended(event))
             control, self._control = self._control, []
             for msg in control:
@@ -102,7 +98,7 @@ class SimulatedWorker:
     def _emit(self, out: Out) -> None:
         for msg in out:
             if isinstance(msg, PushKV | ExpectKV | CancelKV):
-                self.sim.kv_command(self, msg)
+                self.sim.link.command(self, msg)
             else:
                 self.sim.at(self.sim.now, self.sim.receive, msg)
 

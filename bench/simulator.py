@@ -54,7 +54,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdfabric.bench.records import ERROR, OK, REJECTED, TIMEOUT, RequestRecord
-from pdfabric.bench.sim_worker import SimulatedWorker, endpoint_of
+from pdfabric.bench.sim_link import SimLink, endpoint_of
+from pdfabric.bench.sim_worker import SimulatedWorker
 from pdfabric.bench.workload import Request, Workload
 from pdfabric.control import (
     COLOCATED,
@@ -70,9 +71,7 @@ from pdfabric.control import (
     Reserved,
     StepOutputs,
 )
-from pdfabric.core import CancelKV, ExpectKV, PushKV
 from pdfabric.engine.sampling_params import SamplingParams
-from pdfabric.kvtransfer.state import TransferResult, TransferState
 from pdfabric.profile import WorkerProfile
 from pdfabric.router.admission import ADMIT, REJECT, Outcome, Ticket
 from pdfabric.router.registry import Registry
@@ -81,7 +80,6 @@ from pdfabric.router.routing import Routing
 from pdfabric.router.slo import AdmissionConfig, resolve
 
 Progress = Callable[[int, int], None]  # (requests finished, requests in all)
-SIM_TRANSPORT = "sim"  # the transport name simulated pushes report (rates per transport in heartbeats)
 _PROMPTS: dict[int, tuple[int, ...]] = {}
 
 
@@ -199,9 +197,7 @@ class Simulation:
         self.registry = Registry()
         self.routing = _Routing(self, self.registry, config)
         self.workers = {w.worker_id: SimulatedWorker(self, w) for w in config.workers}
-        self._link_free = dict.fromkeys(self.workers, 0.0)  # when each worker's KV link is next free
-        self._by_endpoint = {endpoint_of(wid): w for wid, w in self.workers.items()}
-        self._pushes: dict[str, tuple[SimulatedWorker, float]] = {}  # request -> (prefill worker, start)
+        self.link = SimLink(self.workers, lambda: self.now, self.at)  # the workers' KV side
         self._reqs: dict[str, SimulatedRequest] = {}
         resolved = resolve(config.routing, None, "default")  # what the bench client gets
         self._budgets, self._class, self._tenant = (
@@ -379,38 +375,3 @@ class Simulation:
             token_count_source="usage", chunk_ms=ms, itl_ms=gaps,
             finish_reason=req.finish_reason, error=req.error,
         )  # fmt: skip
-
-    # --- KV transfers ---------------------------------------------------------------------------
-
-    def kv_command(self, worker: SimulatedWorker, cmd: PushKV | ExpectKV | CancelKV) -> None:
-        """What a worker core asked of its KV side: a push takes its bytes' time on both ends' links,
-        one push at a time each; a decode worker's cancel releases its blocks at once (nothing here
-        can still write into them). Expecting a transfer and a prefill worker's cancel need nothing."""
-        if isinstance(cmd, PushKV):
-            decode = self._by_endpoint[cmd.endpoint]
-            spec = worker.spec
-            nbytes = len(cmd.local_blocks) * spec.block_size * spec.kv_bytes_per_token
-            rate = min(spec.kv_bytes_per_s, decode.spec.kv_bytes_per_s)
-            pid, did = spec.worker_id, decode.spec.worker_id
-            start = max(self.now, self._link_free[pid], self._link_free[did])
-            done = start + nbytes / rate
-            self._link_free[pid] = self._link_free[did] = done
-            self._pushes[cmd.request_id] = (worker, self.now)
-            meta: dict[str, int | float | str] = {
-                "first_token": cmd.first_token,
-                "first_logprob": cmd.first_logprob,
-            }
-            result = TransferResult(cmd.request_id, TransferState.DONE, "", nbytes, done - self.now,
-                                    meta=meta, transport=SIM_TRANSPORT)  # fmt: skip
-            self.at(done, decode.post_kv, result)
-        elif isinstance(cmd, CancelKV) and worker.spec.kind == DECODE:
-            worker.post_kv(cmd.request_id)
-
-    def landed(self, worker: SimulatedWorker, result: TransferResult) -> None:
-        """A decode worker took a push's KV at its boundary: the receiver acknowledges it to the sender."""
-        push = self._pushes.pop(result.request_id, None) if worker.spec.kind == DECODE else None
-        if push is not None:
-            prefill, started = push
-            ack = TransferResult(result.request_id, TransferState.DONE, "", result.nbytes, self.now - started,
-                                 transport=result.transport)  # fmt: skip
-            self.at(self.now, prefill.post_kv, ack)
