@@ -117,7 +117,7 @@ def worker_command(cfg: ServeConfig, w: WorkerConfig, worker_id: str, join: str,
         "--block-size": w.block_size, "--num-blocks": w.num_blocks, "--kv-memory-mb": w.kv_memory_mb,
         "--max-batch-tokens": w.max_batch_tokens, "--max-running": w.max_running, "--kv-host": w.kv_host,
         "--parent-pid": os.getpid(), "--log-level": log_level, "--profile-seconds": w.profile_seconds,
-        "--device": w.device,
+        "--device": w.device, "--kv-transport": w.kv_transport,
     }  # fmt: skip
     if cfg.dtype:
         flags["--dtype"] = cfg.dtype

@@ -24,6 +24,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-host", default="127.0.0.1", help="address a decode worker binds its KV endpoint on"
     )
+    parser.add_argument(
+        "--kv-transport",
+        default="auto",
+        choices=("auto", "zmq", "shm", "dist"),
+        help="how KV moves to decode workers (auto: shm on one host, zmq across hosts, dist when set up)",
+    )
     parser.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
     parser.add_argument("--log-level", default="INFO", help="log level (default INFO)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -69,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
             profile_seconds=args.profile_seconds,
             threads=args.threads,
             device=args.device,
+            kv_transport=args.kv_transport,
         )
     except ValueError as exc:
         print(f"pdfabric worker: error: {exc}", file=sys.stderr)
