@@ -53,7 +53,7 @@ def sim_config(
     return SimConfig(tuple(workers), serve.routing, serve.predictor, heartbeat_s=serve.worker.heartbeat_s)
 
 
-FABRIC_TRANSPORT = "zmq-tcp"  # what the workers' KV link uses today (pdfabric.kvtransfer.link)
+FABRIC_TRANSPORT = "shm"  # what the workers use on one host (kv_transport "auto"; zmq-tcp across hosts)
 
 
 def default_transport(profiles: Sequence[ProfileFile]) -> str | None:

@@ -1,34 +1,36 @@
-"""One simulated worker of ``bench.simulator``: the engine's own ``Scheduler`` over its own
-``BlockTables``, stepping for ``profile.step_seconds`` of each step's shape.
+"""One simulated worker of ``bench.simulator``: the server's own worker core (``pdfabric.core``:
+``PrefillCore``, ``DecodeCore`` or ``ColocatedCore``) driven by simulated time instead of sockets.
 
-It follows the real worker loop: messages are handled only between steps (KV arrivals and
-acknowledgements first, then control messages), a step runs if there is work, tokens leave at the
-step's end, and a heartbeat goes out after a step once it is due (on time when idle).
+The core does everything the real worker decides (admission, scheduling, block accounting, the
+messages it sends, heartbeat content); this driver only models time the way the real loop
+(``pdfabric.worker``) spends it:
+
+1. messages are handled only between steps: KV-side events first (transfers that ended, blocks
+   released), then control messages from the router;
+2. a step runs if the core schedules one; it lasts ``profile.step_seconds`` of its shape, and its
+   outputs leave at its end (the samples are token 0: the bench's requests ignore EOS);
+3. a heartbeat goes out after a step once the core says it is due (a busy worker's waits for the
+   step's end), and on time when idle.
+
+Control messages go to the simulation's router (``Simulation.receive``); KV commands go to its link
+model (``bench.sim_link``).
 """
 
 from __future__ import annotations
 
-import statistics
-from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from pdfabric.control import DECODE, PREFILL, Heartbeat, Register
-from pdfabric.engine.block_pool import BlockPool, BlockTables
-from pdfabric.engine.scheduler import Chunk, Scheduler, SchedulerConfig, step_shape
-from pdfabric.engine.sequence import SeqState, Sequence
+from pdfabric.bench.sim_link import endpoint_of
+from pdfabric.control import COLOCATED, DECODE, PREFILL, Register
+from pdfabric.core import CancelKV, CoreSpec, ExpectKV, FixedProfile, Out, PushKV, Step, WorkerCore
+from pdfabric.decode.core import ColocatedCore, DecodeCore
+from pdfabric.kvtransfer.state import TransferResult
+from pdfabric.prefill.core import PrefillCore
 
 if TYPE_CHECKING:
-    from pdfabric.bench.simulator import SimulatedRequest, Simulation, SimWorker
+    from pdfabric.bench.simulator import Simulation, SimWorker
 
-_PROMPTS: dict[int, tuple[int, ...]] = {}
-
-
-def _prompt(n: int) -> tuple[int, ...]:
-    """A prompt of ``n`` tokens (the ids do not matter to the scheduler; one tuple per length)."""
-    ids = _PROMPTS.get(n)
-    if ids is None:
-        ids = _PROMPTS[n] = (0,) * n
-    return ids
+CORES: dict[str, type[WorkerCore]] = {PREFILL: PrefillCore, DECODE: DecodeCore, COLOCATED: ColocatedCore}
 
 
 class SimulatedWorker:
@@ -37,53 +39,34 @@ class SimulatedWorker:
     def __init__(self, sim: Simulation, spec: SimWorker) -> None:
         self.sim = sim
         self.spec = spec
-        self.tables = BlockTables(BlockPool(spec.num_blocks, spec.block_size))
-        on_prefilled = "handoff" if spec.kind == PREFILL else "decode"
-        cfg = SchedulerConfig(spec.max_batch_tokens, spec.max_running, spec.max_model_len, on_prefilled)
-        self.scheduler = Scheduler(self.tables, cfg)
-        self.heartbeat_s = spec.heartbeat_s or sim.config.heartbeat_s
+        core_spec = CoreSpec(
+            spec.worker_id, spec.kind, spec.num_blocks, spec.block_size, spec.max_model_len,
+            spec.max_running, spec.max_batch_tokens, spec.kv_bytes_per_token,
+            spec.heartbeat_s or sim.config.heartbeat_s, spec.pool, "simulated",
+        )  # fmt: skip
+        endpoint = endpoint_of(spec.worker_id) if spec.kind == DECODE else ""
+        self.core = CORES[spec.kind](core_spec, FixedProfile(spec.profile), endpoint)
+        self.scheduler, self.tables = self.core.scheduler, self.core.tables
         self.busy = False  # a step is running
         self._wake = False  # a boundary is queued for an idle worker
-        self._control: list[tuple[Any, ...]] = []
-        self._transfers: list[tuple[Any, ...]] = []
-        self._chunks: list[Chunk] = []
-        self._sampled: list[tuple[int, float]] = []
-        self._block_bytes = spec.block_size * spec.kv_bytes_per_token
-        self._targets: dict[str, str] = {}  # prefill worker: request -> its decode worker
-        self._reqs: dict[str, SimulatedRequest] = {}
-        self._next_hb = 0.0
+        self._control: list[object] = []
+        self._kv: list[TransferResult | str] = []  # ended transfers, and released request ids
+        self._step: Step | None = None
         self._hb_armed: float | None = 0.0
-        self._recent_ms: deque[float] = deque(maxlen=32)
 
     def registration(self) -> Register:
-        s = self.spec
-        endpoint = f"sim://{s.worker_id}" if s.kind == DECODE else ""
-        return Register(
-            s.worker_id,
-            s.kind,
-            s.pool,
-            "simulated",
-            s.max_model_len,
-            s.block_size,
-            s.num_blocks,
-            endpoint,
-            0,
-            s.max_running,
-            s.max_batch_tokens,
-            s.kv_bytes_per_token,
-            s.profile,
-        )
+        return self.core.registration()
 
     # --- messages -------------------------------------------------------------------------------
 
-    def post(self, msg: tuple[Any, ...]) -> None:
+    def post(self, msg: object) -> None:
         """A control message from the router, handled at the next step boundary."""
         self._control.append(msg)
         self._poke()
 
-    def post_transfer(self, msg: tuple[Any, ...]) -> None:
-        """A KV arrival or acknowledgement, handled at the next step boundary before control messages."""
-        self._transfers.append(msg)
+    def post_kv(self, event: TransferResult | str) -> None:
+        """A transfer that ended, or a request whose blocks the KV side released (handled first)."""
+        self._kv.append(event)
         self._poke()
 
     def _poke(self) -> None:
@@ -91,122 +74,68 @@ class SimulatedWorker:
             self._wake = True
             self.sim.at(self.sim.now, self._woken)  # after everything else arriving at this instant
 
-    def _woken(self, _: Any) -> None:
+    def _woken(self, _: object) -> None:
         self._wake = False
         if not self.busy:
             self._boundary()
 
     def _boundary(self) -> None:
-        """The top of the real loop: transfers, control messages, then a step if there is work."""
-        while self._transfers or self._control:
-            transfers, self._transfers = self._transfers, []
-            for msg in transfers:
-                self._transfer(msg)
+        """The top of the real loop: KV events, control messages, then a step if there is work."""
+        core = self.core
+        while self._kv or self._control:
+            events, self._kv = self._kv, []
+            for event in events:
+                if isinstance(event, str):
+                    self._emit(core.kv_released(event))
+                else:
+                    self.sim.link.landed(self, event)
+                    self._emit(core.transfer_ended(event))
             control, self._control = self._control, []
             for msg in control:
-                self._handle(msg)
-        self._step()
+                self._emit(core.handle(msg))
+        self._start_step()
 
-    def _transfer(self, msg: tuple[Any, ...]) -> None:
-        sim, req = self.sim, msg[1]
-        if msg[0] == "kv":  # decode side: the prompt's KV (and its first token) is in
-            seq = self.scheduler.kv_arrived(req.rid, 0, 0.0)
-            if seq is not None and seq.finish_reason is not None:  # the first token ended it
-                del self._reqs[req.rid]
-                sim.token(req, self.spec.worker_id, False, seq.finish_reason)
-            sim.at(sim.now, sim.workers[msg[2]].post_transfer, ("ack", req))
-        else:  # prefill side: the decode worker has the blocks
-            self._targets.pop(req.rid, None)
-            self._reqs.pop(req.rid, None)
-            if self.scheduler.finish(req.rid, "handed_off") is not None:
-                sim.at(sim.now, sim.handed_off, (req, self.spec.worker_id))
-
-    def _handle(self, msg: tuple[Any, ...]) -> None:
-        sim, kind, req = self.sim, msg[0], msg[1]
-        rid, prompt_len = req.rid, req.request.input_len
-        if kind == "abort":
-            self._targets.pop(rid, None)
-            self._reqs.pop(rid, None)
-            self.scheduler.finish(rid, "abort")
-            return
-        seq = Sequence(rid, _prompt(prompt_len), req.params)
-        if kind == "reserve":
-            ok = prompt_len < self.spec.max_model_len and self.scheduler.reserve(seq) is not None
-            if ok:
-                self._reqs[rid] = req
-            sim.at(sim.now, sim.reserved, (req, ok))
-            return
-        if prompt_len >= self.spec.max_model_len:  # ``Worker.fits``: an error delta
-            sim.token(req, self.spec.worker_id, False, "error")
-            return
-        if kind == "prefill":
-            self._targets[rid] = msg[2]
-        self._reqs[rid] = req
-        self.scheduler.add(seq)
+    def _emit(self, out: Out) -> None:
+        for msg in out:
+            if isinstance(msg, PushKV | ExpectKV | CancelKV):
+                self.sim.link.command(self, msg)
+            else:
+                self.sim.at(self.sim.now, self.sim.receive, msg)
 
     # --- steps ----------------------------------------------------------------------------------
 
-    def _step(self) -> None:
-        chunks = self.scheduler.schedule() if self.scheduler.has_work else []
-        if not chunks:  # idle, or waiting for blocks: the next message wakes it
+    def _start_step(self) -> None:
+        step = self.core.schedule()
+        if step is None:  # idle, or waiting for blocks: the next message wakes it
             self._idle()
             return
-        self.busy = True
-        self._chunks = chunks
-        sampled = sum(1 for c in chunks if c.seq.state is SeqState.RUNNING or c.sample)
-        self._sampled = [(0, 0.0)] * sampled
-        seconds = self.spec.profile.step_seconds(step_shape(chunks))
-        self._recent_ms.append(seconds * 1e3)
-        self.sim.at(self.sim.now + seconds, self._step_end)
+        self.busy, self._step = True, step
+        self.sim.at(self.sim.now + self.spec.profile.step_seconds(step.shape), self._step_end, self.sim.now)
 
-    def _step_end(self, _: Any) -> None:
-        sim, chunks = self.sim, self._chunks
-        self.busy, self._chunks = False, []
-        wid, token = self.spec.worker_id, sim.token
-        for seq in self.scheduler.complete(chunks, self._sampled):
-            req = self._reqs[seq.request_id]
-            if seq.state is SeqState.HANDOFF:  # first token to the router, KV to the decode worker
-                token(req, wid, True, None)
-                blocks = len(self.tables.table(seq.request_id))
-                sim.push_kv(self, req, self._targets[seq.request_id], blocks * self._block_bytes)
-                continue
-            token(req, wid, True, seq.finish_reason)
-            if seq.state is SeqState.FINISHED:
-                del self._reqs[seq.request_id]
-        if sim.now >= self._next_hb:
-            self._heartbeat()
+    def _step_end(self, started: float) -> None:
+        step, self._step, self.busy = self._step, None, False
+        assert step is not None
+        self._emit(self.core.complete(step, [(0, 0.0)] * step.num_samples, self.sim.now - started))
+        self._heartbeat()
         self._boundary()
 
     # --- heartbeats -----------------------------------------------------------------------------
 
     def _idle(self) -> None:
-        if self._hb_armed != self._next_hb:
-            self._hb_armed = self._next_hb
-            self.sim.at(max(self._next_hb, self.sim.now), self.heartbeat_timer, self._next_hb, work=False)
+        due = self.core.next_heartbeat
+        if self._hb_armed != due:
+            self._hb_armed = due
+            self.sim.at(max(due, self.sim.now), self.heartbeat_timer, due, work=False)
 
     def heartbeat_timer(self, due: float) -> None:
         if self._hb_armed == due:
             self._hb_armed = None
-        if self.busy or due != self._next_hb:
+        if self.busy or due != self.core.next_heartbeat:
             return
         self._heartbeat()
         self._idle()
 
     def _heartbeat(self) -> None:
-        sim, s = self.sim, self.scheduler
-        self._next_hb = sim.now + self.heartbeat_s
-        pool = self.tables.pool
-        step_ms = statistics.median(self._recent_ms) if self._recent_ms else 0.0
-        hb = Heartbeat(
-            self.spec.worker_id,
-            s.queued_tokens,
-            len(s.running),
-            len(s.waiting) + len(s.awaiting_kv),
-            pool.num_free,
-            pool.num_blocks,
-            step_ms,
-            s.context_tokens,
-            0.0,
-            self.spec.profile,
-        )
-        sim.at(sim.now, sim.heartbeat, hb)
+        hb = self.core.heartbeat(self.sim.now)
+        if hb is not None:
+            self.sim.at(self.sim.now, self.sim.receive, hb)

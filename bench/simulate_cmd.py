@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--transport",
-        help="KV transport whose measured rate to use (default: zmq-tcp, "
+        help="KV transport whose measured rate to use (default: shm, "
         "what the workers use, when measured; else the fastest measured)",
     )
     g.add_argument(

@@ -6,9 +6,9 @@ and the KV transfers, by the fitted ``WorkerProfile`` and a transfer rate:
 - the router: a ``Registry`` of the workers' registrations and last heartbeats, ``Routing`` (candidates
   with the load sent since each heartbeat, the routing policy and the predictor, the
   ``AdmissionQueue`` with its classes and deadlines), and the dispatcher's walk over the ranked routes;
-- every worker (``bench.sim_worker``): the torch-free ``Scheduler`` over ``BlockTables`` of its own
-  block count (continuous batching, chunked prefill, preemption, hand-off), with
-  ``on_prefilled="handoff"`` on prefill workers.
+- every worker (``bench.sim_worker``): the server's own worker core (``PrefillCore``, ``DecodeCore``,
+  ``ColocatedCore``: admission, continuous batching, chunked prefill, preemption, hand-off, block
+  accounting, heartbeats), fed the real control messages; only its step times come from the profile.
 
 A request's life in the simulation, following the real processes:
 
@@ -24,14 +24,16 @@ A request's life in the simulation, following the real processes:
 4. prefill worker: the step that completes a prompt sends its first token to the router at once (the
    client's TTFT does not include the transfer) and starts the KV push of the prompt's blocks (whole
    blocks, ``kv_bytes_per_token`` each token) at the slower of the two workers' ``kv_bytes_per_s``,
-   one push at a time per worker link; the blocks stay held until the decode worker's acknowledgement
-   is handled at the prefill worker's next boundary;
+   one push at a time per worker link; the blocks stay held until the acknowledgement (sent when the
+   decode worker takes the KV at its next boundary) is handled at the prefill worker's next boundary;
+   the push's bytes and seconds, start to acknowledgement, feed the prefill worker's heartbeat KV rate
+   exactly as in the server;
 5. decode worker: the KV is handled at its next boundary (the first token rides on it); the sequence
    joins the running batch and gets one token per step until its output length (the bench sends
    ``ignore_eos``);
 6. heartbeats: after a step once ``heartbeat_s`` has passed since the last one (a busy worker's heartbeat
-   waits for its step to end), on time when idle; each reports the scheduler's load as the real one
-   does (and a KV rate of 0, as the real workers do today) and clears the router's pending load.
+   waits for its step to end), on time when idle; the core builds it as in the server (load, free
+   blocks, measured KV rate) and it clears the router's pending load.
 
 Client times are event times plus ``overhead_ms`` (router, HTTP and network, per token); a request
 is sent exactly at its arrival time.
@@ -52,9 +54,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdfabric.bench.records import ERROR, OK, REJECTED, TIMEOUT, RequestRecord
+from pdfabric.bench.sim_link import SimLink, endpoint_of
 from pdfabric.bench.sim_worker import SimulatedWorker
 from pdfabric.bench.workload import Request, Workload
-from pdfabric.control import COLOCATED, DECODE, KINDS, PREFILL, Heartbeat
+from pdfabric.control import (
+    COLOCATED,
+    DECODE,
+    KINDS,
+    PREFILL,
+    Abort,
+    Generate,
+    HandedOff,
+    Heartbeat,
+    Prefill,
+    Reserve,
+    Reserved,
+    StepOutputs,
+)
 from pdfabric.engine.sampling_params import SamplingParams
 from pdfabric.profile import WorkerProfile
 from pdfabric.router.admission import ADMIT, REJECT, Outcome, Ticket
@@ -64,6 +80,15 @@ from pdfabric.router.routing import Routing
 from pdfabric.router.slo import AdmissionConfig, resolve
 
 Progress = Callable[[int, int], None]  # (requests finished, requests in all)
+_PROMPTS: dict[int, tuple[int, ...]] = {}
+
+
+def _prompt(n: int) -> tuple[int, ...]:
+    """A prompt of ``n`` tokens (the ids do not matter to the scheduler; one tuple per length)."""
+    ids = _PROMPTS.get(n)
+    if ids is None:
+        ids = _PROMPTS[n] = (0,) * n
+    return ids
 
 
 @dataclass(frozen=True)
@@ -172,7 +197,7 @@ class Simulation:
         self.registry = Registry()
         self.routing = _Routing(self, self.registry, config)
         self.workers = {w.worker_id: SimulatedWorker(self, w) for w in config.workers}
-        self._link_free = dict.fromkeys(self.workers, 0.0)  # when each worker's KV link is next free
+        self.link = SimLink(self.workers, lambda: self.now, self.at)  # the workers' KV side
         self._reqs: dict[str, SimulatedRequest] = {}
         resolved = resolve(config.routing, None, "default")  # what the bench client gets
         self._budgets, self._class, self._tenant = (
@@ -251,22 +276,41 @@ class Simulation:
             return
         choice = req.choices[req.tried]
         req.tried += 1
+        prompt = _prompt(req.request.input_len)
         if choice.colocated:
             req.holders.add(choice.decode)
-            self.workers[choice.decode].post(("generate", req))
+            self.workers[choice.decode].post(Generate(req.rid, prompt, req.params, ()))
             self.routing.routed(req.rid, req.request.input_len, choice)
         else:
-            self.workers[choice.decode].post(("reserve", req))
+            self.workers[choice.decode].post(Reserve(req.rid, prompt, req.params, ()))
 
-    def reserved(self, reply: tuple[SimulatedRequest, bool]) -> None:
+    def receive(self, msg: object) -> None:
+        """A message from a worker to the router."""
+        if isinstance(msg, StepOutputs):
+            for delta in msg.deltas:
+                req = self._reqs.get(delta.request_id)
+                if req is not None:
+                    self.token(req, msg.worker_id, bool(delta.token_ids), delta.finish_reason)
+        elif isinstance(msg, Reserved):
+            self.reserved(msg)
+        elif isinstance(msg, HandedOff):
+            self.handed_off(msg)
+        elif isinstance(msg, Heartbeat):
+            self.heartbeat(msg)
+        else:
+            raise TypeError(f"unexpected {type(msg).__name__} from a worker")
+
+    def reserved(self, reply: Reserved) -> None:
         """A decode worker's answer to a reservation: send the prompt on, or try the next route."""
-        req, ok = reply
-        if not ok:
+        req = self._reqs[reply.request_id]
+        if not reply.block_ids:
             self._dispatch(req)
             return
         choice = req.choices[req.tried - 1]
         req.holders.update((choice.decode, choice.prefill))
-        self.workers[choice.prefill].post(("prefill", req, choice.decode))
+        prompt = _prompt(req.request.input_len)
+        kv = endpoint_of(choice.decode)
+        self.workers[choice.prefill].post(Prefill(req.rid, prompt, req.params, (), kv, reply.block_ids))
         self.routing.routed(req.rid, req.request.input_len, choice)
 
     def token(self, req: SimulatedRequest, worker_id: str, has_token: bool, finish: str | None) -> None:
@@ -283,9 +327,10 @@ class Simulation:
                 req.finish_reason = finish
                 self._end(req, OK, 200, None)
 
-    def handed_off(self, handoff: tuple[SimulatedRequest, str]) -> None:
-        req, worker_id = handoff
-        req.holders.discard(worker_id)
+    def handed_off(self, msg: HandedOff) -> None:
+        req = self._reqs.get(msg.request_id)
+        if req is not None:
+            req.holders.discard(msg.worker_id)
         self.routing.poll()
 
     def heartbeat(self, hb: Heartbeat) -> None:
@@ -297,7 +342,7 @@ class Simulation:
         req.end = self.now + self._overhead
         req.status, req.http_status, req.error = status, http_status, error
         for worker_id in sorted(req.holders):
-            self.workers[worker_id].post(("abort", req))
+            self.workers[worker_id].post(Abort(req.rid, "abort"))
         req.holders.clear()
         self._done += 1
         if self.progress is not None and self._done % 1024 == 0:
@@ -330,15 +375,3 @@ class Simulation:
             token_count_source="usage", chunk_ms=ms, itl_ms=gaps,
             finish_reason=req.finish_reason, error=req.error,
         )  # fmt: skip
-
-    # --- KV transfers ---------------------------------------------------------------------------
-
-    def push_kv(self, prefill: SimulatedWorker, req: SimulatedRequest, decode_id: str, nbytes: int) -> None:
-        """Starts a prefill worker's KV push: one push at a time on each end's link."""
-        decode = self.workers[decode_id]
-        rate = min(prefill.spec.kv_bytes_per_s, decode.spec.kv_bytes_per_s)
-        pid, did = prefill.spec.worker_id, decode_id
-        start = max(self.now, self._link_free[pid], self._link_free[did])
-        done = start + nbytes / rate
-        self._link_free[pid] = self._link_free[did] = done
-        self.at(done, decode.post_transfer, ("kv", req, pid))

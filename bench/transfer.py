@@ -8,6 +8,10 @@ reserved blocks), so latency includes the control round trip. Payload rows use a
 both sides. The layer-wise row spins one core for ``prefill_ms / layers`` per layer (a stand-in for
 the model), sends each layer when it is "computed", and reports how much later than the compute
 alone the last acknowledgement came.
+
+The ``tcp-raw`` row is no pdfabric transport: the same bytes over one plain TCP socket pair on the
+same loopback (``sendall`` of one contiguous buffer, ``recv_into`` the destination tensor, a one-byte
+acknowledgement), the ceiling that ``zmq-tcp`` is compared with.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from typing import Any
 PAYLOAD = (4, 16, 8, 32)  # layers, block_size, kv_heads, head_dim: 64 KiB per block in bfloat16
 CPU_SMALL = (12, 16, 8, 64)  # 24576 bytes per token
 CPU_SMALL_PARAMS = 12 * (2 * 1024 * 1024 + 2 * 1024 * 512 + 3 * 1024 * 2816)  # matmul weights
-TRANSPORTS = ("zmq-tcp", "zmq-ipc", "shm", "dist")
+TRANSPORTS = ("tcp-raw", "zmq-tcp", "zmq-ipc", "shm", "dist")
+RAW = "tcp-raw"  # the loopback ceiling: one plain TCP socket pair, bytes received straight into place
 
 
 def _size(text: str) -> int:
@@ -115,6 +120,8 @@ def receiver_main(conn: Connection, dist_port: int) -> None:
         elif cmd == "expect":
             receiver.expect(*rest)
             conn.send("ok")
+        elif cmd == "raw":
+            conn.send(_raw_server(*rest))
         elif cmd == "teardown":
             receiver.close()
             if shm is not None:
@@ -123,6 +130,36 @@ def receiver_main(conn: Connection, dist_port: int) -> None:
             conn.send("ok")
         elif cmd == "quit":
             return
+
+
+def _raw_server(nbytes: int) -> int:
+    """Listens on loopback; a daemon thread receives each ``[8-byte length][bytes]`` message into one
+    destination buffer and acknowledges it with one byte. Returns the port."""
+    import socket
+    import threading
+
+    import torch
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    dest = torch.empty(nbytes, dtype=torch.uint8)
+
+    def serve() -> None:
+        sock, _ = listener.accept()
+        listener.close()
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        view = memoryview(dest.numpy())
+        with sock:
+            while True:
+                head = sock.recv(8, socket.MSG_WAITALL)
+                if len(head) < 8:
+                    return
+                n, got = int.from_bytes(head, "little"), 0
+                while got < n:
+                    got += sock.recv_into(view[got:n])
+                sock.sendall(b"k")
+
+    threading.Thread(target=serve, name="pdfabric-raw-tcp", daemon=True).start()
+    return listener.getsockname()[1]
 
 
 def _memcpy_gbps(torch: Any, nbytes: int, repeats: int) -> float:
@@ -202,34 +239,66 @@ class TransferBench:
         self, kind: str, dims: tuple[int, int, int, int], rows: list[tuple[str, int]], prefill_ms: float
     ) -> None:
         """One receiver and sender for ``kind`` and ``dims``; each row timed ``repeats`` times."""
+        if kind == RAW:
+            self._measure_raw(dims, rows)
+            return
         sender, endpoint = self.open(kind, dims, max(n for _, n in rows))
         try:
             self.transfer(sender, endpoint, 1)  # warm up: handshake and connection
             for label, n in rows:
                 nbytes = sender.layout.transfer_bytes(n)
-                times = [self.transfer(sender, endpoint, n) for _ in range(self.repeats)]
-                if nbytes not in self.memcpy:
-                    self.memcpy[nbytes] = _memcpy_gbps(self.torch, nbytes, self.repeats)
-                base, p50 = self.memcpy[nbytes], statistics.median(times)
-                self.results.append(
-                    {
-                        "transport": kind,
-                        "payload": label,
-                        "bytes": nbytes,
-                        "latency_ms": p50 * 1e3,
-                        "latency_min_ms": min(times) * 1e3,
-                        "gbps": nbytes / p50 / 1e9,
-                        "memcpy_gbps": base,
-                        "ratio": nbytes / p50 / 1e9 / base,
-                    }
+                self._row(
+                    kind, label, nbytes, [self.transfer(sender, endpoint, n) for _ in range(self.repeats)]
                 )
-                done = len(self.results)
-                self.progress.update(done, done, {}, time.monotonic() - self.started)
             if prefill_ms > 0:
                 self.layerwise.append(_layerwise(self, sender, endpoint, kind, prefill_ms))
         finally:
             sender.close()
             self._call("teardown")
+
+    def _row(self, kind: str, label: str, nbytes: int, times: list[float]) -> None:
+        if nbytes not in self.memcpy:
+            self.memcpy[nbytes] = _memcpy_gbps(self.torch, nbytes, self.repeats)
+        base, p50 = self.memcpy[nbytes], statistics.median(times)
+        self.results.append(
+            {
+                "transport": kind,
+                "payload": label,
+                "bytes": nbytes,
+                "latency_ms": p50 * 1e3,
+                "latency_min_ms": min(times) * 1e3,
+                "gbps": nbytes / p50 / 1e9,
+                "memcpy_gbps": base,
+                "ratio": nbytes / p50 / 1e9 / base,
+            }
+        )
+        done = len(self.results)
+        self.progress.update(done, done, {}, time.monotonic() - self.started)
+
+    def _measure_raw(self, dims: tuple[int, int, int, int], rows: list[tuple[str, int]]) -> None:
+        """The rows over one plain TCP socket pair (the receiver process's thread receives them)."""
+        import socket
+
+        layers, bs, heads, dim = dims
+        per_block = 2 * layers * bs * heads * dim * 2  # bfloat16, keys and values
+        most = max(n for _, n in rows) * per_block
+        port = self._call("raw", most)
+        src = self.torch.randn(most // 2).to(self.torch.bfloat16).view(self.torch.uint8)
+        view = memoryview(src.numpy())
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+            def once(nbytes: int) -> float:
+                t0 = time.perf_counter()
+                sock.sendall(nbytes.to_bytes(8, "little"))
+                sock.sendall(view[:nbytes])
+                if sock.recv(1) != b"k":
+                    raise RuntimeError("raw tcp receiver went away")
+                return time.perf_counter() - t0
+
+            once(per_block)  # warm up the connection
+            for label, n in rows:
+                self._row(RAW, label, n * per_block, [once(n * per_block) for _ in range(self.repeats)])
 
     def _call(self, *msg: Any) -> Any:
         self.conn.send(msg)
@@ -355,6 +424,16 @@ def _print(results: list[dict[str, Any]], layerwise: list[dict[str, Any]], prefi
         print(
             f"{r['transport']:<9} {r['payload']:<18} {r['bytes'] / 2**20:>8.2f} {r['latency_ms']:>9.2f} "
             f"{r['gbps']:>7.2f} {r['memcpy_gbps']:>7.2f} {r['ratio']:>6.2f}"
+        )
+    raw = {r["payload"]: r["gbps"] for r in results if r["transport"] == RAW}
+    against = [
+        (r["payload"], r["gbps"] / raw[r["payload"]])
+        for r in results
+        if r["transport"] == "zmq-tcp" and r["payload"] in raw
+    ]
+    if against:
+        print(
+            "\nzmq-tcp / tcp-raw (same loopback, same run): " + ", ".join(f"{p} {x:.2f}" for p, x in against)
         )
     if layerwise:
         print(f"\nlayer-wise, cpu-small 2048-token prompt, prefill stand-in {prefill_ms:.0f} ms:")

@@ -1,4 +1,5 @@
-"""The colocated worker: prefill and decode in one process, prompt chunks mixed into decode steps.
+"""The colocated worker process: the ZeroMQ loop (``pdfabric.worker``) around a ``ColocatedCore``
+(``decode.core``); it moves no KV.
 
 A request's life here:
 1. ``Generate`` arrives: the sequence waits in the queue (WAITING).
@@ -10,20 +11,12 @@ A request's life here:
 
 from __future__ import annotations
 
-from typing import Any
-
-from pdfabric.control import Generate
-from pdfabric.engine.sequence import Sequence
-from pdfabric.worker import Worker, log
+from pdfabric.config import WorkerConfig
+from pdfabric.core import CoreSpec, ProfileSource, WorkerCore
+from pdfabric.decode.core import ColocatedCore
+from pdfabric.worker import Worker
 
 
 class ColocatedWorker(Worker):
-    on_prefilled = "decode"
-
-    def handle(self, msg: Any) -> None:
-        if not isinstance(msg, Generate):
-            log.error("colocated worker ignores %s", type(msg).__name__)
-            return
-        if not self.fits(msg.request_id, len(msg.prompt_ids)):
-            return
-        self.scheduler.add(Sequence(msg.request_id, msg.prompt_ids, msg.params, frozenset(msg.eos_token_ids)))
+    def make_core(self, cfg: WorkerConfig, spec: CoreSpec, profile: ProfileSource) -> WorkerCore:
+        return ColocatedCore(spec, profile)

@@ -98,6 +98,10 @@ class BlockTables:
         table.extend(new)
         return table
 
+    def detach(self, seq_id: Hashable) -> list[int]:
+        """Forgets the sequence's table without freeing its blocks; the caller frees them later."""
+        return self._tables.pop(seq_id, [])
+
     def release(self, seq_id: Hashable) -> int:
         """Frees the sequence's blocks; returns how many it held (0 if it held none)."""
         table = self._tables.pop(seq_id, [])

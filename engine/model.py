@@ -11,6 +11,7 @@ assigns each checkpoint tensor to its rows. No parallelism, transport or schedul
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -148,18 +149,22 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        after_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Runs the batch and returns the final hidden states ``[T, hidden]``.
 
-        Each layer writes the new tokens' KV into its cache tensor before attending.
+        Each layer writes the new tokens' KV into its cache tensor before attending; ``after_layer(i)``
+        is called once layer ``i`` is done, when its KV for this batch is final.
         """
         # input_ids, positions: [T]
         freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]  # [T, head_dim / 2]
         cos = freqs.cos().repeat(1, 2)[:, None, :]  # [T, 1, head_dim]
         sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)[:, None, :]  # first half negated
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
             x = layer(x, cos, sin, kv_cache, meta)
+            if after_layer is not None:
+                after_layer(i)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

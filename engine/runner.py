@@ -7,6 +7,7 @@ the entries that asked for them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -87,9 +88,13 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def step(self, entries: list[StepEntry]) -> torch.Tensor:
+    def step(
+        self, entries: list[StepEntry], after_layer: Callable[[int], None] | None = None
+    ) -> torch.Tensor:
         """Runs the batch, writing its KV into the cache; returns float32 logits ``[N, vocab]`` for the
-        entries with ``needs_logits``, in order."""
+        entries with ``needs_logits``, in order. ``after_layer(i)``: called as each layer finishes."""
         prepared = self.prepare(entries)
-        hidden = self.model(prepared.input_ids, prepared.positions, self.kv_caches, prepared.meta)
+        hidden = self.model(
+            prepared.input_ids, prepared.positions, self.kv_caches, prepared.meta, after_layer
+        )
         return self.model.compute_logits(hidden[prepared.logits_indices])

@@ -1,54 +1,40 @@
-"""One worker step: schedule, run the model, sample, advance the sequences. Shared by all workers."""
+"""One model step for the chunks a worker core scheduled: run the model, sample. Shared by all workers.
+
+This is the seam between a worker's core (scheduling, blocks, messages; ``pdfabric.core``) and its
+model: the core asks for a step's samples and is told how long the step took. The simulator puts its
+profile's step time in the same place.
+"""
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections import deque
+from collections.abc import Callable
 
+from pdfabric.engine.block_pool import BlockTables
 from pdfabric.engine.runner import ModelRunner, StepEntry
 from pdfabric.engine.sampler import sample
-from pdfabric.engine.scheduler import Chunk, Scheduler, step_shape
-from pdfabric.engine.sequence import Sequence
-from pdfabric.profile import ProfileBuilder
+from pdfabric.engine.scheduler import Chunk
 
 
 class Stepper:
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler) -> None:
+    def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        self.scheduler = scheduler
-        self._recent_ms: deque[float] = deque(maxlen=32)
-        self.profile = ProfileBuilder()
 
-    def step(self) -> list[Sequence]:
-        """Runs one step if there is work; returns the sequences that got a token."""
-        chunks = self.scheduler.schedule()
-        if not chunks:
-            return []
-        shape = step_shape(chunks)
-        start = time.perf_counter()
-        logits = self.runner.step([self._entry(c) for c in chunks])
-        sampled_chunks = [c for c in chunks if c.sample]
-        picks = sample(
-            logits,
-            [c.seq.params for c in sampled_chunks],
-            [len(c.seq.output_ids) for c in sampled_chunks],
-        )
-        changed = self.scheduler.complete(chunks, [(p.token_id, p.logprob) for p in picks])
-        seconds = time.perf_counter() - start
-        self._recent_ms.append(seconds * 1e3)
-        self.profile.observe(shape, seconds)
-        return changed
+    def run(
+        self, chunks: list[Chunk], tables: BlockTables, after_layer: Callable[[int], None] | None = None
+    ) -> list[tuple[int, float]]:
+        """Runs the chunks (writing their KV into the cache); one (token, logprob) per chunk with
+        ``sample``, in order. ``after_layer(i)``: called as each layer finishes (layer-wise KV push)."""
+        logits = self.runner.step([_entry(c, tables) for c in chunks], after_layer)
+        sampled = [c for c in chunks if c.sample]
+        picks = sample(logits, [c.seq.params for c in sampled], [len(c.seq.output_ids) for c in sampled])
+        return [(p.token_id, p.logprob) for p in picks]
 
-    def _entry(self, chunk: Chunk) -> StepEntry:
-        seq = chunk.seq
-        return StepEntry(
-            token_ids=seq.token_slice(chunk.start, chunk.stop),
-            num_cached=chunk.start,
-            block_table=tuple(self.scheduler.tables.table(seq.request_id)),
-            needs_logits=chunk.sample,
-        )
 
-    @property
-    def recent_step_ms(self) -> float:
-        return statistics.median(self._recent_ms) if self._recent_ms else 0.0
+def _entry(chunk: Chunk, tables: BlockTables) -> StepEntry:
+    seq = chunk.seq
+    return StepEntry(
+        token_ids=seq.token_slice(chunk.start, chunk.stop),
+        num_cached=chunk.start,
+        block_table=tuple(tables.table(seq.request_id)),
+        needs_logits=chunk.sample,
+    )

@@ -5,41 +5,50 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 TRANSPORTS = ("zmq", "shm", "dist")
+CHOICES = ("auto", *TRANSPORTS)
 
 
 @dataclass(frozen=True)
 class TransferConfig:
-    """``transport``: how tensor bytes move (``zmq`` frames, ``shm`` direct writes, ``dist`` p2p);
-    control always rides ZeroMQ. ``timeout_s`` bounds a whole transfer (receiver: from ``expect``;
+    """``transport``: how tensor bytes move (``zmq`` frames, ``shm`` direct writes, ``dist`` p2p), or
+    ``auto``: per peer, ``dist`` where both sides are in one torch.distributed group with GPU caches,
+    ``shm`` where the receiver's cache is in shared memory on the sender's host, else ``zmq``. A
+    receiver set to one transport accepts only that one; ``auto`` accepts each it can. Control always
+    rides ZeroMQ. ``timeout_s`` bounds a whole transfer (receiver: from ``expect``;
     sender: from ``start`` to the acknowledgement). ``idle_timeout_s`` fails a receiver's transfer that
     started but made no progress for that long (a sender gone mid-transfer). ``shm_quarantine_s``
     (default: ``timeout_s``): with ``shm`` a sender writes into the receiver's blocks directly, so the
     blocks of a transfer that failed on the receiver's side go back to the pool only after this long,
-    when no sender can still be writing into them (the result is reported at once)."""
+    when no sender can still be writing into them (the result is reported at once).
+    ``socket_buffer_bytes``: larger kernel socket buffers than the OS default roughly double what
+    ZeroMQ tcp moves per second on loopback (``bench transfer``'s ``tcp-raw`` row is the ceiling)."""
 
-    transport: str = "zmq"
+    transport: str = "auto"
     timeout_s: float = 30.0
     idle_timeout_s: float = 5.0
     checksum: bool = False
     max_messages_per_poll: int = 64
     name: str = "kv"
     shm_quarantine_s: float | None = None
+    socket_buffer_bytes: int = 4 << 20  # kernel send/receive buffers of the ZeroMQ sockets (0: the OS's)
 
     def __post_init__(self) -> None:
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+        if self.transport not in CHOICES:
+            raise ValueError(f"transport must be one of {', '.join(CHOICES)}, got {self.transport!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
         if not self.idle_timeout_s > 0:
             raise ValueError(f"idle_timeout_s must be positive, got {self.idle_timeout_s}")
         if self.shm_quarantine_s is not None and not self.shm_quarantine_s >= 0:
             raise ValueError(f"shm_quarantine_s must be >= 0, got {self.shm_quarantine_s}")
+        if self.socket_buffer_bytes < 0:
+            raise ValueError(f"socket_buffer_bytes must be >= 0, got {self.socket_buffer_bytes}")
         if self.max_messages_per_poll < 1:
             raise ValueError(f"max_messages_per_poll must be >= 1, got {self.max_messages_per_poll}")
 
     @property
     def quarantine_s(self) -> float:
-        """How long a failed transfer's blocks stay held before release (0 unless ``shm``)."""
-        if self.transport != "shm":
+        """How long a failed transfer's blocks stay held before release (0 unless ``shm`` may be used)."""
+        if self.transport not in ("shm", "auto"):
             return 0.0
         return self.timeout_s if self.shm_quarantine_s is None else self.shm_quarantine_s

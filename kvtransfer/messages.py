@@ -57,6 +57,8 @@ class PeerInfo:
     num_blocks: int
     shm_paths: tuple[str, ...] = ()  # shm: one file per layer holding that layer's cache tensor
     rank: int = -1  # dist: the receiver's rank in the process group
+    host: str = ""  # the receiver's host identity (``transport.host_id``): shm only where it is ours
+    name: str = ""  # the receiver's name (a decode worker's id), for reasons
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,7 @@ class Chunk:
     tag: int = -1  # dist: tag of the first frame's isend; frame i uses tag + i
     src_rank: int = -1  # dist: the sender's rank
     meta: Meta = field(default_factory=dict)
+    transport: str = ""  # how the tensor bytes moved ("": the receiver's own transport)
 
     @property
     def num_frames(self) -> int:

@@ -8,7 +8,9 @@ A request's transfer, as the decode worker's loop polls it (never blocking):
 3. DONE once every layer has landed: the sender is acknowledged and the blocks are handed over to
    the caller (not released); FAILED on a bad chunk, an ``Abort`` from the sender, ``abort()`` here,
    the deadline, or no progress for ``idle_timeout_s`` (sender gone): the blocks are released once
-   and the sender is told. ``poll()`` returns each ended transfer once; the metrics hook sees it too.
+   and the sender is told. Where a sender may write into them directly (shared memory), they are
+   released only after ``quarantine_s``, or as soon as the sender says it has stopped (its ``Abort``).
+   ``poll()`` returns each ended transfer once; the metrics hook sees it too.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pdfabric.kvtransfer.frames import check_blocks, layout_of
 from pdfabric.kvtransfer.messages import Abort, Ack, Chunk, Hello, PeerInfo, decode, encode
 from pdfabric.kvtransfer.reservations import BlockReservations
 from pdfabric.kvtransfer.state import MetricsHook, Transfer, TransferResult, TransferState
-from pdfabric.kvtransfer.transport import Incoming, make_recv_path
+from pdfabric.kvtransfer.transport import Incoming, host_id, make_recv_paths
 
 log = logging.getLogger(__name__)
 _REMEMBER_ENDED = 4096  # ended request ids kept to answer late chunks with the real reason
@@ -58,9 +60,13 @@ class KVReceiver:
         self.config = config
         self.reservations = reservations
         self.metrics = metrics
-        self.path = make_recv_path(config.transport, shm_paths)
+        self.paths = make_recv_paths(config.transport, shm_paths)
+        self._quarantine_s = config.quarantine_s if "shm" in self.paths else 0.0
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if config.socket_buffer_bytes:
+            self.sock.setsockopt(zmq.SNDBUF, config.socket_buffer_bytes)
+            self.sock.setsockopt(zmq.RCVBUF, config.socket_buffer_bytes)
         self.sock.bind(bind)
         self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._in: dict[str, _In] = {}
@@ -152,7 +158,8 @@ class KVReceiver:
         for _, request_id in self._quarantine:  # the pool goes away with us: nobody writes any more
             self.reservations.release(request_id)
         self._quarantine.clear()
-        self.path.close()
+        for path in self.paths.values():
+            path.close()
         self.sock.close(linger=0)
 
     # -- internals -------------------------------------------------------------------------------
@@ -166,7 +173,17 @@ class KVReceiver:
             log.warning("kv receiver: dropped a message: %s", exc)
             return
         if isinstance(msg, Hello):
-            info = PeerInfo(self.config.transport, self.layout, self.num_blocks, **self.path.info())
+            extra: dict = {}
+            for path in self.paths.values():
+                extra.update(path.info())
+            info = PeerInfo(
+                self.config.transport,
+                self.layout,
+                self.num_blocks,
+                host=host_id(),
+                name=self.config.name,
+                **extra,
+            )
             self._reply(peer, info)
         elif isinstance(msg, Abort):
             t = self._in.get(msg.request_id)
@@ -174,8 +191,18 @@ class KVReceiver:
                 self._end(
                     t, TransferState.FAILED, f"aborted by sender: {msg.reason}", tell=None, sender_done=True
                 )
+            else:
+                self._lift_quarantine(msg.request_id)
         elif isinstance(msg, Chunk):
             self._on_chunk(peer, msg, frames[1:])
+
+    def _lift_quarantine(self, request_id: str) -> None:
+        """The sender has stopped writing for ``request_id``: its quarantined blocks can go back now."""
+        for i, (_, rid) in enumerate(self._quarantine):
+            if rid == request_id:
+                del self._quarantine[i]
+                self.reservations.release(rid)
+                return
 
     def _on_chunk(self, peer: bytes, chunk: Chunk, frames: list[zmq.Frame]) -> None:
         t = self._in.get(chunk.request_id)
@@ -185,8 +212,13 @@ class KVReceiver:
             self._reply(peer, Ack(chunk.request_id, False, reason))
             return
         t.peer = peer
+        own = self.config.transport
+        t.transport = chunk.transport or (own if own != "auto" else "zmq")  # unnamed: frames ride along
         reason = self._check(t, chunk)
-        incoming = self.path.begin(chunk, frames, self.caches) if not reason else reason
+        path = self.paths.get(t.transport)
+        if path is None and not reason:
+            reason = f"transport {t.transport!r} not accepted here"
+        incoming = path.begin(chunk, frames, self.caches) if path is not None and not reason else reason
         if isinstance(incoming, str):
             self._fail(t, incoming)
             return
@@ -246,7 +278,7 @@ class KVReceiver:
         self, t: _In, state: TransferState, reason: str, tell: Ack | Abort | None, sender_done: bool = False
     ) -> None:
         t.state, t.reason = state, reason
-        quarantine = 0.0 if sender_done else self.config.quarantine_s
+        quarantine = 0.0 if sender_done else self._quarantine_s
         if state is TransferState.DONE:
             self.reservations.hand_over(t.request_id)
         elif quarantine > 0:

@@ -24,7 +24,7 @@ from pdfabric.kvtransfer.frames import dtype_name, layout_of
 from pdfabric.kvtransfer.messages import Abort, Ack, Chunk, Hello, Meta, PeerInfo, decode, encode
 from pdfabric.kvtransfer.reservations import BlockReservations
 from pdfabric.kvtransfer.state import MetricsHook, Transfer, TransferResult, TransferState
-from pdfabric.kvtransfer.transport import Outgoing, SendPath, make_send_path
+from pdfabric.kvtransfer.transport import Outgoing, SendPath, choose_transport, make_send_path
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,7 @@ class _Peer:
     sock: zmq.Socket
     info: PeerInfo | None = None
     path: SendPath | None = None
+    transport: str = ""
     error: str = ""
 
 
@@ -117,6 +118,10 @@ class KVSender:
     def busy(self) -> bool:
         return bool(self._out)
 
+    def sockets(self) -> list[zmq.Socket]:
+        """One control socket per receiver so far (a worker loop polls them beside its own)."""
+        return [peer.sock for peer in self._peers.values()]
+
     def wait(self, timeout_s: float) -> None:
         """Sleeps until a receiver may have answered, at most ``timeout_s``; for loops with nothing
         else to do (a worker loop registers ``poller``'s sockets in its own poller instead)."""
@@ -159,6 +164,9 @@ class KVSender:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 0)
+            if self.config.socket_buffer_bytes:
+                sock.setsockopt(zmq.SNDBUF, self.config.socket_buffer_bytes)
+                sock.setsockopt(zmq.RCVBUF, self.config.socket_buffer_bytes)
             sock.connect(endpoint)  # without ZMQ_IMMEDIATE: messages queue until the peer is up
             try:
                 sock.send(encode(Hello(self.config.name)), zmq.NOBLOCK)
@@ -186,13 +194,15 @@ class KVSender:
 
     def _on_info(self, peer: _Peer, info: PeerInfo) -> None:
         peer.info = info
+        who = f"receiver {info.name}" if info.name else "receiver"
         if info.layout != self.layout:
-            peer.error = f"receiver layout {info.layout} differs from ours {self.layout}"
+            peer.error = f"receiver layout {info.layout} differs from ours {self.layout} ({who})"
         else:
+            peer.transport = choose_transport(self.config.transport, info, self.caches)
             try:
-                peer.path = make_send_path(info, self.caches)
+                peer.path = make_send_path(peer.transport, info)
             except ValueError as exc:
-                peer.error = f"cannot reach receiver over {info.transport}: {exc}"
+                peer.error = f"cannot reach {who} over {peer.transport}: {exc}"
         for out in list(self._out.values()):
             if out.endpoint == peer.endpoint and not out.state.finished:
                 self._pump(out)
@@ -201,10 +211,12 @@ class KVSender:
         out = self._out.get(msg.request_id)
         if out is None or out.state.finished:
             return
+        # After a failure on the receiver's side, the Abort sent back says that nothing more will be
+        # written, so that the receiver can give blocks that a shared-memory write could reach back early.
         if isinstance(msg, Abort):
-            self._end(out, TransferState.FAILED, f"aborted by receiver: {msg.reason}", notify=None)
+            self._end(out, TransferState.FAILED, f"aborted by receiver: {msg.reason}", notify="stopped")
         elif not msg.ok:
-            self._end(out, TransferState.FAILED, f"receiver refused: {msg.reason}", notify=None)
+            self._end(out, TransferState.FAILED, f"receiver refused: {msg.reason}", notify="stopped")
         elif out.layers_done < out.num_layers:
             self._fail(out, f"receiver acknowledged after {out.layers_done} of {out.num_layers} layers")
         else:
@@ -233,6 +245,7 @@ class KVSender:
                 sent.tag,
                 sent.src_rank,
                 meta,
+                peer.transport,
             )
             try:
                 peer.sock.send_multipart([encode(chunk), *sent.frames], copy=False, flags=zmq.NOBLOCK)
@@ -240,6 +253,7 @@ class KVSender:
                 self._fail(out, f"cannot send to {out.endpoint}: {exc}")
                 return
             out.next_seq += 1
+            out.transport = peer.transport
             out.inflight.append(sent)
             out.progress(sent.nbytes, len(layers))
 

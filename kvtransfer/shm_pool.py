@@ -2,7 +2,9 @@
 
 The decode worker allocates its cache with ``SharedKVPool.create``; a prefill worker on the same host
 maps the same files (``map_caches``) and writes a request's blocks straight into the reserved ones.
-Files go under ``/dev/shm`` (RAM) where it exists; the creator unlinks them on ``close()``.
+Files go under ``/dev/shm`` (RAM) where it exists; the creator unlinks them on ``close()``. An
+``anonymous`` pool (what workers use) lives in memfd files instead, named ``/proc/PID/fd/N``: they
+vanish with the process however it ends, so a killed worker leaves nothing behind in ``/dev/shm``.
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ def map_caches(paths: tuple[str, ...], shape: tuple[int, ...], dtype: torch.dtyp
 class SharedKVPool:
     """``caches``: one ``[2, num_blocks, block_size, H, D]`` tensor per layer, in shared memory."""
 
-    def __init__(self, caches: list[torch.Tensor], paths: tuple[str, ...]) -> None:
+    def __init__(self, caches: list[torch.Tensor], paths: tuple[str, ...], fds: tuple[int, ...] = ()) -> None:
         self.caches = caches
         self.paths = paths
+        self.fds = fds  # anonymous pools: the memfds, open for the pool's life
 
     @classmethod
     def create(
@@ -55,7 +58,10 @@ class SharedKVPool:
         head_dim: int,
         dtype: torch.dtype,
         directory: str | None = None,
+        anonymous: bool = False,
     ) -> SharedKVPool:
+        if anonymous and hasattr(os, "memfd_create"):
+            return cls._anonymous(num_layers, (2, num_blocks, block_size, kv_heads, head_dim), dtype)
         base = Path(directory) if directory else _shm_dir()
         stem = f"pdfabric-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         shape = (2, num_blocks, block_size, kv_heads, head_dim)
@@ -72,8 +78,34 @@ class SharedKVPool:
             raise
         return cls(caches, paths)
 
+    @classmethod
+    def _anonymous(cls, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype) -> SharedKVPool:
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        fds: list[int] = []
+        caches = []
+        try:
+            for i in range(num_layers):
+                fd = os.memfd_create(f"pdfabric-kv-L{i}")
+                fds.append(fd)
+                os.ftruncate(fd, nbytes)  # reads as zeros; pages are allocated on first write
+                path = f"/proc/{os.getpid()}/fd/{fd}"
+                caches.append(torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape))
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        paths = tuple(f"/proc/{os.getpid()}/fd/{fd}" for fd in fds)
+        return cls(caches, paths, tuple(fds))
+
     def close(self) -> None:
         """Unlinks the files; mappings already made (here or elsewhere) stay valid until dropped."""
+        for fd in self.fds:
+            os.close(fd)
+        if self.fds:
+            return
         for path in self.paths:
             try:
                 os.unlink(path)

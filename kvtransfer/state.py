@@ -38,6 +38,7 @@ class TransferResult:
     seconds: float = 0.0
     layers: int = 0
     meta: dict[str, int | float | str] = field(default_factory=dict)
+    transport: str = ""  # how the bytes moved ("zmq", "shm", "dist"); "" before a path was chosen
 
     @property
     def ok(self) -> bool:
@@ -63,6 +64,7 @@ class Transfer:
     layers_done: int = 0
     last_progress: float = field(default_factory=time.monotonic)
     meta: dict[str, int | float | str] = field(default_factory=dict)
+    transport: str = ""
 
     def progress(self, nbytes: int, layers: int) -> None:
         self.state = TransferState.TRANSFERRING
@@ -79,4 +81,5 @@ class Transfer:
             time.monotonic() - self.started,
             self.layers_done,
             dict(self.meta),
+            self.transport,
         )

@@ -12,8 +12,10 @@ channel, the transfer records, the checks and the deadlines. A transport only mo
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -68,25 +70,63 @@ class RecvPath(Protocol):
     def close(self) -> None: ...
 
 
-def make_send_path(info: PeerInfo, caches: list[torch.Tensor]) -> SendPath:
-    """The sender's half of the transport the receiver announced in ``info``."""
-    if info.transport == "zmq":
+def host_id() -> str:
+    """This machine's identity for choosing shared memory: host name and boot id (containers on two
+    machines can share a host name, not a boot)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _dist_ready() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def choose_transport(wanted: str, info: PeerInfo, caches: list[torch.Tensor]) -> str:
+    """The transport a sender set to ``wanted`` uses towards the receiver that sent ``info``."""
+    if wanted != "auto":
+        return wanted
+    if info.transport != "auto":
+        return info.transport
+    if info.rank >= 0 and caches[0].device.type == "cuda" and _dist_ready():
+        return "dist"
+    if info.shm_paths and info.host == host_id():
+        return "shm"
+    return "zmq"
+
+
+def make_send_path(transport: str, info: PeerInfo) -> SendPath:
+    """The sender's half of ``transport`` towards the receiver that announced ``info``."""
+    if transport == "zmq":
         from pdfabric.kvtransfer.transport_zmq import ZmqSendPath
 
         return ZmqSendPath()
-    if info.transport == "shm":
+    if transport == "shm":
         from pdfabric.kvtransfer.transport_shm import ShmSendPath
 
         return ShmSendPath(info)
-    if info.transport == "dist":
+    if transport == "dist":
         from pdfabric.kvtransfer.transport_dist import DistSendPath
 
         return DistSendPath(info)
-    raise ValueError(f"receiver announced unknown transport {info.transport!r}")
+    raise ValueError(f"unknown transport {transport!r}")
 
 
-def make_recv_path(transport: str, shm_paths: tuple[str, ...] = ()) -> RecvPath:
-    """The receiver's half; ``shm`` needs the files backing the receiver's cache (``SharedKVPool``)."""
+def make_recv_paths(transport: str, shm_paths: tuple[str, ...] = ()) -> dict[str, RecvPath]:
+    """The receiver's halves it accepts: ``transport`` alone, or for ``auto`` ZeroMQ plus shared memory
+    (when its cache is in a ``SharedKVPool``, ``shm_paths``) plus torch.distributed (when initialised)."""
+    if transport == "auto":
+        names = ["zmq"] + (["shm"] if shm_paths else []) + (["dist"] if _dist_ready() else [])
+    else:
+        names = [transport]
+    return {name: _recv_path(name, shm_paths) for name in names}
+
+
+def _recv_path(transport: str, shm_paths: tuple[str, ...]) -> RecvPath:
     if transport == "zmq":
         from pdfabric.kvtransfer.transport_zmq import ZmqRecvPath
 

@@ -3,10 +3,19 @@
 Frames are sent with ``copy=False``: they are views of the sender's cache (blocks in one run) or of
 a packed buffer, kept alive by the sender until the receiver acknowledges. The receiver reads them
 zero-copy (``recv_multipart(copy=False)``) and copies them once into the reserved blocks.
+
+libzmq allocates each received frame with ``malloc``. glibc serves blocks of 128 KiB and more with
+fresh ``mmap``s and gives them back at once, so every megabyte-sized frame costs its page faults
+again; the receiving process therefore asks glibc (where it is the C library) to keep up to 256 MiB
+of freed memory and to serve blocks below 64 MiB from its heap, which about doubles ZeroMQ tcp's
+rate for 1 MiB frames on loopback.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import logging
 import zlib
 from typing import Any
 
@@ -44,7 +53,34 @@ class ZmqSendPath:
         pass
 
 
+log = logging.getLogger(__name__)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+_KEPT = False
+
+
+def keep_freed_memory() -> None:
+    """Makes glibc reuse freed frame memory instead of mapping it afresh (once per process; a no-op
+    with another C library)."""
+    global _KEPT
+    if _KEPT:
+        return
+    _KEPT = True
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        mallopt = getattr(libc, "mallopt", None)
+    except OSError:
+        mallopt = None
+    if mallopt is None or not hasattr(libc, "gnu_get_libc_version"):
+        return
+    if not (mallopt(_M_MMAP_THRESHOLD, 64 << 20) and mallopt(_M_TRIM_THRESHOLD, 256 << 20)):
+        log.debug("mallopt refused; ZeroMQ frames keep their page faults")
+
+
 class ZmqRecvPath:
+    def __init__(self) -> None:
+        keep_freed_memory()
+
     def info(self) -> dict[str, Any]:
         return {}
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pdfabric.control import KINDS
+from pdfabric.kvtransfer.config import CHOICES as KV_TRANSPORTS
 from pdfabric.router.routes import PredictorConfig
 from pdfabric.router.slo import AdmissionConfig
 
@@ -38,6 +39,9 @@ class WorkerConfig:
     device: str = "auto"  # auto (cuda when available, else cpu), cpu, cuda or cuda:N
     threads: int = 0  # torch threads (0: the launcher gives each worker its share of the cores)
     profile_seconds: float = 5.0  # start-up profiling budget (0: none; the profile is then learnt online)
+    kv_transport: str = (
+        "auto"  # auto (per pair: shm on one host, zmq across, dist when set up) | zmq | shm | dist
+    )
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -51,6 +55,10 @@ class WorkerConfig:
             raise ValueError(f"num_blocks and threads must be >= 0, got {self.num_blocks}, {self.threads}")
         if self.heartbeat_s <= 0:
             raise ValueError(f"heartbeat_s must be positive, got {self.heartbeat_s}")
+        if self.kv_transport not in KV_TRANSPORTS:
+            raise ValueError(
+                f"kv_transport must be one of {', '.join(KV_TRANSPORTS)}, got {self.kv_transport!r}"
+            )
 
     def to_json(self) -> str:
         """Every field, as the one JSON object ``worker_config_from_json`` reads back."""

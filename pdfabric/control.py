@@ -7,7 +7,7 @@ that only new tokens and block ids move.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdfabric.engine.sampling_params import SamplingParams
 from pdfabric.profile import WorkerProfile
@@ -50,8 +50,9 @@ class Heartbeat:
     total_blocks: int
     step_ms: float  # recent median step time
     context_tokens: int  # tokens held by the sequences here (running, waiting, awaiting KV)
-    kv_bytes_per_s: float  # recent KV transfer rate (0: none measured yet)
+    kv_bytes_per_s: float  # recent KV transfer rate, all transports (0: none measured yet)
     profile: WorkerProfile  # refined online from real steps
+    kv_rates: dict[str, float] = field(default_factory=dict)  # the same, per transport ("shm", "zmq")
 
 
 @message(3)
@@ -95,7 +96,7 @@ class HandedOff:
     worker_id: str
     request_id: str
     kv_bytes: int = 0  # what the transfer moved
-    kv_seconds: float = 0.0  # from the start of the push to the receiver's acknowledgement
+    kv_seconds: float = 0.0  # from the end of the prefill step to the receiver's acknowledgement
 
 
 # --- router -> worker ---------------------------------------------------------------------------

@@ -118,18 +118,22 @@ def for_kind(profiles: list[ProfileFile], kind: str) -> ProfileFile:
 
 def live_profiles(health: dict[str, Any]) -> dict[str, ProfileFile]:
     """Each worker's profile from a router's ``/health`` answer, by worker id, with its kind as role;
-    the KV rate it reported (if any) counts as ``zmq-tcp``, the transport workers use."""
+    the KV rates it reported per transport (if any) under ``bench transfer``'s names (a worker's
+    ``zmq`` is ``zmq-tcp``; an older router's single rate counts as ``zmq-tcp`` too)."""
     out: dict[str, ProfileFile] = {}
     for w in health.get("workers", ()):
         try:
             rate = float(w.get("kv_bytes_per_s") or 0.0)
+            rates = {"zmq-tcp" if k == "zmq" else k: float(v) for k, v in (w.get("kv_rates") or {}).items()}
+            if not rates and rate > 0:
+                rates = {"zmq-tcp": rate}
             out[w["id"]] = ProfileFile(
                 model=w["model"], profile=WorkerProfile(**w["profile"]),
                 kv_bytes_per_token=w["kv_bytes_per_token"], block_size=w["block_size"],
                 max_batch_tokens=w["max_batch_tokens"], max_running=w["max_running"],
                 max_model_len=w["max_model_len"], role=w["kind"], device="live",
                 device_name=f"worker {w['id']}, from /health",
-                kv_bytes_per_s={"zmq-tcp": rate} if rate > 0 else {},
+                kv_bytes_per_s={k: v for k, v in rates.items() if v > 0},
                 steps=w["profile"]["prefill_samples"] + w["profile"]["decode_samples"],
             )  # fmt: skip
         except (KeyError, TypeError, ValueError) as exc:

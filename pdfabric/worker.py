@@ -1,8 +1,19 @@
-"""What every worker process shares: model and cache set-up, the control connection, the main loop.
+"""The worker process: a ZeroMQ loop around a worker core (``pdfabric.core``) and the model.
 
-The loop never blocks for long: it drains control messages, lets the subclass poll its transfers,
-runs one model step when there is work, and sends a heartbeat when one is due. The worker exits when
-the router says ``Shutdown`` or when the process that started it is gone.
+Everything a worker decides lives in its core; this loop only moves messages and runs the model. One
+turn of the loop, never blocking for long:
+
+1. the KV side (the kvtransfer sender or receiver) is polled; transfers that ended, and blocks it
+   gave back, go to the core;
+2. control messages from the router go to the core (waiting up to 5 ms when there is no work; a
+   control or KV socket wakes it);
+3. if the core schedules a step, the model runs it (``Stepper``; a prefill worker's KV side ships each
+   finished prompt's layers as the model completes them) and the core completes it with the samples
+   and the measured time;
+4. a heartbeat goes out when the core says one is due.
+
+Whatever the core returns is sent: control messages to the router, KV commands to the KV side. The
+worker exits when the router says ``Shutdown`` or when the process that started it is gone.
 """
 
 from __future__ import annotations
@@ -10,17 +21,28 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 import zmq
 
 from pdfabric.config import WorkerConfig
-from pdfabric.control import Abort, Heartbeat, Register, Shutdown, StepOutputs, TokenDelta
-from pdfabric.engine.block_pool import BlockPool, BlockTables
-from pdfabric.engine.scheduler import Scheduler, SchedulerConfig
-from pdfabric.engine.sequence import Sequence
+from pdfabric.control import Shutdown
+from pdfabric.core import (
+    CancelKV,
+    CoreSpec,
+    ExpectKV,
+    OpenPush,
+    Out,
+    ProfileSource,
+    PushKV,
+    WorkerCore,
+    WrongMessage,
+)
 from pdfabric.engine.stepper import Stepper
+from pdfabric.kvtransfer.state import TransferResult
+from pdfabric.profile import ProfileBuilder
 from pdfabric.wire import WireError, decode, encode
 
 if TYPE_CHECKING:
@@ -29,18 +51,32 @@ if TYPE_CHECKING:
 log = logging.getLogger("pdfabric.worker")
 
 
-class Worker:
-    """Base class; subclasses handle their message kinds and what happens to stepped sequences."""
+class KVSide(Protocol):
+    """A worker's end of the KV channel, driven by the loop (the prefill sender, the decode receiver)."""
 
-    on_prefilled = "decode"
+    endpoint: str  # where prefill workers push to (decode); "" otherwise
+
+    def sockets(self) -> list[zmq.Socket]: ...  # whose messages should wake the loop
+
+    def command(self, cmd: PushKV | ExpectKV | CancelKV) -> None: ...
+
+    def layer_hook(self, opens: tuple[OpenPush, ...]) -> Callable[[int], None] | None: ...  # per layer
+
+    def poll(self) -> tuple[list[TransferResult], list[str]]: ...  # ended transfers, released requests
+
+    def close(self) -> None: ...
+
+
+class Worker:
+    """Base class: subclasses say which core runs here (``make_core``) and which KV side (``make_kv``)."""
 
     def __init__(self, cfg: WorkerConfig, parent_pid: int = 0) -> None:
         self.cfg = cfg
         self.worker_id = cfg.worker_id or f"{cfg.kind}-{os.getpid()}"
         self.parent_pid = parent_pid
-        engine = build_engine(cfg, self.on_prefilled)
-        self.runner, self.tables, self.max_model_len = engine.runner, engine.tables, engine.max_model_len
-        self.scheduler, self.stepper = engine.scheduler, engine.stepper
+        engine = build_engine(cfg)
+        self.runner, self.max_model_len, self.profile = engine.runner, engine.max_model_len, engine.profile
+        self.stepper = Stepper(engine.runner)
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, self.worker_id.encode())
@@ -48,54 +84,40 @@ class Worker:
         self.sock.connect(cfg.join)
         self._poller = zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)
+        self._watched: set[zmq.Socket] = set()
         self._running = True
-        self._next_heartbeat = 0.0
+        self.kv = self.make_kv(cfg)
+        spec = CoreSpec(
+            self.worker_id, cfg.kind, engine.num_blocks, cfg.block_size, engine.max_model_len,
+            cfg.max_running, cfg.max_batch_tokens, engine.runner.config.kv_bytes_per_token,
+            cfg.heartbeat_s, cfg.pool, cfg.model, os.getpid(),
+        )  # fmt: skip
+        self.core = self.make_core(cfg, spec, self.profile)
+        self.core.kv_endpoint = self.kv.endpoint if self.kv is not None else ""
 
     # --- subclass hooks -------------------------------------------------------------------------
 
-    def kv_endpoint(self) -> str:
-        return ""
-
-    def handle(self, msg: Any) -> None:
+    def make_core(self, cfg: WorkerConfig, spec: CoreSpec, profile: ProfileSource) -> WorkerCore:
         raise NotImplementedError
 
-    def poll_transfers(self) -> None:
-        """Advances KV transfers (their sockets wake the loop, see ``watch``)."""
-
-    def watch(self, sock: zmq.Socket) -> None:
-        """Lets ``sock``'s incoming messages wake the main loop."""
-        self._poller.register(sock, zmq.POLLIN)
-
-    def after_step(self, changed: list[Sequence]) -> list[TokenDelta]:
-        """Turns the step's sequences into deltas for the router."""
-        return [delta_of(seq) for seq in changed]
-
-    def close(self) -> None:
-        self.sock.close(linger=1000)
+    def make_kv(self, cfg: WorkerConfig) -> KVSide | None:
+        return None
 
     # --- loop -----------------------------------------------------------------------------------
 
-    def send(self, msg: Any) -> None:
+    def send(self, msg: object) -> None:
         self.sock.send(encode(msg))
 
-    def register(self) -> None:
-        self.send(
-            Register(
-                self.worker_id,
-                self.cfg.kind,
-                self.cfg.pool,
-                self.cfg.model,
-                self.max_model_len,
-                self.cfg.block_size,
-                self.tables.pool.num_blocks,
-                self.kv_endpoint(),
-                os.getpid(),
-                self.cfg.max_running,
-                self.cfg.max_batch_tokens,
-                self.runner.config.kv_bytes_per_token,
-                self.stepper.profile.profile(force=True),
-            )
-        )
+    def dispatch(self, out: Out) -> None:
+        """Sends what the core returned: KV commands to the KV side, the rest to the router."""
+        for msg in out:
+            if isinstance(msg, PushKV | ExpectKV | CancelKV):
+                if self.kv is None:
+                    raise TypeError(f"{self.cfg.kind} worker has no KV side for {type(msg).__name__}")
+                self.kv.command(msg)
+                self._watch_kv()
+            else:
+                self.send(msg)
 
     def profile_startup(self) -> None:
         """Seeds the latency profile with a short measured grid of step shapes (bounded in time)."""
@@ -104,13 +126,14 @@ class Worker:
 
         if self.cfg.profile_seconds <= 0:
             return
+        spec = self.core.spec
         plan = profiling_plan(
             self.cfg.max_batch_tokens,
             self.cfg.max_running,
             self.max_model_len,
-            self.tables.pool.num_blocks * self.cfg.block_size,
+            spec.num_blocks * spec.block_size,
         )
-        done = run_plan(self.runner, plan, self.stepper.profile, self.cfg.profile_seconds)
+        done = run_plan(self.runner, plan, self.profile, self.cfg.profile_seconds)
         log.info(
             "%s: profiled %d steps in %.1fs%s",
             self.worker_id,
@@ -121,18 +144,45 @@ class Worker:
 
     def serve_forever(self) -> None:
         self.profile_startup()
-        self.register()
+        self.send(self.core.registration())
+        self._watch_kv()
+        core = self.core
         try:
             while self._running:
-                self.poll_transfers()
-                self._drain(timeout_ms=0 if self.scheduler.has_work else 5)
-                if self.scheduler.has_work:
-                    deltas = self.after_step(self.stepper.step())
-                    if deltas:
-                        self.send(StepOutputs(self.worker_id, tuple(deltas)))
+                self._poll_kv()
+                self._drain(timeout_ms=0 if core.has_work else 5)
+                step = core.schedule()
+                if step is not None:
+                    start = time.perf_counter()
+                    hook = self.kv.layer_hook(step.opens) if self.kv is not None and step.opens else None
+                    sampled = self.stepper.run(step.chunks, core.tables, hook)
+                    self.dispatch(core.complete(step, sampled, time.perf_counter() - start))
                 self._heartbeat()
         finally:
             self.close()
+
+    def close(self) -> None:
+        if self.kv is not None:
+            self.kv.close()
+        self.sock.close(linger=1000)
+
+    def _watch_kv(self) -> None:
+        """Lets the KV side's sockets (a sender opens one per decode worker) wake the loop."""
+        if self.kv is None:
+            return
+        for sock in self.kv.sockets():
+            if sock not in self._watched:
+                self._watched.add(sock)
+                self._poller.register(sock, zmq.POLLIN)
+
+    def _poll_kv(self) -> None:
+        if self.kv is None:
+            return
+        results, released = self.kv.poll()
+        for result in results:
+            self.dispatch(self.core.transfer_ended(result))
+        for request_id in released:
+            self.dispatch(self.core.kv_released(request_id))
 
     def _drain(self, timeout_ms: int) -> None:
         """Waits up to ``timeout_ms`` for a control or transfer message, then handles control ones."""
@@ -151,64 +201,35 @@ class Worker:
             if isinstance(msg, Shutdown):
                 self._running = False
                 return
-            if isinstance(msg, Abort):
-                self.abort(msg.request_id, msg.reason)
-            else:
-                self.handle(msg)
-
-    def abort(self, request_id: str, reason: str) -> None:
-        self.scheduler.finish(request_id, reason)
-
-    def fits(self, request_id: str, prompt_len: int) -> bool:
-        """Whether a prompt leaves room for a token here; if not, the request ends with an error."""
-        if prompt_len < self.max_model_len:
-            return True
-        error = f"prompt of {prompt_len} tokens does not fit this worker's {self.max_model_len}"
-        self.send(StepOutputs(self.worker_id, (TokenDelta(request_id, 0, (), (), "error", error),)))
-        return False
+            try:
+                out = self.core.handle(msg)
+            except WrongMessage as exc:
+                log.error("%s", exc)
+                continue
+            self.dispatch(out)
 
     def _heartbeat(self) -> None:
-        now = time.monotonic()
-        if now < self._next_heartbeat:
+        hb = self.core.heartbeat(time.monotonic())
+        if hb is None:
             return
-        self._next_heartbeat = now + self.cfg.heartbeat_s
         if self.parent_pid and not _alive(self.parent_pid):
             log.warning("parent process %d is gone; exiting", self.parent_pid)
             self._running = False
             return
-        s = self.scheduler
-        self.send(
-            Heartbeat(
-                self.worker_id,
-                s.queued_tokens,
-                len(s.running),
-                len(s.waiting) + len(s.awaiting_kv),
-                self.tables.pool.num_free,
-                self.tables.pool.num_blocks,
-                self.stepper.recent_step_ms,
-                s.context_tokens,
-                self.kv_rate(),
-                self.stepper.profile.profile(),
-            )
-        )
-
-    def kv_rate(self) -> float:
-        """Recent KV transfer bytes per second (transfer-capable workers override)."""
-        return 0.0
+        self.send(hb)
 
 
 @dataclass(frozen=True)
 class Engine:
-    """What a worker computes with: model runner, KV block tables, scheduler and stepper."""
+    """What a worker computes with: the model runner, its cache size and the online latency profile."""
 
     runner: ModelRunner
-    tables: BlockTables
-    scheduler: Scheduler
-    stepper: Stepper
+    num_blocks: int
     max_model_len: int
+    profile: ProfileBuilder
 
 
-def build_engine(cfg: WorkerConfig, on_prefilled: str = "decode") -> Engine:
+def build_engine(cfg: WorkerConfig) -> Engine:
     """Loads the model and sizes its KV cache as ``cfg`` says (threads, dtype, device, block budget);
     no sockets, so ``pdfabric profile`` measures exactly what a worker runs."""
     from pdfabric.engine.default_model import resolve_model
@@ -225,18 +246,7 @@ def build_engine(cfg: WorkerConfig, on_prefilled: str = "decode") -> Engine:
     # One sequence must always fit in the pool on its own, or it could wait forever.
     max_model_len = min(mcfg.max_position_embeddings, num_blocks * cfg.block_size)
     runner = ModelRunner(model, num_blocks, cfg.block_size)
-    tables = BlockTables(BlockPool(num_blocks, cfg.block_size))
-    sched_cfg = SchedulerConfig(cfg.max_batch_tokens, cfg.max_running, max_model_len, on_prefilled)
-    scheduler = Scheduler(tables, sched_cfg)
-    return Engine(runner, tables, scheduler, Stepper(runner, scheduler), max_model_len)
-
-
-def delta_of(seq: Sequence) -> TokenDelta:
-    """The delta for a sequence that just got one token (and maybe finished)."""
-    index = len(seq.output_ids) - 1
-    return TokenDelta(
-        seq.request_id, index, (seq.output_ids[-1],), (seq.output_logprobs[-1],), seq.finish_reason
-    )
+    return Engine(runner, num_blocks, max_model_len, ProfileBuilder())
 
 
 def _device(name: str) -> str:

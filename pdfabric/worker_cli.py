@@ -16,6 +16,9 @@ from dataclasses import replace
 
 from pdfabric.config import WorkerConfig, load_serve_config, worker_config_from_json, worker_default
 from pdfabric.control import KINDS
+from pdfabric.kvtransfer.config import CHOICES as KV_TRANSPORTS
+
+DTYPES = ("float32", "bfloat16", "float16")
 
 # Override flags: (WorkerConfig field, type, help); the help quotes the field's default when it has one.
 OVERRIDES: tuple[tuple[str, type, str], ...] = (
@@ -35,9 +38,10 @@ OVERRIDES: tuple[tuple[str, type, str], ...] = (
     ("threads", int, "torch threads (0: torch's default, all cores)"),
     ("device", str, "auto (cuda when available), cpu, cuda or cuda:N"),
     ("profile_seconds", float, "start-up profiling budget in seconds, 0: none"),
+    ("kv_transport", str, "how KV moves to decode workers (auto: shm on one host, zmq across hosts)"),
 )
 _QUOTED = ("model", "pool", "block_size", "kv_memory_mb", "max_batch_tokens", "max_running", "kv_host",
-           "heartbeat_s", "device", "profile_seconds")  # fmt: skip
+           "heartbeat_s", "device", "profile_seconds", "kv_transport")  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, type_, text in OVERRIDES:
         default = f" (default {worker_default(name)})" if name in _QUOTED else ""
         flag = "--" + name.replace("_", "-")
-        choices = {"kind": KINDS, "dtype": ("float32", "bfloat16", "float16")}.get(name)
+        choices = {"kind": KINDS, "dtype": DTYPES, "kv_transport": KV_TRANSPORTS}.get(name)
         o.add_argument(flag, type=type_, choices=choices, help=text + default)
     p = parser.add_argument_group("process")
     p.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone (0: never)")

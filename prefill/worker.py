@@ -1,82 +1,109 @@
-"""The prefill worker: computes prompts and ships their KV to the decode worker the router chose.
+"""The prefill worker process: the ZeroMQ loop (``pdfabric.worker``) around a ``PrefillCore``, with a
+kvtransfer ``KVSender`` as its KV side.
 
-A request's life here:
-1. ``Prefill`` arrives with the prompt, the decode worker's KV endpoint and the blocks it reserved;
-   the sequence waits in the queue (WAITING).
-2. Its prompt is prefilled in chunks under the step's token budget, batched with other prompts.
-3. The last chunk yields the first token: it goes to the router at once (this is the TTFT), and the
-   sequence is parked (HANDOFF) while its KV blocks are pushed to the decode worker, with the first
-   token riding on the transfer's final message.
-4. When the transfer is done the blocks are freed and the router is told ``HandedOff``; if it fails
-   the router gets an error delta (and aborts the decode side), and the blocks are freed all the same.
-   An ``Abort`` at any point cancels the transfer and frees the blocks.
+A request's life here (the core's states, ``prefill.core``):
+1. WAITING: ``Prefill`` queued it with the decode worker's KV endpoint and reserved blocks;
+2. prefilled in chunks, batched with other prompts; the last chunk samples the first token, which
+   goes to the router at once;
+3. the step that runs its last chunk starts the sender's transfer (WAITING for the receiver's
+   ``PeerInfo``, then TRANSFERRING, over shared memory, ZeroMQ tcp or torch.distributed as the pair
+   allows) and ships each layer as the model finishes it; HANDOFF: ``PushKV`` after the step ships
+   the last layer with the first token;
+4. the transfer ends DONE (``HandedOff``, blocks freed) or FAILED (error delta, blocks freed); an
+   ``Abort`` cancels it at any point.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+import zmq
 
 from pdfabric.config import WorkerConfig
-from pdfabric.control import HandedOff, Prefill, StepOutputs, TokenDelta
-from pdfabric.engine.sequence import SeqState, Sequence
-from pdfabric.kvtransfer.link import KVSender
-from pdfabric.worker import Worker, delta_of, log
+from pdfabric.core import CancelKV, CoreSpec, ExpectKV, OpenPush, ProfileSource, PushKV, WorkerCore
+from pdfabric.kvtransfer.config import TransferConfig
+from pdfabric.kvtransfer.sender import KVSender
+from pdfabric.kvtransfer.state import TransferResult
+from pdfabric.prefill.core import PrefillCore
+from pdfabric.worker import KVSide, Worker
 
 
-class PrefillWorker(Worker):
-    on_prefilled = "handoff"
+class SenderSide:
+    """A prefill worker's KV side over the sender state machine. Layer by layer when the cache is on
+    the CPU: ``layer_hook`` starts the step's ``OpenPush`` transfers and ships layer ``i`` of each as
+    the model finishes it (all but the last); ``PushKV`` after the step ships the rest with the first
+    token. Elsewhere (a GPU cache, where a per-layer host copy would stall the device) ``PushKV``
+    ships every layer at once.
 
-    def __init__(self, cfg: WorkerConfig, parent_pid: int = 0) -> None:
-        super().__init__(cfg, parent_pid)
-        self.sender = KVSender(self.runner.kv_caches, self.cfg.block_size)
-        self.sender.on_new_socket = self.watch
-        self._targets: dict[str, tuple[str, tuple[int, ...]]] = {}  # request -> (endpoint, remote blocks)
+    A transfer's reported ``seconds`` run from ``PushKV`` (the end of the prefill step) to the
+    receiver's acknowledgement: the latency the transfer adds after the compute, which is what the
+    router's TTFT prediction and the heartbeat's KV rate stand for. Counting from the layer-wise
+    start would charge the step's own compute to the link."""
 
-    def handle(self, msg: Any) -> None:
-        if not isinstance(msg, Prefill):
-            log.error("prefill worker ignores %s", type(msg).__name__)
-            return
-        if not self.fits(msg.request_id, len(msg.prompt_ids)):
-            return
-        self._targets[msg.request_id] = (msg.kv_endpoint, msg.block_ids)
-        self.scheduler.add(Sequence(msg.request_id, msg.prompt_ids, msg.params, frozenset(msg.eos_token_ids)))
+    endpoint = ""
 
-    def after_step(self, changed: list[Sequence]) -> list[TokenDelta]:
-        deltas = []
-        for seq in changed:
-            if seq.state is not SeqState.HANDOFF:
-                continue
-            endpoint, remote_blocks = self._targets.pop(seq.request_id)
-            first = delta_of(seq)
-            deltas.append(
-                TokenDelta(first.request_id, 0, first.token_ids, first.logprobs)
-            )  # never a finish here
-            self.sender.start(
-                seq.request_id,
-                endpoint,
-                tuple(self.tables.table(seq.request_id)),
-                remote_blocks,
-                seq.output_ids[0],
-                seq.output_logprobs[0],
-            )
-        return deltas
+    def __init__(self, sender: KVSender) -> None:
+        self.sender = sender
+        self.num_layers = sender.layout.num_layers
+        self.layerwise = sender.caches[0].device.type == "cpu"
+        self._sent: dict[str, int] = {}  # request -> layers shipped so far
+        self._pushed: dict[str, float] = {}  # request -> when PushKV came (monotonic seconds)
 
-    def poll_transfers(self) -> None:
-        for result in self.sender.poll():
-            self.scheduler.finish(result.request_id, "handed_off" if result.ok else "error")
-            if result.ok:
-                self.send(HandedOff(self.worker_id, result.request_id, result.nbytes, result.seconds))
-            else:
-                error = f"KV transfer to the decode worker failed: {result.reason}"
-                self.send(
-                    StepOutputs(self.worker_id, (TokenDelta(result.request_id, 0, (), (), "error", error),))
-                )
+    def layer_hook(self, opens: tuple[OpenPush, ...]) -> Callable[[int], None] | None:
+        if not self.layerwise:
+            return None
+        for o in opens:
+            self.sender.start(o.request_id, o.endpoint, o.local_blocks, o.remote_blocks)
+            self._sent[o.request_id] = 0
+        ids = [o.request_id for o in opens]
 
-    def abort(self, request_id: str, reason: str) -> None:
-        self._targets.pop(request_id, None)
-        self.sender.abort(request_id, reason)
-        self.scheduler.finish(request_id, reason)
+        def after_layer(layer: int) -> None:
+            if layer + 1 >= self.num_layers:  # the last layer leaves with the first token
+                return
+            for rid in ids:
+                self.sender.send_layers(rid, layer, layer + 1)
+                self._sent[rid] = layer + 1
+
+        return after_layer
+
+    def sockets(self) -> list[zmq.Socket]:
+        return self.sender.sockets()
+
+    def command(self, cmd: PushKV | ExpectKV | CancelKV) -> None:
+        if isinstance(cmd, PushKV):
+            self._pushed[cmd.request_id] = time.monotonic()
+            sent = self._sent.pop(cmd.request_id, None)
+            if sent is None:
+                self.sender.start(cmd.request_id, cmd.endpoint, cmd.local_blocks, cmd.remote_blocks)
+                sent = 0
+            meta = {"first_token": cmd.first_token, "first_logprob": cmd.first_logprob}
+            self.sender.send_layers(cmd.request_id, sent, self.num_layers, meta)
+        elif isinstance(cmd, CancelKV):
+            self._sent.pop(cmd.request_id, None)
+            self._pushed.pop(cmd.request_id, None)
+            self.sender.abort(cmd.request_id, cmd.reason)
+        else:
+            raise TypeError(f"a prefill worker's KV side cannot {type(cmd).__name__}")
+
+    def poll(self) -> tuple[list[TransferResult], list[str]]:
+        results = self.sender.poll()
+        now = time.monotonic()
+        for i, r in enumerate(results):
+            pushed = self._pushed.pop(r.request_id, None)
+            if pushed is not None:
+                results[i] = replace(r, seconds=max(0.0, now - pushed))
+        return results, []
 
     def close(self) -> None:
         self.sender.close()
-        super().close()
+
+
+class PrefillWorker(Worker):
+    def make_core(self, cfg: WorkerConfig, spec: CoreSpec, profile: ProfileSource) -> WorkerCore:
+        return PrefillCore(spec, profile)
+
+    def make_kv(self, cfg: WorkerConfig) -> KVSide | None:
+        config = TransferConfig(transport=cfg.kv_transport, name=self.worker_id)
+        return SenderSide(KVSender(self.runner.kv_caches, config))

@@ -107,6 +107,7 @@ async def health(request: web.Request) -> web.Response:
             "max_batch_tokens": w.reg.max_batch_tokens,
             "kv_bytes_per_token": w.reg.kv_bytes_per_token,
             "kv_bytes_per_s": w.load.kv_bytes_per_s if w.load is not None else 0.0,
+            "kv_rates": dict(w.load.kv_rates) if w.load is not None else {},
             "profile": asdict(w.load.profile if w.load is not None else w.reg.profile),
         }
         for w in registry.workers.values()

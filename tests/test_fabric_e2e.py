@@ -84,6 +84,15 @@ def test_concurrent_greedy_requests_match_reference(fabric: str, reference: Refe
     if "prefill" in kinds:  # every request's KV crossed from the prefill to the decode worker
         transfers = metric_values(fabric, "pdfabric_kv_transfer_bytes_count")
         assert sum(transfers.values()) >= len(bodies)
+        # ... over shared memory (one host), and the prefill worker's heartbeats report its rate
+        deadline = time.monotonic() + 10
+        while True:
+            workers = get_json(fabric + "/health")[1]["workers"]
+            (pre,) = [w for w in workers if w["kind"] == "prefill"]
+            if pre["kv_rates"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert set(pre["kv_rates"]) == {"shm"} and pre["kv_bytes_per_s"] > 0, pre
 
 
 def test_seeded_sampling_is_reproducible(fabric: str, reference: ReferenceEngine) -> None:
@@ -256,7 +265,14 @@ def test_worker_death_ends_requests_with_an_error(flags: tuple[str, ...], victim
 
         message, delay = asyncio.run(asyncio.wait_for(stream_until_error(), 30))
         assert victim in message and delay < 10
-        status, body = get_json(url + "/health")
+        # The error may come first from the prefill worker, whose KV push to a dead decode worker
+        # fails at once; the router drops the worker when its heartbeats stop (worker_timeout_s).
+        deadline = time.monotonic() + 15
+        while True:
+            status, body = get_json(url + "/health")
+            if status == 503 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         assert status == 503 and victim not in [w["id"] for w in body["workers"]]
 
         async def after_death() -> int:  # a non-streaming request now fails fast with a 503
@@ -280,3 +296,44 @@ def test_readme_serve_and_curl_work(tmp_path: Path) -> None:
     events = [line for line in out.stdout.splitlines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]" and len(events) >= 3
     assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_forced_zmq_transport_with_chunked_prompts_is_token_exact(
+    tmp_path: Path, reference: ReferenceEngine
+) -> None:
+    """``kv_transport = "zmq"`` and 32-token steps: prompts prefill in several chunks, their layers
+    leave over ZeroMQ tcp as the last chunk computes them, and the output is still the reference's."""
+    config = tmp_path / "zmq.toml"
+    config.write_text('[worker]\nkv_transport = "zmq"\nmax_batch_tokens = 32\n')
+    flags = (
+        "--config",
+        str(config),
+        "--model",
+        "tiny",
+        "--num-blocks",
+        "256",
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+    )
+    bodies = [
+        {"prompt": [3 + i] * (5 + 19 * i), "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        for i in range(6)
+    ]
+    with running_fabric(*flags) as url:
+
+        async def run_all() -> list:
+            return await asyncio.gather(*(_stream(url, b) for b in bodies))
+
+        for body, (ids, _, finish, _) in zip(bodies, asyncio.run(run_all()), strict=True):
+            want = reference.generate(body["prompt"], SamplingParams(max_tokens=6, ignore_eos=True))
+            assert ids == want.token_ids and finish == "length"
+        wait_blocks_free(url)
+        deadline = time.monotonic() + 10
+        while True:
+            (pre,) = [w for w in get_json(url + "/health")[1]["workers"] if w["kind"] == "prefill"]
+            if pre["kv_rates"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert set(pre["kv_rates"]) == {"zmq"}, pre

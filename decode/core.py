@@ -1,0 +1,97 @@
+"""The decode-side cores (no sockets, no clocks, no torch): ``DecodeCore`` for a disaggregated decode
+worker, ``ColocatedCore`` for a worker that also prefills.
+
+A request's life in a ``DecodeCore``:
+
+A request's life here:
+1. ``Reserve`` arrives: blocks for the prompt are reserved, ``ExpectKV`` tells the KV receiver to
+   accept them, and their ids go back to the router (``Reserved``); the sequence waits for its KV
+   (WAITING_FOR_KV). No room, or a prompt that cannot fit: an empty ``Reserved`` with the reason.
+2. The KV lands (``transfer_ended`` DONE); its first token rides on it. The sequence joins the
+   running batch at the next step boundary (RUNNING), or ends at once if that token finished it.
+3. One token per step, streamed to the router in each step's ``StepOutputs``.
+4. It ends (FINISHED) on a stop token or its length limit (blocks freed at once), or while its KV is
+   still in flight: on an ``Abort`` (``CancelKV``) or a failed transfer (an error delta). Then its
+   blocks stay out of the pool (QUARANTINED) until the receiver says no sender can still write into
+   them (``kv_released``).
+
+A request's life in a ``ColocatedCore``:
+1. ``Generate`` arrives: the sequence waits in the queue (WAITING); a prompt that cannot fit ends at
+   once with an error delta.
+2. Its prompt is prefilled in chunks under the step's token budget, beside running decodes.
+3. Its last prompt chunk yields the first token; it decodes one token per step (RUNNING), each sent
+   to the router in the step's ``StepOutputs``.
+4. It ends (FINISHED) on a stop token, its length limit, or an ``Abort``; its blocks return to the pool.
+"""
+
+from __future__ import annotations
+
+from pdfabric.control import Generate, Reserve, Reserved, TokenDelta
+from pdfabric.core import CancelKV, CoreSpec, ExpectKV, Out, ProfileSource, WorkerCore, WrongMessage
+from pdfabric.engine.sequence import SeqState, Sequence
+from pdfabric.kvtransfer.state import TransferResult
+
+
+class DecodeCore(WorkerCore):
+    on_prefilled = "decode"  # only preempted sequences are prefilled (recomputed) here
+
+    def __init__(self, spec: CoreSpec, profile: ProfileSource, kv_endpoint: str = "") -> None:
+        super().__init__(spec, profile, kv_endpoint)
+        self.quarantined: dict[str, list[int]] = {}  # request -> blocks a sender might still write
+
+    def on_message(self, msg: object) -> Out:
+        if not isinstance(msg, Reserve):
+            raise WrongMessage(f"a decode worker cannot handle {type(msg).__name__}")
+        rid = msg.request_id
+        seq = Sequence(rid, msg.prompt_ids, msg.params, frozenset(msg.eos_token_ids))
+        reason = self.too_long(rid, len(msg.prompt_ids))
+        blocks = None if reason else self.scheduler.reserve(seq)
+        if blocks is None:
+            return [Reserved(self.worker_id, rid, (), reason or "no free KV blocks")]
+        return [ExpectKV(rid, tuple(blocks)), Reserved(self.worker_id, rid, tuple(blocks))]
+
+    def transfer_ended(self, result: TransferResult) -> Out:
+        rid = result.request_id
+        seq = self.scheduler.get(rid)
+        if seq is None or seq.state is not SeqState.WAITING_FOR_KV:
+            return []  # aborted meanwhile
+        if not result.ok:
+            self._quarantine(rid, "error")
+            return self.error(rid, 1, f"KV transfer from the prefill worker failed: {result.reason}")
+        first, logprob = int(result.meta.get("first_token", -1)), float(result.meta.get("first_logprob", 0.0))
+        seq = self.scheduler.kv_arrived(rid, first, logprob)
+        if seq is not None and seq.finish_reason is not None:  # the first token ended it
+            return self.outputs([TokenDelta(rid, 1, (), (), seq.finish_reason)])
+        return []
+
+    def abort(self, request_id: str, reason: str) -> Out:
+        seq = self.scheduler.get(request_id)
+        if seq is not None and seq.state is SeqState.WAITING_FOR_KV:
+            self._quarantine(request_id, reason)
+            return [CancelKV(request_id, reason)]
+        self.scheduler.finish(request_id, reason)
+        return []
+
+    def kv_released(self, request_id: str) -> Out:
+        blocks = self.quarantined.pop(request_id, None)
+        if blocks:
+            self.tables.pool.free(blocks)
+        return []
+
+    def _quarantine(self, request_id: str, reason: str) -> None:
+        """Ends the sequence but keeps its blocks out of the pool until ``kv_released``."""
+        self.quarantined[request_id] = self.tables.detach(request_id)
+        self.scheduler.finish(request_id, reason)
+
+
+class ColocatedCore(WorkerCore):
+    on_prefilled = "decode"
+
+    def on_message(self, msg: object) -> Out:
+        if not isinstance(msg, Generate):
+            raise WrongMessage(f"a colocated worker cannot handle {type(msg).__name__}")
+        reason = self.too_long(msg.request_id, len(msg.prompt_ids))
+        if reason:
+            return self.error(msg.request_id, 0, reason)
+        self.scheduler.add(Sequence(msg.request_id, msg.prompt_ids, msg.params, frozenset(msg.eos_token_ids)))
+        return []

@@ -1,0 +1,285 @@
+"""The worker core: a worker's logic as messages in, messages out. No sockets, no clocks, no torch.
+
+A core owns a worker's ``Scheduler`` over its ``BlockTables`` and everything it decides: admission,
+block accounting, what a step's tokens become, what happens to transfers, and what a heartbeat says.
+It is driven the same way by the ZeroMQ worker loop (``pdfabric.worker``) and by the simulator
+(``bench.sim_worker``), and by unit tests with nothing else:
+
+1. ``handle(msg)``: a control message from the router (``Generate``, ``Reserve``, ``Prefill``, ``Abort``);
+2. ``schedule()``: the next ``Step`` (chunks and their shape), or ``None``; the driver runs the model on
+   its chunks (the simulator: waits for the profile's time) and calls ``complete(step, sampled,
+   seconds)`` with one ``(token, logprob)`` per sampling chunk;
+3. ``transfer_ended(result)`` / ``kv_released(request_id)``: what the KV side reports;
+4. ``heartbeat(now)``: a ``Heartbeat`` when one is due (time is a value the driver passes in).
+
+A prefill core's ``Step`` also lists ``opens``: the transfers of the prompts this step finishes, so
+that a driver can ship each layer's KV as the model finishes that layer (the server's loop does; the
+simulator's link model starts the push at the step's end).
+
+Each call returns the messages to send: control messages for the router (``pdfabric.control``) and
+commands for the worker's own KV side (``PushKV``, ``ExpectKV``, ``CancelKV``, below), which the
+driver hands to the kvtransfer state machines (or to the simulator's link model).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pdfabric.control import (
+    Abort,
+    Heartbeat,
+    Register,
+    StepOutputs,
+    TokenDelta,
+)
+from pdfabric.engine.block_pool import BlockPool, BlockTables
+from pdfabric.engine.scheduler import Chunk, Scheduler, SchedulerConfig, step_shape
+from pdfabric.engine.sequence import Sequence
+from pdfabric.kvtransfer.state import TransferResult
+from pdfabric.profile import StepShape, WorkerProfile
+
+# --- commands to the worker's KV side (in process, never on the wire) -----------------------------
+
+
+@dataclass(frozen=True)
+class PushKV:
+    """Prefill side: ship ``local_blocks`` into ``remote_blocks`` at ``endpoint``, the first token
+    riding along."""
+
+    request_id: str
+    endpoint: str
+    local_blocks: tuple[int, ...]
+    remote_blocks: tuple[int, ...]
+    first_token: int
+    first_logprob: float
+
+
+@dataclass(frozen=True)
+class OpenPush:
+    """Prefill side, before a step that finishes the prompt: start the transfer so that its layers can
+    leave as the step computes them (``PushKV`` after the step sends the rest with the first token)."""
+
+    request_id: str
+    endpoint: str
+    local_blocks: tuple[int, ...]
+    remote_blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ExpectKV:
+    """Decode side: accept a request's KV into ``blocks`` (reserved by the scheduler)."""
+
+    request_id: str
+    blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CancelKV:
+    """Either side: end the request's transfer; the decode side then reports ``kv_released``."""
+
+    request_id: str
+    reason: str
+
+
+KVCommand = PushKV | ExpectKV | CancelKV
+
+
+class WrongMessage(TypeError):
+    """A control message that this kind of worker does not take (the loop logs and drops it)."""
+
+
+Out = list[object]  # control messages for the router and KV commands, in the order they were made
+
+
+# --- what a core is told about itself ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CoreSpec:
+    """A worker's identity and limits, as it registers them."""
+
+    worker_id: str
+    kind: str
+    num_blocks: int
+    block_size: int = 16
+    max_model_len: int = 4096
+    max_running: int = 64
+    max_batch_tokens: int = 512
+    kv_bytes_per_token: int = 0
+    heartbeat_s: float = 0.25
+    pool: str = "default"
+    model: str = ""
+    pid: int = 0
+
+
+class ProfileSource(Protocol):
+    """Where step times go and the latency profile comes from (online fit, or a fixed profile)."""
+
+    def observe(self, shape: StepShape, seconds: float) -> None: ...
+
+    def profile(self, force: bool = False) -> WorkerProfile: ...
+
+
+class FixedProfile:
+    """A profile that does not learn (the simulator's workers step exactly as it says)."""
+
+    def __init__(self, profile: WorkerProfile) -> None:
+        self._profile = profile
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        pass
+
+    def profile(self, force: bool = False) -> WorkerProfile:
+        return self._profile
+
+
+@dataclass(frozen=True)
+class Step:
+    """What ``schedule()`` chose: the chunks to run and their shape (for the step-time profile)."""
+
+    chunks: list[Chunk]
+    shape: StepShape
+    opens: tuple[OpenPush, ...] = ()  # transfers whose layers may leave during this step
+
+    @property
+    def num_samples(self) -> int:
+        return sum(1 for c in self.chunks if c.sample)
+
+
+@dataclass
+class KVRates:
+    """Recent successful transfers' bytes and seconds: the rate overall and per transport."""
+
+    window: deque[tuple[str, int, float]] = field(default_factory=lambda: deque(maxlen=32))
+
+    def add(self, result: TransferResult) -> None:
+        if result.ok and result.nbytes > 0 and result.seconds > 0:
+            self.window.append((result.transport, result.nbytes, result.seconds))
+
+    def overall(self) -> float:
+        seconds = sum(s for _, _, s in self.window)
+        return sum(b for _, b, _ in self.window) / seconds if seconds else 0.0
+
+    def per_transport(self) -> dict[str, float]:
+        totals: dict[str, list[float]] = {}
+        for transport, nbytes, seconds in self.window:
+            t = totals.setdefault(transport, [0.0, 0.0])
+            t[0] += nbytes
+            t[1] += seconds
+        return {k: b / s for k, (b, s) in totals.items()}
+
+
+def delta_of(seq: Sequence) -> TokenDelta:
+    """The delta for a sequence that just got one token (and maybe finished)."""
+    index = len(seq.output_ids) - 1
+    return TokenDelta(
+        seq.request_id, index, (seq.output_ids[-1],), (seq.output_logprobs[-1],), seq.finish_reason
+    )
+
+
+class WorkerCore:
+    """What every kind shares; subclasses handle their messages and what stepped sequences become."""
+
+    on_prefilled = "decode"
+
+    def __init__(self, spec: CoreSpec, profile: ProfileSource, kv_endpoint: str = "") -> None:
+        self.spec = spec
+        self.worker_id = spec.worker_id
+        self.kv_endpoint = kv_endpoint
+        self.profile = profile
+        self.tables = BlockTables(BlockPool(spec.num_blocks, spec.block_size))
+        sched = SchedulerConfig(
+            spec.max_batch_tokens, spec.max_running, spec.max_model_len, self.on_prefilled
+        )
+        self.scheduler = Scheduler(self.tables, sched)
+        self.kv_rates = KVRates()
+        self._recent_ms: deque[float] = deque(maxlen=32)
+        self.next_heartbeat = 0.0
+
+    # --- inputs ---------------------------------------------------------------------------------
+
+    def registration(self) -> Register:
+        s = self.spec
+        return Register(
+            s.worker_id, s.kind, s.pool, s.model, s.max_model_len, s.block_size, s.num_blocks,
+            self.kv_endpoint, s.pid, s.max_running, s.max_batch_tokens, s.kv_bytes_per_token,
+            self.profile.profile(force=True),
+        )  # fmt: skip
+
+    def handle(self, msg: object) -> Out:
+        """A control message from the router."""
+        if isinstance(msg, Abort):
+            return self.abort(msg.request_id, msg.reason)
+        return self.on_message(msg)
+
+    def on_message(self, msg: object) -> Out:
+        raise NotImplementedError
+
+    def abort(self, request_id: str, reason: str) -> Out:
+        self.scheduler.finish(request_id, reason)
+        return []
+
+    def schedule(self) -> Step | None:
+        """The next step's chunks, or ``None`` when there is nothing to run (idle, or short of blocks)."""
+        if not self.scheduler.has_work:
+            return None
+        chunks = self.scheduler.schedule()
+        return Step(chunks, step_shape(chunks)) if chunks else None
+
+    def complete(self, step: Step, sampled: list[tuple[int, float]], seconds: float) -> Out:
+        """The step ran for ``seconds``; ``sampled``: one (token, logprob) per chunk with ``sample``."""
+        self._recent_ms.append(seconds * 1e3)
+        self.profile.observe(step.shape, seconds)
+        changed = self.scheduler.complete(step.chunks, sampled)
+        return self.stepped(changed)
+
+    def stepped(self, changed: list[Sequence]) -> Out:
+        """Turns the sequences that got a token into messages."""
+        return self.outputs([delta_of(seq) for seq in changed])
+
+    def transfer_ended(self, result: TransferResult) -> Out:
+        return []
+
+    def kv_released(self, request_id: str) -> Out:
+        return []
+
+    def heartbeat(self, now: float) -> Heartbeat | None:
+        """This worker's load, if a heartbeat is due at ``now``."""
+        if now < self.next_heartbeat:
+            return None
+        self.next_heartbeat = now + self.spec.heartbeat_s
+        s, pool = self.scheduler, self.tables.pool
+        return Heartbeat(
+            self.worker_id,
+            s.queued_tokens,
+            len(s.running),
+            len(s.waiting) + len(s.awaiting_kv),
+            pool.num_free,
+            pool.num_blocks,
+            statistics.median(self._recent_ms) if self._recent_ms else 0.0,
+            s.context_tokens,
+            self.kv_rates.overall(),
+            self.profile.profile(),
+            self.kv_rates.per_transport(),
+        )
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # --- helpers --------------------------------------------------------------------------------
+
+    def outputs(self, deltas: list[TokenDelta]) -> Out:
+        return [StepOutputs(self.worker_id, tuple(deltas))] if deltas else []
+
+    def error(self, request_id: str, index: int, message: str) -> Out:
+        return self.outputs([TokenDelta(request_id, index, (), (), "error", message)])
+
+    def too_long(self, request_id: str, prompt_len: int) -> str:
+        """Why a prompt cannot run here (it must leave room for one token), or ``""``."""
+        if prompt_len < self.spec.max_model_len:
+            return ""
+        return f"prompt of {prompt_len} tokens does not fit this worker's {self.spec.max_model_len}"
