@@ -261,7 +261,9 @@ def comparison_md(report: dict[str, Any]) -> str:
                   "|---|---:|---:|---:|---:|"]
         for name, d in report["deployments"].items():
             g = d["goodput"]
-            lines.append(f"| {name} | {g['goodput_rps']} | {g['goodput_interpolated_rps']} | "
+            bounded = g.get("bounded", True)
+            rate = g["goodput_rps"] if bounded else f"not bounded (>= {g.get('lower_bound_rps')})"
+            lines.append(f"| {name} | {rate} | {g['goodput_interpolated_rps']} | "
                          f"{g['first_failing_rps']} | {len(g['trials'])} |")
     lines.append("")
     lines.append("Latencies in ms. Per-deployment details are in each deployment's folder.")

@@ -2,10 +2,14 @@
 meets both SLOs (DistServe's goodput), by replaying the same workload at several rates.
 
 Each trial replays the scaled workload squeezed or stretched to one mean rate; its files go to
-``--out/trials/rate-R/``. The search is a sweep over ``--rates`` (refined by bisection between the last
-passing and first failing rate while ``--max-trials`` allows) or, without ``--rates``, a bisection that
-starts from ``--rate-lo`` / ``--rate-hi``. Top-level outputs: ``report.json``, ``summary.md``,
-``attainment_vs_rate.png`` and TTFT / ITL CDFs of every trial.
+``--out/trials/rate-R/``. The search is a sweep over ``--rates`` (refined by bisection between the
+last passing and first failing rate while ``--max-trials`` allows) or, without ``--rates``, a
+bisection that starts from ``--rate-lo`` / ``--rate-hi``. A trial that meets the SLO without loading
+the server (its requests stopped arriving long before the server was done with them) is replayed
+with the workload repeated, up to ``--max-growth`` copies, until it misses the SLO or loads the
+server; a search in which no rate missed the SLO reports no goodput, only the rate it is at least.
+Top-level outputs: ``report.json``, ``summary.md``, ``attainment_vs_rate.png`` and TTFT / ITL CDFs
+of every trial.
 """
 
 from __future__ import annotations
@@ -16,13 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pdfabric.bench.goodput import SearchConfig
 from pdfabric.bench.options import add_client_arguments, add_slo_arguments, add_workload_arguments
 
 if TYPE_CHECKING:
     import asyncio
 
     from pdfabric.bench.client import ClientConfig
-    from pdfabric.bench.goodput import GoodputResult, SearchConfig
+    from pdfabric.bench.goodput import GoodputResult
     from pdfabric.bench.metrics import SLO
     from pdfabric.bench.prompts import PromptConfig
     from pdfabric.bench.records import RequestRecord
@@ -37,6 +42,13 @@ def add_search_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-trials", type=int, default=8, help="most replays in the search (default 8)")
     g.add_argument("--rel-tol", type=float, default=0.05,
                    help="stop bisecting when hi/lo - 1 is below this (default 0.05)")
+    add_growth_argument(g)
+
+
+def add_growth_argument(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--max-growth", type=int, default=SearchConfig.max_growth, metavar="K",
+                   help="a trial that meets the SLO without loading the deployment is replayed with the "
+                        f"workload repeated, up to K copies (default {SearchConfig.max_growth}; 1: never)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,8 +76,6 @@ class SearchRun:
 
 def search_config(args: argparse.Namespace) -> tuple[list[float] | None, SearchConfig]:
     """The sweep rates (if any) and the search settings from the flags; raises ``ValueError``."""
-    from pdfabric.bench.goodput import SearchConfig
-
     rates = None
     if args.rates:
         try:
@@ -74,7 +84,7 @@ def search_config(args: argparse.Namespace) -> tuple[list[float] | None, SearchC
             raise ValueError(f"--rates must be comma-separated numbers, got {args.rates!r}") from None
         if not rates or rates[0] <= 0:
             raise ValueError("--rates must hold rates > 0")
-    return rates, SearchConfig(target=args.target, rel_tol=args.rel_tol, max_trials=args.max_trials)
+    return rates, SearchConfig(args.target, args.rel_tol, args.max_trials, args.max_growth)
 
 
 async def search(
@@ -92,7 +102,7 @@ async def search(
 ) -> SearchRun:
     """Run the search, writing each trial into ``out/trials/rate-R``; ``label`` names it on stderr."""
     from pdfabric.bench.client import replay
-    from pdfabric.bench.goodput import GoodputResult, find_goodput, settle
+    from pdfabric.bench.goodput import GoodputResult, Trial, find_goodput, grown, settle
     from pdfabric.bench.options import client_meta
     from pdfabric.bench.progress import Progress
     from pdfabric.bench.prompts import PromptBuilder
@@ -102,10 +112,10 @@ async def search(
     label = label or client.model
     run = SearchRun(result=GoodputResult(target=cfg.target))
 
-    async def measure(rate: float) -> float:
+    async def measure(rate: float, copies: int) -> Trial:
         if stop.is_set():
             raise _Interrupted
-        w = base.with_rate(rate)
+        w = base.repeated(copies).with_rate(rate)
         bar = Progress(len(w), f"{label} @ {rate:g} req/s", enabled=progress)
         res = await replay(w, client, builder, stop, bar)
         if res.stopped == "interrupted":
@@ -118,13 +128,20 @@ async def search(
                   with_plots=False)
         run.trials[rate] = (report, res.records)
         run.warnings += [f"at {rate:g} req/s: {w}" for w in report["warnings"]]
-        att = report["attainment"] or 0.0
-        run.result.trials.append((rate, att))
-        print(f"{label} @ {rate:g} req/s: attainment {att:.1%}", file=sys.stderr)
-        return att
+        trial = Trial.of(res.records, slo)
+        loaded = "" if trial.loaded else " (did not load the server)"
+        print(f"{label} @ {rate:g} req/s, {len(w)} requests: attainment {trial.attainment:.1%}{loaded}",
+              file=sys.stderr)  # fmt: skip
+        return trial
 
+    async def recorded(rate: float) -> Trial:
+        trial = await grow(rate)
+        run.result.record(rate, trial)
+        return trial
+
+    grow = grown(measure, cfg)
     try:
-        await find_goodput(measure, rates, lo_hi, cfg)
+        await find_goodput(recorded, rates, lo_hi, cfg)
     except _Interrupted:
         run.stopped = "interrupted"
     settle(run.result)
@@ -196,8 +213,8 @@ def run(args: argparse.Namespace) -> int:
     plots.cdf({k: [g for x in v for g in x.itl_ms] for k, v in by_rate.items()},
               out / "itl_cdf.png", "inter-token latency by rate", "inter-token gap (ms)", slo.itl_ms)
     g = report["goodput"]
-    print(f"goodput: {rps(g['goodput_rps'])} "
-          f"(interpolated {g['goodput_interpolated_rps']}), report: {out}")
+    interpolated = f" (interpolated {g['goodput_interpolated_rps']})" if g["goodput_rps"] is not None else ""
+    print(f"goodput: {sr.result.describe()}{interpolated}, report: {out}")
     for w in report["warnings"]:
         print(f"warning: {w}", file=sys.stderr)
     return 130 if sr.stopped == "interrupted" else 0
@@ -228,7 +245,10 @@ def summary_md(report: dict[str, Any], label: str) -> str:
         f"target {g['target']:.0%} of requests",
         f"- goodput: **{rps(g['goodput_rps'])}** "
         f"(highest passing rate measured; interpolated {g['goodput_interpolated_rps']}; "
-        f"first failing rate {g['first_failing_rps']})",
+        f"first failing rate {g['first_failing_rps']})"
+        if g.get("bounded", True) else
+        f"- goodput: **not bounded**: no rate tried missed the target (it is at least "
+        f"{rps(g.get('lower_bound_rps'))}); replay more requests or allow more growth (--max-growth)",
         "",
         "| rate (req/s) | attainment | ok / sent | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) |",
         "|---:|---:|---:|---:|---:|",

@@ -3,22 +3,28 @@
 Reads profile files (``pdfabric profile``), one per worker kind or one for all, and a workload (the
 ``bench replay`` workload and scaling flags). With ``--workers W`` it reports the candidate of W
 workers with the highest simulated goodput; with ``--rate R`` the fewest workers whose best
-candidate meets the attainment target at R req/s. Writes, with ``--out DIR``: ``plan.json`` (every
-candidate), ``plan.toml`` (the chosen deployment, for ``pdfabric serve --config``) and
-``attainment_vs_rate.png`` (the best few candidates).
+candidate meets the attainment target at R req/s. A trial that meets the target without loading a
+candidate is simulated again with the workload repeated (up to ``--max-growth`` copies); a candidate
+that never misses the target has no goodput, only a lower bound, and is not chosen. Writes, with
+``--out DIR``: ``plan.json`` (every candidate), ``plan.toml`` (the chosen deployment, for ``pdfabric
+serve --config``) and ``attainment_vs_rate.png`` (the best few candidates). With ``--json`` the one
+JSON document on standard output is the chosen deployment; progress and notes go to standard error.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pdfabric.bench.goodput_cmd import add_growth_argument
 from pdfabric.bench.metrics import ITL_STATS
 from pdfabric.bench.options import add_workload_arguments
+from pdfabric.config import worker_default
 
 if TYPE_CHECKING:
     from pdfabric.bench.planner import Evaluation, Plan, PlanSettings
@@ -94,7 +100,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="all",
         help="candidate shapes: prefill+decode splits, colocated, or both (default all)",
     )
-    c.add_argument("--kv-memory-mb", type=int, default=256, help="KV-cache budget per worker (default 256)")
+    kv_mb = worker_default("kv_memory_mb")
+    c.add_argument("--kv-memory-mb", type=int, default=kv_mb, help=f"KV MB per worker (default {kv_mb})")
     c.add_argument("--transport", help="KV transport whose measured rate to use (default: zmq-tcp, what "
                    "workers use, when every profile measured it, else each profile's fastest)")
     s = parser.add_argument_group("rate search (per candidate)")
@@ -106,8 +113,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.05,
         help="stop bisecting when hi/lo - 1 is below this (default 0.05)",
     )
+    add_growth_argument(s)
     parser.add_argument("--out", metavar="DIR", help="write plan.json, plan.toml and attainment_vs_rate.png")
-    parser.add_argument("--json", action="store_true", help="print the chosen deployment as JSON")
+    parser.add_argument(
+        "--json", action="store_true", help="print the chosen deployment as one JSON document (notes: stderr)"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
 
 
@@ -140,7 +150,7 @@ def settings_from_args(args: argparse.Namespace) -> PlanSettings:
     rates, search = search_config(args)
     return PlanSettings(
         slo=SLO(args.ttft_slo_ms, args.itl_slo_ms, args.itl_stat),
-        search=SearchConfig(search.target, search.rel_tol, search.max_trials),
+        search=SearchConfig(search.target, search.rel_tol, search.max_trials, search.max_growth),
         rates=tuple(rates or ()),
         max_running=_ints(args.max_running, "--max-running"),
         chunk_tokens=_ints(args.chunk_tokens, "--chunk-tokens"),
@@ -212,6 +222,8 @@ def run(args: argparse.Namespace) -> int:
     chosen = plan_summary(plan, settings, profiles)
     if args.json:
         print(json.dumps(chosen, indent=2))
+        for note in plan.notes:
+            print(f"note: {note}", file=sys.stderr)
     else:
         print(table(plan, settings))
         for note in plan.notes:
@@ -225,12 +237,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def plan_summary(plan: Plan, settings: PlanSettings, profiles: list[ProfileFile]) -> dict[str, Any]:
-    """The chosen deployment as ``--json`` prints it (counts, caps, goodput, attainment, latencies)."""
+    """The chosen deployment as ``--json`` prints it (counts, caps, goodput, attainment, latencies),
+    and the candidates whose goodput could not be bounded, each with its lower bound."""
+    unbounded = [{"name": ev.candidate.name, "lower_bound_rps": ev.result.lower_bound}
+                 for ev in plan.evaluations if not ev.result.bounded and ev.result.trials]  # fmt: skip
+    common = {"rate_rps": plan.rate, "headline": headline(plan, settings), "unbounded": unbounded,
+              "notes": plan.notes}  # fmt: skip
     if plan.best is None:
         return {"prefill": None, "decode": None, "colocated": None, "goodput_rps": None, "attainment": None,
-                "max_running": None, "chunk_tokens": None, "workers": None, "rate_rps": plan.rate,
-                "notes": plan.notes}  # fmt: skip
-    return {**plan.best.to_json(settings.slo), "rate_rps": plan.rate, "notes": plan.notes}
+                "max_running": None, "chunk_tokens": None, "workers": None, **common}  # fmt: skip
+    return {**plan.best.to_json(settings.slo), **common}
 
 
 def _num(x: float | None, fmt: str) -> str:
@@ -249,7 +265,7 @@ def table(plan: Plan, settings: PlanSettings) -> str:
         st = ev.stats(settings.slo)
         mark = "*" if ev is plan.best else " "
         lines.append(
-            f"{mark} {ev.candidate.name:<20} {ev.candidate.workers:>7} {_num(ev.goodput, '9.3g')} "
+            f"{mark} {ev.candidate.name:<20} {ev.candidate.workers:>7} {ev.bounded_or_lower:>9} "
             f"{_num(ev.goodput_per_worker, '10.3g')} {_num(st['attainment'], '7.1%')} "
             f"{_num(st['ttft_p90_ms'], '9.1f')} {_num(st['itl_p90_ms'], '8.2f')}"
         )
@@ -258,6 +274,9 @@ def table(plan: Plan, settings: PlanSettings) -> str:
 
 def headline(plan: Plan, settings: PlanSettings) -> str:
     if plan.best is None:
+        if any(not ev.result.bounded and ev.result.trials for ev in plan.evaluations):
+            return ("no goodput: the rate could not be bounded: no candidate missed the target at any rate "
+                    "tried, even with the workload grown (see the notes)")  # fmt: skip
         return "no candidate met the attainment target at any rate tried (loosen the SLO or add workers)"
     b, c = plan.best, plan.best.candidate
     shape = f"{c.colocated} colocated" if c.colocated else f"{c.prefill} prefill + {c.decode} decode"

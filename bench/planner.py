@@ -3,8 +3,10 @@
 A candidate is a deployment shape: ``p`` prefill + ``d`` decode workers, or ``c`` colocated ones,
 with a decode batch cap (``max_running``) and a chunk budget (``max_batch_tokens``). Its goodput is
 found as ``pdfabric bench goodput`` finds a server's (``bench.goodput``: sweep and bisection, same
-settle rule), but each trial is a simulation (``bench.simulator``) of the workload rescaled to the
-trial's rate (``Workload.with_rate``), judged with ``bench.metrics`` (same SLO and ITL statistic).
+settle rule, the same growth of a workload too small to load it), but each trial is a simulation
+(``bench.simulator``) of the workload, repeated as needed, rescaled to the trial's rate
+(``Workload.with_rate``), judged with ``bench.metrics`` (same SLO and ITL statistic). A candidate
+whose search never missed the target has no goodput, only a lower bound, and is never chosen.
 
 1. ``candidates(W)``: every split ``p + d = W`` (p, d >= 1) and ``W`` colocated, times each cap;
 2. ``evaluate``: a candidate's goodput search, keeping each trial's records;
@@ -22,8 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pdfabric.bench.goodput import GoodputResult, SearchConfig, find_goodput, settle
-from pdfabric.bench.metrics import SLO, attainment, summarize
+from pdfabric.bench.goodput import GoodputResult, Measure, SearchConfig, Trial, find_goodput, grown, settle
+from pdfabric.bench.metrics import SLO, summarize
 from pdfabric.bench.records import RequestRecord
 from pdfabric.bench.workload import Workload
 from pdfabric.config import ServeConfig, WorkerConfig, WorkerGroup
@@ -64,7 +66,7 @@ class PlanSettings:
     rates: tuple[float, ...] = ()  # swept first (then bisected between pass and fail); (): bisect only
     max_running: tuple[int, ...] = ()  # decode batch caps; (): DEFAULT_CAPS up to the profile's limit
     chunk_tokens: tuple[int, ...] = ()  # prefill chunk budgets; (): the profile's measured limit
-    kv_memory_mb: int = 256
+    kv_memory_mb: int = WorkerConfig.kv_memory_mb
     transport: str | None = None  # KV transport whose measured rate is used (None: the fastest)
     colocated: bool = True  # try colocated candidates
     disaggregated: bool = True  # try prefill + decode splits
@@ -92,6 +94,13 @@ class Evaluation:
     @property
     def goodput(self) -> float | None:
         return self.result.goodput
+
+    @property
+    def bounded_or_lower(self) -> str:
+        """The goodput as a table cell: the rate, ``>= R`` when not bounded, else ``-``."""
+        if self.result.goodput is not None:
+            return f"{self.result.goodput:.3g}"
+        return f">={self.result.lower_bound:.3g}" if self.result.lower_bound is not None else "-"
 
     @property
     def goodput_per_worker(self) -> float | None:
@@ -249,23 +258,36 @@ def evaluate(
 ) -> Evaluation:
     """The candidate's goodput: a sweep of ``settings.rates`` refined by bisection, or a bisection
     from its capacity estimate; every trial a simulation of ``workload`` rescaled to the rate."""
-    serve = deployment(candidate, profiles, settings)
     ev = Evaluation(candidate, GoodputResult(target=settings.search.target))
     cfg = settings.search
-
-    async def measure(rate: float) -> float:
-        if rate not in ev.records:
-            ev.records[rate] = simulate(serve, workload.with_rate(rate))
-        return attainment(ev.records[rate], settings.slo) or 0.0
-
+    serve = deployment(candidate, profiles, settings)
+    measure = trial_measure(serve, workload, settings, simulate, ev.records)
     est = capacity_estimate(candidate, profiles, workload) if not settings.rates else 0.0
     ev.result = settle(asyncio.run(find_goodput(measure, list(settings.rates), (est / 2, est), cfg)))
-    ev.at_rate = ev.result.goodput
+    ev.at_rate = ev.result.goodput if ev.result.goodput is not None else ev.result.lower_bound
     return ev
 
 
+def trial_measure(
+    serve: ServeConfig,
+    workload: Workload,
+    settings: PlanSettings,
+    simulate: Simulate,
+    records: dict[float, list[RequestRecord]],
+) -> Measure:
+    """The search's ``Measure`` for one deployment: a simulation of ``workload`` at the rate, grown
+    (``bench.goodput.grown``) until it misses the target or loads the deployment; ``records`` keeps
+    each rate's last run."""
+
+    async def run(rate: float, copies: int) -> Trial:
+        records[rate] = simulate(serve, workload.repeated(copies).with_rate(rate))
+        return Trial.of(records[rate], settings.slo)
+
+    return grown(run, settings.search)
+
+
 def _rank(ev: Evaluation) -> tuple[float, float]:
-    return (ev.goodput or 0.0, ev.result.interpolated or 0.0)
+    return (ev.goodput or ev.result.lower_bound or 0.0, ev.result.interpolated or 0.0)
 
 
 def plan_for_workers(
@@ -291,18 +313,23 @@ def plan_for_workers(
             on_done(evals[-1], i + 1, len(cands))
     passing = [e for e in evals if e.goodput is not None]
     best = max(passing, key=_rank) if passing else None
-    notes += _unbounded(evals)
+    notes += _unbounded(evals, chosen=False)
     return Plan(evals, best, notes=notes)
 
 
-def _unbounded(evals: list[Evaluation]) -> list[str]:
-    """Notes for searches that never failed: the workload is too small to load those candidates."""
-    names = [e.candidate.name for e in evals if e.goodput is not None and e.result.first_fail is None]
-    if not names:
+def _unbounded(evals: list[Evaluation], chosen: bool) -> list[str]:
+    """Notes for searches that never missed the target: the workload, even grown, was too small to
+    load those candidates, so their rate could not be bounded."""
+    unbounded = [e for e in evals if not e.result.bounded and (e.result.lower_bound or e.result.unloaded)]
+    if not unbounded:
         return []
+    most = max((n for e in unbounded for n in e.result.requests.values()), default=0)
+    names = ", ".join(f"{e.candidate.name} ({e.bounded_or_lower})" for e in unbounded)
+    why = "" if chosen else ", so none of them is chosen"
     return [
-        f"{', '.join(names)}: met the target at every rate tried (up to the whole workload at once); "
-        "their goodput is a lower bound: give more requests (--num-requests, --max-requests)"
+        f"{names}: met the target at every rate tried, with trials of up to {most} requests; their "
+        f"goodput could not be bounded{why}: give more requests (--num-requests, --max-requests) or "
+        "allow more growth (--max-growth)"
     ]
 
 
@@ -326,27 +353,27 @@ def plan_for_rate(
     notes: list[str] = []
     caps(profiles, settings, notes)
     sim = simulate or default_simulate(profiles, settings.transport)
-    at_rate = workload.with_rate(rate)
     evals: list[Evaluation] = []
     for w in range(1, max_workers + 1):
         cands = candidates(w, profiles, settings)
         meets = []
         for i, c in enumerate(cands):
-            records = sim(deployment(c, profiles, settings), at_rate)
-            att = attainment(records, settings.slo) or 0.0
-            one = settle(GoodputResult(settings.search.target, [(rate, att)]))
-            ev = Evaluation(c, one, {rate: records}, rate)
-            if att >= settings.search.target:
+            records: dict[float, list[RequestRecord]] = {}
+            measure = trial_measure(deployment(c, profiles, settings), workload, settings, sim, records)
+            one = GoodputResult(settings.search.target)
+            met = one.record(rate, asyncio.run(measure(rate)))  # loaded, or it counts as not met
+            ev = Evaluation(c, settle(one), records, rate)
+            if met:
                 full = evaluate(c, workload, profiles, settings, sim)
-                full.records.setdefault(rate, records)
+                full.records.setdefault(rate, records[rate])
                 if rate not in dict(full.result.trials):
-                    full.result.trials.append((rate, att))
+                    full.result.record(rate, Trial.of(records[rate], settings.slo))
                 ev = Evaluation(c, settle(full.result), full.records, rate)
                 meets.append(ev)
             evals.append(ev)
             if on_done:
                 on_done(ev, i + 1, len(cands))
         if meets:
-            return Plan(evals, max(meets, key=_rank), rate, notes + _unbounded(meets))
+            return Plan(evals, max(meets, key=_rank), rate, notes + _unbounded(meets, chosen=True))
     notes.append(f"no deployment of up to {max_workers} workers meets the target at {rate:g} req/s")
     return Plan(evals, None, rate, notes)

@@ -44,8 +44,7 @@ def find_searches(root: Path) -> dict[str, Path]:
 
 def rescore(search_dir: Path, slo: Any, target: float) -> dict[str, Any]:
     """One search's trials judged by ``slo``: each rate's attainment and the goodput they support."""
-    from pdfabric.bench.goodput import GoodputResult, settle
-    from pdfabric.bench.metrics import attainment
+    from pdfabric.bench.goodput import GoodputResult, Trial, settle
     from pdfabric.bench.records import read_jsonl
 
     res = GoodputResult(target=target)
@@ -53,19 +52,20 @@ def rescore(search_dir: Path, slo: Any, target: float) -> dict[str, Any]:
         match = _TRIAL.match(trial.name)
         if not match or not (trial / "requests.jsonl").is_file():
             continue
-        att = attainment(read_jsonl(trial / "requests.jsonl"), slo)
-        res.trials.append((float(match.group(1)), 0.0 if att is None else att))
+        res.record(float(match.group(1)), Trial.of(read_jsonl(trial / "requests.jsonl"), slo))
     settle(res)
     out = res.to_json()
-    out["at_least"] = res.goodput is not None and res.first_fail is None
+    out["at_least"] = not res.bounded and res.lower_bound is not None
     return out
 
 
 def _goodput_text(r: dict[str, Any]) -> str:
-    """``1.5``, ``>= 3`` (no measured rate failed) or ``< 0.25`` (none passed: below the lowest)."""
+    """``1.5``, ``>= 3`` (no measured rate failed: not bounded) or ``< 0.25`` (none passed)."""
+    if r["at_least"]:
+        return f">= {r['lower_bound_rps']:g}"
     if r["goodput_rps"] is None:
         return f"< {min(t['rate'] for t in r['trials']):g}" if r["trials"] else "none"
-    return f"{'>= ' if r['at_least'] else ''}{r['goodput_rps']:g}"
+    return f"{r['goodput_rps']:g}"
 
 
 def run(args: argparse.Namespace) -> int:

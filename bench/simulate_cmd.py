@@ -199,8 +199,8 @@ def _goodput(
     import asyncio
 
     from pdfabric.bench import plots
-    from pdfabric.bench.goodput import find_goodput
-    from pdfabric.bench.goodput_cmd import SearchRun, rps, search_report, summary_md
+    from pdfabric.bench.goodput import Trial, find_goodput, grown
+    from pdfabric.bench.goodput_cmd import SearchRun, search_report, summary_md
     from pdfabric.bench.records import OK
     from pdfabric.bench.report import build_report, write_json, write_run
     from pdfabric.bench.simulator import simulate
@@ -208,8 +208,8 @@ def _goodput(
     rates, cfg = search
     trials: dict[float, tuple[dict[str, Any], list[Any]]] = {}
 
-    async def measure(rate: float) -> float:
-        w = workload.with_rate(rate)
+    async def measure(rate: float, copies: int) -> Trial:
+        w = workload.repeated(copies).with_rate(rate)
         start = time.perf_counter()
         records = simulate(config, w, _progress(len(w), f"{label} @ {rate:g} req/s", progress))
         trial_meta = {
@@ -223,11 +223,13 @@ def _goodput(
         write_run(trial_dir, records, report, slo, f"{rate:g} req/s", with_plots=False)
         _mark(trial_dir / "summary.md", meta)
         trials[rate] = (report, records)
-        att = report["attainment"] or 0.0
-        print(f"{label} @ {rate:g} req/s: attainment {att:.1%}", file=sys.stderr)
-        return att
+        trial = Trial.of(records, slo)
+        loaded = "" if trial.loaded else " (did not load the deployment)"
+        print(f"{label} @ {rate:g} req/s, {len(w)} requests: attainment {trial.attainment:.1%}{loaded}",
+              file=sys.stderr)  # fmt: skip
+        return trial
 
-    result = asyncio.run(find_goodput(measure, rates, lo_hi, cfg))
+    result = asyncio.run(find_goodput(grown(measure, cfg), rates, lo_hi, cfg))
     report = search_report(
         SearchRun(result=result, trials=trials), slo, {**meta, "command": "simulate goodput"}
     )
@@ -258,10 +260,8 @@ def _goodput(
         slo.itl_ms,
     )
     g = report["goodput"]
-    print(
-        f"simulated goodput: {rps(g['goodput_rps'])} (interpolated {g['goodput_interpolated_rps']}), "
-        f"report: {out}"
-    )
+    interpolated = f" (interpolated {g['goodput_interpolated_rps']})" if g["goodput_rps"] is not None else ""
+    print(f"simulated goodput: {result.describe()}{interpolated}, report: {out}")
     return 0
 
 

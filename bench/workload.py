@@ -83,6 +83,26 @@ class Workload:
         reqs = tuple(replace(r, arrival_s=(r.arrival_s - t0) * factor) for r in self.requests)
         return replace(self, requests=reqs, scaling={**self.scaling, "target_rate": rate})
 
+    def repeated(self, copies: int) -> Workload:
+        """The requests ``copies`` times over, each copy starting one mean gap after the previous one
+        ends: the same mean rate and arrival shape, lasting ``copies`` times as long (the goodput
+        search grows a workload too small to load a deployment this way)."""
+        if copies < 1:
+            raise ValueError(f"copies must be >= 1, got {copies}")
+        if copies == 1:
+            return self
+        rate = self.mean_rate()
+        if rate in (0.0, float("inf")):
+            raise ValueError(f"workload {self.name!r} has no arrival span to repeat")
+        period = self.span_s + 1.0 / rate
+        t0 = self.requests[0].arrival_s
+        reqs = tuple(
+            replace(r, index=k * len(self.requests) + i, arrival_s=(r.arrival_s - t0) + k * period)
+            for k in range(copies)
+            for i, r in enumerate(self.requests)
+        )
+        return replace(self, requests=reqs, scaling={**self.scaling, "repeated": copies})
+
     def describe(self) -> dict[str, Any]:
         """Counts and length totals for reports."""
         n = len(self.requests)

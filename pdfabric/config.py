@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import tomllib
-from dataclasses import dataclass, field, fields, replace
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -12,11 +14,9 @@ from pdfabric.kvtransfer.config import CHOICES as KV_TRANSPORTS
 from pdfabric.router.routes import PredictorConfig
 from pdfabric.router.slo import AdmissionConfig
 
-# [worker] keys a deployment config may set (the rest are fixed by the launcher).
-_WORKER_KEYS = frozenset(
-    {"pool", "block_size", "num_blocks", "kv_memory_mb", "max_batch_tokens", "max_running", "kv_host",
-     "heartbeat_s", "device", "threads", "profile_seconds", "kv_transport"}
-)  # fmt: skip
+# WorkerConfig fields a deployment's [worker] and [[workers]] tables may not set: the launcher fixes
+# them per process (kind, join, worker_id) or takes them from [serve] (model, dtype).
+_PER_PROCESS = frozenset({"kind", "join", "model", "dtype", "worker_id"})
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,10 @@ class WorkerConfig:
                 f"kv_transport must be one of {', '.join(KV_TRANSPORTS)}, got {self.kv_transport!r}"
             )
 
+    def to_json(self) -> str:
+        """Every field, as the one JSON object ``worker_config_from_json`` reads back."""
+        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}, separators=(",", ":"))
+
     def kv_blocks(self, kv_bytes_per_token: int) -> int:
         """The KV blocks this worker allocates for a model whose tokens take ``kv_bytes_per_token``:
         ``num_blocks`` if set, else as many as ``kv_memory_mb`` holds (the worker and the simulator
@@ -70,6 +74,58 @@ class WorkerConfig:
         if budget < block:
             raise ValueError(f"a KV budget of {budget} bytes holds no block of {block} bytes")
         return budget // block
+
+
+WORKER_KEYS = frozenset(f.name for f in fields(WorkerConfig)) - _PER_PROCESS  # [worker] table keys
+# The Python types a WorkerConfig field accepts, by its annotation (bool is refused where int is asked).
+_TYPES: dict[str, tuple[type, ...]] = {
+    "int": (int,), "float": (int, float), "str": (str,), "str | None": (str, type(None)),
+}  # fmt: skip
+
+
+def worker_default(name: str) -> Any:
+    """A ``WorkerConfig`` field's default: what flag help texts quote, so it is written once."""
+    f = next(f for f in fields(WorkerConfig) if f.name == name)
+    if f.default is MISSING:
+        raise ValueError(f"WorkerConfig.{name} has no default")
+    return f.default
+
+
+def worker_config(
+    table: Mapping[str, Any], base: WorkerConfig, allowed: frozenset[str], where: str
+) -> WorkerConfig:
+    """``base`` with the settings in ``table``: the one loader for a deployment's ``[worker]`` and
+    ``[[workers]]`` tables and for the serialized config a worker process receives. A key outside
+    ``allowed`` or a value of the wrong type is a ``ValueError`` naming it (``where`` says where);
+    the values themselves are checked by ``WorkerConfig.__post_init__``."""
+    bad = set(table) - allowed
+    if bad:
+        raise ValueError(f"unknown key(s) in {where}: {', '.join(sorted(bad))}")
+    annotations = {f.name: str(f.type) for f in fields(WorkerConfig)}
+    for key, value in table.items():
+        types = _TYPES[annotations[key]]
+        if isinstance(value, bool) or not isinstance(value, types):
+            want = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+            raise ValueError(f"{where}: {key} must be {want}, got {value!r}")
+    return replace(base, **table)
+
+
+def worker_config_from_json(text: str) -> WorkerConfig:
+    """The ``WorkerConfig`` that ``WorkerConfig.to_json`` wrote, through the deployment's loader; every
+    field must be present, so that the sending and the receiving side never fill in a default each."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"worker config is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError("worker config must be a JSON object")
+    every = frozenset(f.name for f in fields(WorkerConfig))
+    missing = every - set(data)
+    if missing:
+        raise ValueError(f"worker config lacks {', '.join(sorted(missing))}")
+    if not isinstance(data["kind"], str):
+        raise ValueError(f"worker config: kind must be str, got {data['kind']!r}")
+    return worker_config(data, WorkerConfig(kind=data["kind"]), every, "worker config")
 
 
 @dataclass(frozen=True)
@@ -133,7 +189,8 @@ class ServeConfig:
         return own + sum(g.count for g in self.groups if g.kind == kind)
 
     def launch_plan(self) -> list[tuple[str, WorkerConfig]]:
-        """(worker id, config) of every worker to start: the default pool's, then each group's."""
+        """(worker id, config) of every worker to start: the default pool's, then each group's; each
+        config whole but for ``join`` (known once the router is bound) and ``threads`` when 0."""
         plan: list[tuple[str, WorkerConfig]] = []
         seen: dict[str, int] = {}
         for kind in KINDS:
@@ -146,7 +203,8 @@ class ServeConfig:
         for prefix, w in plan:
             n = seen.get(prefix, 0)
             seen[prefix] = n + 1
-            out.append((f"{prefix}-{n}", w))
+            worker_id = f"{prefix}-{n}"
+            out.append((worker_id, replace(w, worker_id=worker_id, model=self.model, dtype=self.dtype)))
         return out
 
 
@@ -164,10 +222,9 @@ def load_serve_config(path: str | Path | None, overrides: dict[str, Any]) -> Ser
     serve_keys = {f.name for f in fields(ServeConfig)} - {"worker", "groups", "routing", "predictor"}
     serve = dict(data.get("serve", {}))
     worker = dict(data.get("worker", {}))
-    for table, allowed, name in ((serve, serve_keys, "serve"), (worker, _WORKER_KEYS, "worker")):
-        bad = set(table) - allowed
-        if bad:
-            raise ValueError(f"{path}: unknown key(s) in [{name}]: {', '.join(sorted(bad))}")
+    bad = set(serve) - serve_keys
+    if bad:
+        raise ValueError(f"{path}: unknown key(s) in [serve]: {', '.join(sorted(bad))}")
     given = {k: v for k, v in overrides.items() if v is not None}
     policy = given.pop("routing_policy", None)
     counts = ("prefill", "decode", "colocated")
@@ -178,15 +235,16 @@ def load_serve_config(path: str | Path | None, overrides: dict[str, Any]) -> Ser
         serve.update({k: serve.get(k, 0) for k in counts})
     for key, value in given.items():
         (serve if key in serve_keys else worker)[key] = value
-    model, dtype = serve.get("model", "tiny"), serve.get("dtype")
-    base = WorkerConfig(kind="colocated", model=model, dtype=dtype, **worker)
     try:
+        model, dtype = serve.get("model", ServeConfig.model), serve.get("dtype")
+        first = WorkerConfig("colocated", model=model, dtype=dtype)
+        base = worker_config(worker, first, WORKER_KEYS, "[worker]")
         groups = tuple(_group(base, t) for t in data.get("workers", ()))
         routing, predictor = _routing(data.get("routing", {}))
         if policy is not None:
             routing = replace(routing, policy=policy)
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"{path}: {exc}") from None
+        raise ValueError(f"{path}: {exc}" if path is not None else str(exc)) from None
     return ServeConfig(**serve, worker=base, groups=groups, routing=routing, predictor=predictor)
 
 
@@ -194,13 +252,11 @@ def _group(base: WorkerConfig, table: Any) -> WorkerGroup:
     """One ``[[workers]]`` table: ``kind``, ``count`` (default 1) and any ``[worker]`` key."""
     if not isinstance(table, dict):
         raise ValueError("[[workers]] entries must be tables")
-    bad = set(table) - _WORKER_KEYS - {"kind", "count"}
-    if bad:
-        raise ValueError(f"unknown key(s) in [[workers]]: {', '.join(sorted(bad))}")
     if "kind" not in table:
         raise ValueError("[[workers]] needs a kind (prefill, decode or colocated)")
     settings = {k: v for k, v in table.items() if k != "count"}
-    return WorkerGroup(replace(base, **settings), table.get("count", 1))
+    worker = worker_config(settings, base, WORKER_KEYS | {"kind"}, "[[workers]]")
+    return WorkerGroup(worker, table.get("count", 1))
 
 
 def _routing(table: Any) -> tuple[AdmissionConfig, PredictorConfig]:

@@ -17,30 +17,39 @@ import os
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from pdfabric.config import ServeConfig, WorkerConfig, load_serve_config
+from pdfabric.config import ServeConfig, WorkerConfig, load_serve_config, worker_default
 from pdfabric.control import KINDS
 
 log = logging.getLogger("pdfabric.serve")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="TOML deployment config (see configs/)")
-    parser.add_argument("--model", help="model directory or preset: tiny (default), cpu-small")
+    w = worker_default
+    parser.add_argument("--config", help="TOML deployment config (see configs/); the flags below override it")
+    parser.add_argument("--model", help=f"model directory or preset (default {ServeConfig.model})")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--prefill", type=int, help="prefill workers")
     parser.add_argument("--decode", type=int, help="decode workers")
     parser.add_argument("--colocated", type=int, help="colocated workers (prefill and decode in one)")
-    parser.add_argument("--host", help="HTTP address (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, help="HTTP port (default 8000; 0 picks a free one)")
+    parser.add_argument("--host", help=f"HTTP address (default {ServeConfig.host})")
+    parser.add_argument("--port", type=int, help=f"HTTP port (default {ServeConfig.port}; 0: a free one)")
     parser.add_argument("--control-port", type=int, help="router control port workers join (default: free)")
-    parser.add_argument("--kv-memory-mb", type=int, help="KV-cache budget per worker (default 256)")
+    parser.add_argument("--kv-memory-mb", type=int, help=f"KV MB per worker (default {w('kv_memory_mb')})")
     parser.add_argument("--num-blocks", type=int, help="KV blocks per worker (overrides --kv-memory-mb)")
-    parser.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
-    parser.add_argument("--max-batch-tokens", type=int, help="tokens per worker step (default 512)")
-    parser.add_argument("--max-running", type=int, help="sequences decoding at once per worker (default 64)")
-    parser.add_argument("--profile-seconds", type=float, help="start-up profiling time per worker (s)")
+    parser.add_argument("--block-size", type=int, help=f"tokens per KV block (default {w('block_size')})")
+    parser.add_argument(
+        "--max-batch-tokens", type=int, help=f"tokens per worker step (default {w('max_batch_tokens')})"
+    )
+    parser.add_argument(
+        "--max-running", type=int, help=f"sequences decoding at once per worker (default {w('max_running')})"
+    )
+    parser.add_argument(
+        "--profile-seconds",
+        type=float,
+        help=f"start-up profiling time per worker, s (default {w('profile_seconds'):g})",
+    )
     parser.add_argument("--served-model-name", help="the model name clients use (default: --model)")
     parser.add_argument(
         "--routing-policy",
@@ -111,23 +120,15 @@ class WorkerProcess:
     proc: subprocess.Popen[bytes]
 
 
-def worker_command(cfg: ServeConfig, w: WorkerConfig, worker_id: str, join: str, log_level: str) -> list[str]:
-    flags = {
-        "--kind": w.kind, "--join": join, "--model": cfg.model, "--pool": w.pool, "--worker-id": worker_id,
-        "--block-size": w.block_size, "--num-blocks": w.num_blocks, "--kv-memory-mb": w.kv_memory_mb,
-        "--max-batch-tokens": w.max_batch_tokens, "--max-running": w.max_running, "--kv-host": w.kv_host,
-        "--parent-pid": os.getpid(), "--log-level": log_level, "--profile-seconds": w.profile_seconds,
-        "--device": w.device, "--kv-transport": w.kv_transport,
-    }  # fmt: skip
-    if cfg.dtype:
-        flags["--dtype"] = cfg.dtype
+def worker_command(cfg: ServeConfig, w: WorkerConfig, join: str, log_level: str) -> list[str]:
+    """The command that starts one worker of the launch plan: its whole config as one JSON object
+    (``pdfabric worker --worker-config``), with the router's address and its share of the cores."""
     # Workers on one host share its cores; each taking all of them oversubscribes the CPU badly.
     workers = sum(cfg.count(kind) for kind in KINDS)
-    flags["--threads"] = w.threads or max(1, (os.cpu_count() or 1) // workers)
-    cmd = [sys.executable, "-m", "pdfabric.cli", "worker"]
-    for flag, value in flags.items():
-        cmd += [flag, str(value)]
-    return cmd
+    threads = w.threads or max(1, (os.cpu_count() or 1) // workers)
+    whole = replace(w, join=join, threads=threads)
+    return [sys.executable, "-m", "pdfabric.cli", "worker", "--worker-config", whole.to_json(),
+            "--parent-pid", str(os.getpid()), "--log-level", log_level]  # fmt: skip
 
 
 async def serve(
@@ -149,7 +150,7 @@ async def serve(
     runner: web.AppRunner | None = None
     try:
         for worker_id, worker in cfg.launch_plan():
-            cmd = worker_command(cfg, worker, worker_id, dispatcher.address, log_level)
+            cmd = worker_command(cfg, worker, dispatcher.address, log_level)
             workers.append(WorkerProcess(worker_id, worker.kind, subprocess.Popen(cmd)))
         await _wait_ready(dispatcher, workers, ready_timeout)
         runner = web.AppRunner(build_app(cfg, dispatcher, tokenizer), handler_cancellation=True)

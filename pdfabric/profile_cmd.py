@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pdfabric.config import worker_default
 from pdfabric.control import KINDS
 from pdfabric.profile_file import ANY
 
@@ -39,7 +40,8 @@ TRANSFER_PROMPTS = (128, 512, 2048)  # prompt lengths (tokens) whose KV is timed
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help="model directory or preset (default tiny)")
+    w = worker_default  # the worker settings measured default to what a worker runs with
+    parser.add_argument("--model", default=w("model"), help=f"model dir or preset (default {w('model')})")
     parser.add_argument(
         "--out", default="profile.json", metavar="FILE", help="profile file to write (default profile.json)"
     )
@@ -61,18 +63,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "worker will get (0: torch's default, all cores)",
     )
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
-    parser.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda or cuda:N")
+    parser.add_argument("--device", default=w("device"), help="auto (cuda when present), cpu, cuda or cuda:N")
     parser.add_argument(
         "--max-batch-tokens",
         type=int,
-        default=512,
-        help="largest prefill chunk (tokens per step) to measure (default 512)",
+        default=w("max_batch_tokens"),
+        help=f"largest prefill chunk (tokens per step) to measure (default {w('max_batch_tokens')})",
     )
     parser.add_argument(
-        "--max-running", type=int, default=64, help="largest decode batch to measure (default 64)"
+        "--max-running",
+        type=int,
+        default=w("max_running"),
+        help=f"largest decode batch to measure (default {w('max_running')})",
     )
-    parser.add_argument("--kv-memory-mb", type=int, default=256, help="KV-cache budget (default 256)")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    for name, text in (("kv_memory_mb", "KV-cache budget, MB"), ("block_size", "tokens per KV block")):
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(flag, type=int, default=w(name), help=f"{text} (default {w(name)})")
     parser.add_argument(
         "--points",
         type=int,

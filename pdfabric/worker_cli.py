@@ -1,45 +1,85 @@
-"""``pdfabric worker``: one prefill, decode or colocated worker joining a router."""
+"""``pdfabric worker``: one prefill, decode or colocated worker joining a router.
+
+Its settings come whole from one place, read by the loader that reads deployment configs:
+``--worker-config JSON`` (what ``pdfabric serve`` passes: every ``WorkerConfig`` field) or
+``--config FILE.toml`` (a deployment config's ``[serve]`` model and dtype and its ``[worker]`` table),
+else the ``WorkerConfig`` defaults. The other flags override single settings; none has a default of
+its own.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+from dataclasses import replace
 
-from pdfabric.config import WorkerConfig
+from pdfabric.config import WorkerConfig, load_serve_config, worker_config_from_json, worker_default
+from pdfabric.control import KINDS
+from pdfabric.kvtransfer.config import CHOICES as KV_TRANSPORTS
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+# Override flags: (WorkerConfig field, type, help); the help quotes the field's default when it has one.
+OVERRIDES: tuple[tuple[str, type, str], ...] = (
+    ("kind", str, "prefill, decode or colocated (required unless in the config)"),
+    ("join", str, "the router's control address, tcp://HOST:PORT (required unless in the config)"),
+    ("model", str, "model directory or preset"),
+    ("dtype", str, "float32, bfloat16 or float16 (default: the checkpoint's)"),
+    ("pool", str, "the pool this worker joins"),
+    ("worker_id", str, "its name at the router (default: KIND-PID)"),
+    ("block_size", int, "tokens per KV block"),
+    ("num_blocks", int, "KV blocks (0: as many as --kv-memory-mb holds)"),
+    ("kv_memory_mb", int, "KV-cache memory budget"),
+    ("max_batch_tokens", int, "tokens per step"),
+    ("max_running", int, "sequences decoding at once"),
+    ("kv_host", str, "address a decode worker binds its KV endpoint on"),
+    ("heartbeat_s", float, "seconds between heartbeats to the router"),
+    ("threads", int, "torch threads (0: torch's default, all cores)"),
+    ("device", str, "auto (cuda when available), cpu, cuda or cuda:N"),
+    ("profile_seconds", float, "start-up profiling budget in seconds, 0: none"),
+    ("kv_transport", str, "how KV moves to decode workers (auto: shm on one host, zmq across hosts)"),
+)
+_QUOTED = ("model", "pool", "block_size", "kv_memory_mb", "max_batch_tokens", "max_running", "kv_host",
+           "heartbeat_s", "device", "profile_seconds", "kv_transport")  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--kind", required=True, choices=("prefill", "decode", "colocated"))
-    parser.add_argument("--join", required=True, help="the router's control address, tcp://HOST:PORT")
-    parser.add_argument("--model", default="tiny", help="model directory or preset (default tiny)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
-    parser.add_argument("--pool", default="default", help="the pool this worker joins")
-    parser.add_argument("--worker-id", default="", help="default: KIND-PID")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-blocks", type=int, default=0, help="KV blocks (0: from --kv-memory-mb)")
-    parser.add_argument("--kv-memory-mb", type=int, default=256, help="KV-cache memory budget")
-    parser.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per step")
-    parser.add_argument("--max-running", type=int, default=64, help="sequences decoding at once")
-    parser.add_argument(
-        "--kv-host", default="127.0.0.1", help="address a decode worker binds its KV endpoint on"
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument(
+        "--worker-config", metavar="JSON", help="the whole config as one JSON object (pdfabric serve's)"
     )
-    parser.add_argument(
-        "--kv-transport",
-        default="auto",
-        choices=("auto", "zmq", "shm", "dist"),
-        help="how KV moves to decode workers (auto: shm on one host, zmq across hosts, dist when set up)",
+    source.add_argument(
+        "--config", metavar="FILE", help="TOML deployment config: its [serve] model, dtype and [worker] keys"
     )
-    parser.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
-    parser.add_argument("--log-level", default="INFO", help="log level (default INFO)")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda or cuda:N")
-    parser.add_argument(
-        "--profile-seconds",
-        type=float,
-        default=5.0,
-        help="start-up profiling budget in seconds (0: none; default 5)",
-    )
+    o = parser.add_argument_group("overrides (each replaces one setting of the config)")
+    for name, type_, text in OVERRIDES:
+        default = f" (default {worker_default(name)})" if name in _QUOTED else ""
+        flag = "--" + name.replace("_", "-")
+        choices = {"kind": KINDS, "dtype": DTYPES, "kv_transport": KV_TRANSPORTS}.get(name)
+        o.add_argument(flag, type=type_, choices=choices, help=text + default)
+    p = parser.add_argument_group("process")
+    p.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone (0: never)")
+    p.add_argument("--log-level", default="INFO", help="log level (default INFO)")
+
+
+def config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    """The worker's config: ``--worker-config`` or ``--config``, then the override flags; ``ValueError``
+    naming what is wrong."""
+    overrides = {name: v for name, _, _ in OVERRIDES if (v := getattr(args, name)) is not None}
+    if args.worker_config is not None:
+        base = worker_config_from_json(args.worker_config)
+    elif args.config is not None:
+        kind = overrides.get("kind", "colocated")  # the [worker] table holds no kind
+        base = replace(load_serve_config(args.config, {}).worker, kind=kind)
+    else:
+        if "kind" not in overrides:
+            raise ValueError("give --kind (or a --worker-config that has one)")
+        base = WorkerConfig(kind=overrides["kind"])
+    cfg = replace(base, **overrides)
+    if not cfg.join:
+        raise ValueError("give --join tcp://HOST:PORT, the router's control address")
+    return cfg
 
 
 def build(cfg: WorkerConfig, parent_pid: int = 0):  # noqa: ANN201 - a Worker subclass
@@ -59,25 +99,8 @@ def build(cfg: WorkerConfig, parent_pid: int = 0):  # noqa: ANN201 - a Worker su
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        cfg = WorkerConfig(
-            kind=args.kind,
-            join=args.join,
-            model=args.model,
-            dtype=args.dtype,
-            pool=args.pool,
-            worker_id=args.worker_id,
-            block_size=args.block_size,
-            num_blocks=args.num_blocks,
-            kv_memory_mb=args.kv_memory_mb,
-            max_batch_tokens=args.max_batch_tokens,
-            max_running=args.max_running,
-            kv_host=args.kv_host,
-            profile_seconds=args.profile_seconds,
-            threads=args.threads,
-            device=args.device,
-            kv_transport=args.kv_transport,
-        )
-    except ValueError as exc:
+        cfg = config_from_args(args)
+    except (ValueError, OSError) as exc:
         print(f"pdfabric worker: error: {exc}", file=sys.stderr)
         return 2
     build(cfg, args.parent_pid).serve_forever()

@@ -90,14 +90,14 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    registry = request.app[DISPATCHER].registry
+    registry, holders = request.app[DISPATCHER].registry, request.app[DISPATCHER].holders
     workers = [
         {
             "id": w.worker_id,
             "kind": w.reg.kind,
             "pool": w.reg.pool,
             "pid": w.reg.pid,
-            "requests": len(w.requests),
+            "requests": holders.count(w.worker_id),
             "free_blocks": w.free_blocks,
             "total_blocks": w.reg.num_blocks,
             "model": w.reg.model,

@@ -10,7 +10,8 @@ A request's life in the router:
    decode worker), are put back in output order and handed to the request's ``RequestStream``.
 3. The request ends on the finishing delta, on ``abort`` (client gone, stop string), on an error
    from any worker holding it, on that worker's death, or on a timeout; every worker still holding it
-   is sent ``Abort`` so its blocks come back.
+   is sent ``Abort`` so its blocks come back. ``holders.Holders`` is the one record of which workers
+   hold it (a reservation asked for included) and ``release`` the one place that lets them go.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from pdfabric.control import (
 )
 from pdfabric.engine.sampling_params import SamplingParams
 from pdfabric.router.admission import REJECT, Ticket
+from pdfabric.router.holders import Holders
 from pdfabric.router.openai_api import ApiError
 from pdfabric.router.registry import Registry, Route, WorkerInfo, has_route
 from pdfabric.router.routes import Choice, PredictorConfig
@@ -54,7 +56,6 @@ class RequestStream:
 
     request_id: str
     prompt_len: int
-    holders: set[str] = field(default_factory=set)
     queue: asyncio.Queue[TokenDelta] = field(default_factory=asyncio.Queue)
     next_index: int = 0
     pending: dict[int, TokenDelta] = field(default_factory=dict)
@@ -112,7 +113,7 @@ class Dispatcher:
         self.worker_timeout_s = worker_timeout_s
         self.reserve_timeout_s = reserve_timeout_s
         self.streams: dict[str, RequestStream] = {}
-        self._reservations: dict[tuple[str, str], asyncio.Future[Reserved]] = {}
+        self.holders: Holders[asyncio.Future[Reserved]] = self.routing.holders
         self._tasks: list[asyncio.Task[None]] = []
         self.on_register: Callable[[WorkerInfo], None] | None = None
         self.on_handed_off: Callable[[HandedOff], None] | None = None  # e.g. transfer metrics
@@ -173,7 +174,7 @@ class Dispatcher:
             self.release(request_id, "request cancelled")
             raise
         self.routing.forget(request_id)
-        del self.streams[request_id]
+        self.release(request_id, None)  # every route let go of it already
         raise ApiError(
             503,
             "no worker could take the request: " + "; ".join(reasons),
@@ -191,7 +192,7 @@ class Dispatcher:
     ) -> str | None:
         rid = stream.request_id
         if route.colocated is not None:
-            self._hold(stream, route.colocated)
+            self.holders.hold(rid, route.colocated.worker_id)
             stream.route = route.colocated.worker_id
             stream.transfer_s = 0.0  # its KV never moves
             self._send(route.colocated.worker_id, Generate(rid, prompt_ids, params, eos))
@@ -199,22 +200,20 @@ class Dispatcher:
         assert route.decode is not None and route.prefill is not None
         decode_id = route.decode.worker_id
         future: asyncio.Future[Reserved] = asyncio.get_running_loop().create_future()
-        self._reservations[(decode_id, rid)] = future
+        self.holders.reserving(rid, decode_id, future)  # a cancel from here on aborts it there too
         self._send(decode_id, Reserve(rid, prompt_ids, params, eos))
         try:
             reply = await asyncio.wait_for(future, self.reserve_timeout_s)
         except TimeoutError:
-            self._send(decode_id, Abort(rid, "reserve timed out"))
+            self._let_go(rid, decode_id, "reserve timed out")
             return f"{decode_id} did not answer a reservation in {self.reserve_timeout_s:.0f}s"
-        finally:
-            self._reservations.pop((decode_id, rid), None)
         if not reply.block_ids:
+            self.holders.done(rid, decode_id)
             return f"{decode_id}: {reply.reason}"
         if route.prefill.worker_id not in self.registry.workers or stream.finished:
-            self._send(decode_id, Abort(rid, "prefill worker gone"))
+            self._let_go(rid, decode_id, "prefill worker gone")
             return f"{route.prefill.worker_id} is gone"
-        self._hold(stream, route.decode)
-        self._hold(stream, route.prefill)
+        self.holders.hold(rid, route.prefill.worker_id)  # the decode worker holds it since `reserving`
         stream.route = f"{route.prefill.worker_id}->{decode_id}"
         self._send(
             route.prefill.worker_id,
@@ -222,21 +221,19 @@ class Dispatcher:
         )
         return None
 
-    def _hold(self, stream: RequestStream, worker: WorkerInfo) -> None:
-        stream.holders.add(worker.worker_id)
-        worker.requests.add(stream.request_id)
+    def _let_go(self, request_id: str, worker_id: str, abort_reason: str) -> None:
+        """One worker stops holding a request that goes on elsewhere (or nowhere): it gets an ``Abort``."""
+        if self.holders.done(request_id, worker_id):
+            self._send(worker_id, Abort(request_id, abort_reason))
 
     def release(self, request_id: str, abort_reason: str | None) -> None:
         """Forgets a request; if ``abort_reason`` is given, tells every worker still holding it."""
         stream = self.streams.pop(request_id, None)
         if stream is None:
             return
-        for worker_id in stream.holders:
-            info = self.registry.workers.get(worker_id)
-            if info is not None:
-                info.requests.discard(request_id)
-                if abort_reason is not None:
-                    self._send(worker_id, Abort(request_id, abort_reason))
+        for worker_id in self.holders.end(request_id):
+            if abort_reason is not None and worker_id in self.registry.workers:
+                self._send(worker_id, Abort(request_id, abort_reason))
         self.routing.poll()
 
     # --- workers --------------------------------------------------------------------------------
@@ -247,15 +244,15 @@ class Dispatcher:
         if info is None:
             return
         log.warning("worker %s gone: %s", worker_id, why)
-        for rid in info.requests:
+        failed, waiting = self.holders.worker_gone(worker_id)
+        for rid in failed:
             stream = self.streams.get(rid)
             if stream is not None:
-                stream.holders.discard(worker_id)
                 stream.fail(f"worker {worker_id} failed: {why}")
-        for (w, _), fut in list(self._reservations.items()):
-            if w == worker_id and not fut.done():
+        for fut in waiting:  # their requests try the next route
+            if not fut.done():
                 fut.set_result(Reserved(worker_id, "", (), f"worker gone: {why}"))
-        self.routing.worker_gone(worker_id)
+        self.routing.poll()
 
     def _send(self, worker_id: str, msg: object) -> None:
         try:
@@ -284,13 +281,10 @@ class Dispatcher:
             for delta in msg.deltas:
                 self._on_delta(msg.worker_id, delta)
         elif isinstance(msg, HandedOff):
+            self.holders.done(msg.request_id, msg.worker_id)
             stream = self.streams.get(msg.request_id)
             if stream is not None:
-                stream.holders.discard(msg.worker_id)
                 stream.transfer_s = msg.kv_seconds
-            info = self.registry.workers.get(msg.worker_id)
-            if info is not None:
-                info.requests.discard(msg.request_id)
             if self.on_handed_off is not None:
                 self.on_handed_off(msg)
             self.routing.poll()
@@ -300,7 +294,7 @@ class Dispatcher:
             else:
                 self.routing.on_heartbeat(msg.worker_id)
         elif isinstance(msg, Reserved):
-            fut = self._reservations.get((msg.worker_id, msg.request_id))
+            fut = self.holders.replied(msg.request_id, msg.worker_id)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
             elif msg.block_ids:  # the reservation was given up on: give the blocks back
@@ -325,10 +319,7 @@ class Dispatcher:
         if stream is None:
             return  # already ended (aborted, failed or timed out)
         if delta.finish_reason is not None:
-            stream.holders.discard(worker_id)
-            info = self.registry.workers.get(worker_id)
-            if info is not None:
-                info.requests.discard(delta.request_id)
+            self.holders.done(delta.request_id, worker_id)
             self.routing.poll()
         stream.deliver(delta)
 

@@ -1,9 +1,10 @@
-"""The router's view of its workers: registrations, latest load, liveness, and the requests each holds."""
+"""The router's view of its workers: registrations, latest load and liveness (which requests each
+holds is ``holders.Holders``'s)."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pdfabric.control import COLOCATED, DECODE, PREFILL, Heartbeat, Register
 
@@ -13,7 +14,6 @@ class WorkerInfo:
     reg: Register
     last_seen: float
     load: Heartbeat | None = None
-    requests: set[str] = field(default_factory=set)
 
     @property
     def worker_id(self) -> str:

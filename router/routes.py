@@ -43,15 +43,17 @@ class WorkerLoad:
     kv_bytes_per_s: float = 0.0  # measured KV transfer rate (0: not measured yet)
     prompt_tokens_per_s: float = 0.0  # prompt tokens recently sent to it per second (colocated ITL)
 
-    def with_prefill(self, prompt_len: int) -> WorkerLoad:
-        """This load once a prompt of ``prompt_len`` tokens is queued for prefill here."""
-        return replace(self, queued_tokens=self.queued_tokens + prompt_len, waiting=self.waiting + 1)
+    def with_prefill(self, prompt_len: int, requests: int = 1) -> WorkerLoad:
+        """This load once a prompt of ``prompt_len`` tokens (or ``requests`` prompts of that many in
+        all) is queued for prefill here."""
+        return replace(self, queued_tokens=self.queued_tokens + prompt_len, waiting=self.waiting + requests)
 
-    def with_decode(self, prompt_len: int) -> WorkerLoad:
-        """This load once a sequence of ``prompt_len`` tokens has reserved its KV here."""
+    def with_decode(self, prompt_len: int, requests: int = 1) -> WorkerLoad:
+        """This load once a sequence of ``prompt_len`` tokens (or ``requests`` sequences of that many
+        in all) has reserved its KV here."""
         return replace(
             self,
-            waiting=self.waiting + 1,
+            waiting=self.waiting + requests,
             context_tokens=self.context_tokens + prompt_len,
             free_kv_tokens=max(0, self.free_kv_tokens - prompt_len),
         )

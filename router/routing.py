@@ -9,7 +9,8 @@ A request's life here:
    deadline; a cancelled ``admit`` (the client went away) takes the ticket out of the queue;
 3. from admission on, the request counts as *pending* load on its route's workers until each of them
    reports its next heartbeat (which then includes it): ``routed`` moves it when the dispatcher ends
-   up on another route than the first, ``forget`` drops it when no route took it.
+   up on another route than the first, ``forget`` drops it when no route took it. The pending load is
+   kept by ``holders.Holders``, the record of which workers hold which request.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import replace
 
 from pdfabric.control import COLOCATED, PREFILL
 from pdfabric.router.admission import ADMIT, QUEUE, AdmissionQueue, Outcome, Ticket
+from pdfabric.router.holders import Holders
 from pdfabric.router.openai_api import ApiError
 from pdfabric.router.policies import rank_routes
 from pdfabric.router.registry import Registry, Route, WorkerInfo
@@ -73,11 +75,12 @@ def worker_load(info: WorkerInfo) -> WorkerLoad:
     )
 
 
-def with_pending(load: WorkerLoad, kind: str, prompt_len: int) -> WorkerLoad:
-    """``load`` once one more request of ``prompt_len`` tokens has been sent to a ``kind`` worker."""
+def with_pending(load: WorkerLoad, kind: str, prompt_len: int, requests: int = 1) -> WorkerLoad:
+    """``load`` once one more request of ``prompt_len`` tokens (or ``requests`` requests of that many
+    tokens in all) has been sent to a ``kind`` worker."""
     if kind == PREFILL:
-        return load.with_prefill(prompt_len)
-    decoded = load.with_decode(prompt_len)
+        return load.with_prefill(prompt_len, requests)
+    decoded = load.with_decode(prompt_len, requests)
     if kind == COLOCATED:  # it also queues the prompt for its own prefill
         return WorkerLoad(
             decoded.queued_tokens + prompt_len,
@@ -100,8 +103,9 @@ def candidate(
     pool = config.pool(reg.kind, reg.pool)
     max_batch, chunk_tokens = pool.limits(reg.max_running, reg.max_batch_tokens)
     load = replace(worker_load(info), prompt_tokens_per_s=prompt_rate)
-    for prompt_len in pending:
-        load = with_pending(load, reg.kind, prompt_len)
+    lengths = list(pending)
+    if lengths:  # the pending load adds up: one step for all of it
+        load = with_pending(load, reg.kind, sum(lengths), len(lengths))
     profile = info.load.profile if info.load is not None else reg.profile
     return Candidate(
         reg.worker_id, reg.kind, reg.pool, profile, load, max_batch, chunk_tokens, reg.kv_bytes_per_token,
@@ -137,8 +141,9 @@ class Routing:
         self.turn = 0  # requests admitted so far: where round robin goes next, the order among equals
         self.queue = AdmissionQueue(self.config)
         self.clock = clock
-        self._pending: dict[str, dict[str, int]] = {}  # worker id -> {request id: prompt tokens}
+        self.holders: Holders = Holders()  # which workers hold which request; the pending load
         self._sent: dict[str, deque[tuple[float, int]]] = {}  # worker id -> (time, prompt tokens) sent
+        self._sent_tokens: dict[str, int] = {}  # worker id -> the prompt tokens in its _sent window
         self._first_sent: dict[str, float] = {}  # worker id -> when its first prompt was sent
         self._waiters: dict[str, asyncio.Future[Outcome]] = {}
         self._timer: asyncio.TimerHandle | None = None
@@ -148,7 +153,7 @@ class Routing:
     def candidates(self) -> list[Candidate]:
         now = self.clock()
         return [
-            candidate(w, self.config, self._pending.get(wid, {}).values(), self.prompt_rate(wid, now))
+            candidate(w, self.config, self.holders.pending(wid), self.prompt_rate(wid, now))
             for wid, w in self.registry.workers.items()
         ]
 
@@ -159,9 +164,9 @@ class Routing:
         if not sent:
             return 0.0
         while sent and sent[0][0] < now - RATE_WINDOW_S:
-            sent.popleft()
+            self._sent_tokens[worker_id] -= sent.popleft()[1]
         span = max(min(RATE_WINDOW_S, now - self._first_sent[worker_id]), 1.0)
-        return sum(tokens for _, tokens in sent) / span
+        return self._sent_tokens[worker_id] / span
 
     def fit(self, ticket: Ticket, budgets: Budgets) -> Ranking:
         """``FitFn`` for the admission queue: ranks the routes under the configured policy; an admitted
@@ -174,18 +179,17 @@ class Routing:
             self.routed(ticket.request_id, ticket.prompt_len, ranking.choices[0])
             first, now = ranking.choices[0].prefill, self.clock()  # the worker that prefills it
             self._sent.setdefault(first, deque()).append((now, ticket.prompt_len))
+            self._sent_tokens[first] = self._sent_tokens.get(first, 0) + ticket.prompt_len
             self._first_sent.setdefault(first, now)
         return ranking
 
     def routed(self, request_id: str, prompt_len: int, choice: Choice) -> None:
         """Counts ``request_id`` as pending on ``choice``'s workers (and nowhere else)."""
-        self.forget(request_id)
-        for worker_id in {choice.prefill, choice.decode}:
-            self._pending.setdefault(worker_id, {})[request_id] = prompt_len
+        self.holders.routed(request_id, prompt_len, {choice.prefill, choice.decode})
 
     def forget(self, request_id: str) -> None:
-        for pending in self._pending.values():
-            pending.pop(request_id, None)
+        """No route took ``request_id``: it is pending nowhere."""
+        self.holders.unrouted(request_id)
 
     # --- admission ------------------------------------------------------------------------------
 
@@ -217,11 +221,7 @@ class Routing:
 
     def on_heartbeat(self, worker_id: str) -> None:
         """The worker's report now includes what was sent to it: its pending load is spent."""
-        self._pending.pop(worker_id, None)
-        self.poll()
-
-    def worker_gone(self, worker_id: str) -> None:
-        self._pending.pop(worker_id, None)
+        self.holders.heartbeat(worker_id)
         self.poll()
 
     def _settle(self, outcomes: list[Outcome]) -> None:

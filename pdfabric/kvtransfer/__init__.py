@@ -7,3 +7,8 @@ per transfer; ``messages`` is the KV channel's wire format; ``transport_zmq``, `
 ZeroMQ link the workers use today. Nothing is imported here, so the torch-free modules (``config``,
 ``messages``, ``reservations``, ``state``) stay importable without torch.
 """
+
+from pdfabric._layout import root_folder
+
+__path__ += root_folder(__file__)  # the modules: the top-level kvtransfer/ folder in the source tree
+

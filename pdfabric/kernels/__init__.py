@@ -6,7 +6,11 @@ torch references elsewhere) and can be forced with ``PDFABRIC_KERNEL_BACKEND`` (
 ``cpu``, ``triton``) or ``set_backend``.
 """
 
-from pdfabric.kernels.dispatch import (
+from pdfabric._layout import root_folder
+
+__path__ += root_folder(__file__)  # the modules: the top-level kernels/ folder in the source tree
+
+from pdfabric.kernels.dispatch import (  # noqa: E402 - found through the __path__ just set
     apply_rope,
     gather_blocks,
     get_backend,
@@ -17,7 +21,7 @@ from pdfabric.kernels.dispatch import (
     silu_and_mul,
     store_kv,
 )
-from pdfabric.kernels.metadata import AttentionMetadata
+from pdfabric.kernels.metadata import AttentionMetadata  # noqa: E402
 
 __all__ = [
     "AttentionMetadata",

@@ -1,1 +1,0 @@
-"""Benchmarks, trace replay, profiles, simulator and planner."""

@@ -1,1 +1,0 @@
-"""The decode worker (KV from prefill workers) and the colocated worker (prefill and decode in one)."""

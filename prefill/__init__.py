@@ -1,1 +1,0 @@
-"""The prefill worker: chunked prefill, KV shipping to decode workers, first token."""

@@ -1,1 +1,0 @@
-"""The HTTP front: OpenAI-compatible API, worker registry, request dispatch, metrics."""
