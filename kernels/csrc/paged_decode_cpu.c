@@ -228,6 +228,52 @@ static void scores16(const job_t *j, const int32_t *table, const uint16_t *q16, 
 }
 #endif
 
+#ifdef HAVE_AVX512_BF16
+/* Step 3 for kv head h with its sums in registers: GROUP query heads x VECS 16-dim vectors, each value
+ * row converted to float32 once for all the heads that share it. The same multiply-adds in the same
+ * token order as add_value, so the result is the same to the bit. */
+static inline __attribute__((always_inline)) void values_of_head(const job_t *j, const int32_t *table, int n,
+                                                                 int h, const float *p, float *acc,
+                                                                 const int GROUP, const int VECS) {
+    __m512 sum[16];
+    for (int x = 0; x < GROUP * VECS; x++) sum[x] = _mm512_setzero_ps();
+    for (int t = 0; t < n; t++) {
+        prefetch_token(j, j->v, table, t + PREFETCH_TOKENS, n, h, h + 1);
+        const uint16_t *vr = (const uint16_t *)j->v + (token_row(j, table, t) + h) * VECS * 16;
+        for (int c = 0; c < VECS; c++) {
+            const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vr + 16 * c)));
+            const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+            for (int g = 0; g < GROUP; g++)
+                sum[g * VECS + c] = _mm512_fmadd_ps(_mm512_set1_ps(p[(int64_t)g * n + t]), x, sum[g * VECS + c]);
+        }
+    }
+    for (int g = 0; g < GROUP; g++)
+        for (int c = 0; c < VECS; c++) _mm512_storeu_ps(acc + (int64_t)g * VECS * 16 + 16 * c, sum[g * VECS + c]);
+}
+
+/* Step 3 head by head for the shapes whose sums fit in registers (query heads per kv head x head_dim /
+ * 16 <= 16, common ones listed); 0 for the others, which take the token-by-token loop. */
+static int values_in_registers(const job_t *j, const int32_t *table, int n, int h0, int h1, const float *scores,
+                               float *acc) {
+    const int group = j->q_heads / j->kv_heads, vecs = j->head_dim / 16;
+    const int shape = group * 100 + vecs;
+    if (shape != 104 && shape != 204 && shape != 404 && shape != 108 && shape != 208) return 0;
+    for (int h = h0; h < h1; h++) {
+        const int64_t first = (int64_t)(h - h0) * group; /* the kv head's first query head in the item */
+        const float *p = scores + first * n;
+        float *a = acc + first * j->head_dim;
+        switch (shape) {
+        case 104: values_of_head(j, table, n, h, p, a, 1, 4); break;
+        case 204: values_of_head(j, table, n, h, p, a, 2, 4); break;
+        case 404: values_of_head(j, table, n, h, p, a, 4, 4); break;
+        case 108: values_of_head(j, table, n, h, p, a, 1, 8); break;
+        default: values_of_head(j, table, n, h, p, a, 2, 8); break;
+        }
+    }
+    return 1;
+}
+#endif
+
 /* One work item: query heads [qh0, qh1) of one row, over the kv heads they share. Scratch holds
  * (qh1 - qh0) * (ctx + head_dim * 2) floats. Keys and values are read token by token, each token's
  * kv heads of the range being contiguous, so the reads stream through every block in order. */
@@ -273,7 +319,12 @@ static void attend_item(const job_t *j, int item, float *scratch) {
         q[(int64_t)i * d] = 1.0f / sum; /* the query row is no longer needed: keep 1/sum there */
     }
     /* 3. weighted sum of values */
-    for (int t = 0; t < n; t++) {
+#ifdef HAVE_AVX512_BF16
+    const int done = bf16_fast(j->dtype, d) && values_in_registers(j, table, n, h0, h1, scores, acc);
+#else
+    const int done = 0;
+#endif
+    for (int t = 0; t < n && !done; t++) {
         const int64_t base = token_row(j, table, t);
         prefetch_token(j, j->v, table, t + PREFETCH_TOKENS, n, h0, h1);
         for (int i = 0; i < heads; i++) {
