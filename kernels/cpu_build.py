@@ -2,10 +2,11 @@
 
 The sources under ``kernels/csrc`` are plain C (no torch headers), so a build takes well under a
 second. Each library is compiled with ``-O3 -march=native`` for the machine it runs on and cached as
-``$PDFABRIC_CACHE_DIR/kernels/<name>-<hash>.so``, the hash covering the source, the compiler's
-identity, the flags and the CPU's model and feature flags, so a cache directory shared between
-machines never hands one CPU another's code. Where no C compiler is found, or the build fails,
-``load`` returns ``None`` and callers use their torch reference; the reason is logged once.
+``$PDFABRIC_CACHE_DIR/kernels/<name>-<hash>.so``, the hash covering the source and the shared headers
+in ``csrc``, the compiler's identity, the flags and the CPU's model and feature flags, so a cache
+directory shared between machines never hands one CPU another's code. Where no C compiler is found,
+or the build fails, ``load`` returns ``None`` and callers use their torch reference; the reason is
+logged once.
 ``profiled`` labels a kernel call for the torch profiler.
 """
 
@@ -57,8 +58,10 @@ def _compiler_version(cc: str) -> str:
 def library_path(name: str, cc: str) -> Path:
     """Where the library built from ``csrc/<name>.c`` by ``cc`` for this CPU is cached."""
     source = (SOURCES / f"{name}.c").read_bytes()
+    headers = b"".join(h.read_bytes() for h in sorted(SOURCES.glob("*.h")))  # what the sources include
     digest = hashlib.sha256()
-    for part in (source, _compiler_version(cc).encode(), " ".join(FLAGS).encode(), _cpu_identity().encode()):
+    identity = (_compiler_version(cc), " ".join(FLAGS), _cpu_identity())
+    for part in (source, headers, *(text.encode() for text in identity)):
         digest.update(part)
         digest.update(b"\0")
     root = Path(envs.get("PDFABRIC_CACHE_DIR")) / "kernels"

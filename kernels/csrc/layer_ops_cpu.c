@@ -23,24 +23,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_scalar.h"
+
 #define LANES 16           /* partial sums of a row's squares */
 #define PARALLEL_MIN 65536 /* elements below which a call stays on one thread */
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    /* round to nearest even, as torch does; NaN stays NaN */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 static inline float load(const void *p, int64_t i, int dtype) {
     return dtype == 1 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
@@ -55,25 +41,6 @@ static inline void store(void *p, int64_t i, float v, int dtype) {
 
 /* v rounded to the model dtype, kept in float32 */
 static inline float round_to(float v, int dtype) { return dtype == 1 ? bf16_to_f32(f32_to_bf16(v)) : v; }
-
-/* exp(x) within 2 ulp of expf over the range where it is finite and normal; vectorisable (no floorf:
- * the shift by 128 makes the truncation a floor). */
-static inline float exp_approx(float x) {
-    x = fminf(fmaxf(x, -87.0f), 88.0f);
-    const float n = (float)(int32_t)(x * 1.44269504088896341f + 128.5f) - 128.0f;
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f; /* x - n ln2, in two parts */
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return p * two_n;
-}
 
 /* Each function's body is written once for a dtype that the call sites fix (0 or 1), so after
  * inlining the branches on it vanish and the loops vectorise. */

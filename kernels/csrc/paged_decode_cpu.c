@@ -33,6 +33,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_scalar.h"
+
 #define LANES 16       /* partial sums per dot product: one 512-bit vector of float32 */
 #define MAX_GROUP 16   /* query heads per kv head */
 #define MAX_HEAD_DIM 256
@@ -47,42 +49,6 @@ typedef struct {
     float scale;
     int parts; /* kv-head ranges per row: more work items than rows when rows are few */
 } job_t;     /* work items are (row, kv-head range) pairs, row-major */
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    /* round to nearest even, as torch does; NaN stays NaN */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
-/* exp(x) for x <= 0 (scores minus their maximum), within 2 ulp of expf; written so that a loop of
- * calls vectorizes (glibc's expf does not without -ffast-math; the shift by 128 makes the truncation
- * a floor without floorf). */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x; /* exp(-87) is below every weight that can change a float32 sum */
-    const float n = (float)(int32_t)(x * 1.44269504088896341f + 128.5f) - 128.0f;
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f; /* x - n ln2, in two parts */
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return p * two_n;
-}
 
 /* Loads n elements starting at element offset `off` of `base` as float32. */
 static inline void load_row(const void *base, int64_t off, int n, int dtype, float *dst) {
@@ -314,7 +280,7 @@ static void attend_item(const job_t *j, int item, float *scratch) {
     for (int i = 0; i < heads; i++) {
         float *s = scores + (int64_t)i * n, top = -FLT_MAX, sum = 0.0f;
         for (int t = 0; t < n; t++) top = s[t] > top ? s[t] : top;
-        for (int t = 0; t < n; t++) s[t] = exp_nonpositive(s[t] - top);
+        for (int t = 0; t < n; t++) s[t] = exp_approx(s[t] - top);
         for (int t = 0; t < n; t++) sum += s[t];
         q[(int64_t)i * d] = 1.0f / sum; /* the query row is no longer needed: keep 1/sum there */
     }

@@ -26,6 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_scalar.h"
+
 #define TILE_TOKENS 16
 #define PANEL 16 /* keys per packed panel, and output dims per P V block */
 #if defined(__AVX512F__)
@@ -36,24 +38,6 @@
 #define MAX_GROUP 16
 
 int pd_prefill_f32_supported(int head_dim) { return head_dim > 0 && head_dim <= 256 && head_dim % PANEL == 0; }
-
-/* exp(x) for x <= 0, within 2 ulp of expf; vectorisable (the shift by 128 makes truncation a floor). */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float n = (float)(int32_t)(x * 1.44269504088896341f + 128.5f) - 128.0f;
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return p * two_n;
-}
 
 typedef struct {
     const float *q, *k, *v;
@@ -113,7 +97,7 @@ static inline void pv_block(const float *p, int64_t ldp, int keys, const float *
 static float softmax_row(float *s, int n, int width) {
     float top = -FLT_MAX, sum = 0.0f;
     for (int t = 0; t < n; t++) top = s[t] > top ? s[t] : top;
-    for (int t = 0; t < n; t++) s[t] = exp_nonpositive(s[t] - top);
+    for (int t = 0; t < n; t++) s[t] = exp_approx(s[t] - top);
     for (int t = 0; t < n; t++) sum += s[t];
     memset(s + n, 0, (size_t)(width - n) * sizeof *s);
     return n > 0 ? 1.0f / sum : 0.0f;
