@@ -70,12 +70,6 @@ def _use_cpu_layer_ops(x: torch.Tensor) -> bool:
     return supports(x)
 
 
-def _can_store_kv_cpu(key: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    from pdfabric.kernels.layer_ops_cpu import can_store_kv
-
-    return can_store_kv(key, kv_cache)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / rms(x)`` per row of ``x: [T, hidden]``, normalised in float32."""
     if _use_cpu_layer_ops(x):
@@ -112,10 +106,13 @@ def store_kv(
         from pdfabric.kernels.store_kv_triton import store_kv_triton
 
         store_kv_triton(key, value, kv_cache, slot_mapping)
-    elif _use_cpu_layer_ops(key) and _can_store_kv_cpu(key, kv_cache):
-        from pdfabric.kernels.layer_ops_cpu import store_kv_cpu
+    elif _use_cpu_layer_ops(key):
+        from pdfabric.kernels.layer_ops_cpu import can_store_kv, store_kv_cpu
 
-        store_kv_cpu(key, value, kv_cache, slot_mapping)
+        if can_store_kv(key, kv_cache):
+            store_kv_cpu(key, value, kv_cache, slot_mapping)
+        else:
+            store_kv_ref(key, value, kv_cache, slot_mapping)
     else:
         store_kv_ref(key, value, kv_cache, slot_mapping)
 

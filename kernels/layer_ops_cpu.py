@@ -87,11 +87,9 @@ def silu_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def can_store_kv(key: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Whether ``store_kv_cpu`` can write ``key`` into ``kv_cache``: the same dtype, a contiguous
-    cache and heads contiguous within a token."""
-    head_dim = kv_cache.shape[-1]
-    same_layout = kv_cache.dtype == key.dtype and kv_cache.is_contiguous() and key.stride(1) == head_dim
-    return same_layout and supports(key)
+    """Whether ``store_kv_cpu`` can write ``key`` (which ``supports``) into ``kv_cache``: the same
+    dtype, a contiguous cache and heads contiguous within a token."""
+    return kv_cache.dtype == key.dtype and kv_cache.is_contiguous() and key.stride(1) == kv_cache.shape[-1]
 
 
 def store_kv_cpu(
