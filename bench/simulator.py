@@ -3,9 +3,10 @@
 The simulator runs the fabric's own decision code and replaces only what takes time, the model steps
 and the KV transfers, by the fitted ``WorkerProfile`` and a transfer rate:
 
-- the router: a ``Registry`` of the workers' registrations and last heartbeats, ``Routing`` (candidates
-  with the load sent since each heartbeat, the routing policy and the predictor, the
-  ``AdmissionQueue`` with its classes and deadlines), and the dispatcher's walk over the ranked routes;
+- the router: the server's own ``RouterCore`` (the registry of registrations and last heartbeats,
+  candidates with the load sent since each heartbeat, the routing policy and the predictor, the
+  ``AdmissionQueue`` with its classes and deadlines, the walk over the ranked routes, reservations,
+  holders), fed the real worker messages; the simulation only carries out its effects;
 - every worker (``bench.sim_worker``): the server's own worker core (``PrefillCore``, ``DecodeCore``,
   ``ColocatedCore``: admission, continuous batching, chunked prefill, preemption, hand-off, block
   accounting, heartbeats), fed the real control messages; only its step times come from the profile.
@@ -13,8 +14,8 @@ and the KV transfers, by the fitted ``WorkerProfile`` and a transfer rate:
 A request's life in the simulation, following the real processes:
 
 1. it reaches the router at its arrival time (the bench client sends no ``slo``, no tenant header);
-   ``AdmissionQueue.arrive`` admits, queues or rejects it (429). Waiting requests are polled when load
-   changes (heartbeats, hand-offs, request ends) and at the queue's next deadline;
+   the core admits, queues or rejects it (429). Waiting requests are polled when load changes
+   (heartbeats, hand-offs, request ends) and at the core's next deadline;
 2. admitted: its routes are tried best first. A colocated worker gets the prompt. For a pair, the
    decode worker is asked to reserve blocks; it answers at its next step boundary; with blocks, the
    prefill worker gets the prompt, without, the next route is tried; none left: 503;
@@ -54,29 +55,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdfabric.bench.records import ERROR, OK, REJECTED, TIMEOUT, RequestRecord
-from pdfabric.bench.sim_link import SimLink, endpoint_of
+from pdfabric.bench.sim_link import SimLink
 from pdfabric.bench.sim_worker import SimulatedWorker
 from pdfabric.bench.workload import Request, Workload
-from pdfabric.control import (
-    COLOCATED,
-    DECODE,
-    KINDS,
-    PREFILL,
-    Abort,
-    Generate,
-    HandedOff,
-    Heartbeat,
-    Prefill,
-    Reserve,
-    Reserved,
-    StepOutputs,
-)
+from pdfabric.control import COLOCATED, DECODE, KINDS, PREFILL, TokenDelta
 from pdfabric.engine.sampling_params import SamplingParams
 from pdfabric.profile import WorkerProfile
-from pdfabric.router.admission import ADMIT, REJECT, Outcome, Ticket
-from pdfabric.router.registry import Registry
-from pdfabric.router.routes import Choice, PredictorConfig
-from pdfabric.router.routing import Routing
+from pdfabric.router.core import Deliver, Effect, Refused, RouterCore, Send
+from pdfabric.router.routes import PredictorConfig
 from pdfabric.router.slo import AdmissionConfig, resolve
 
 Progress = Callable[[int, int], None]  # (requests finished, requests in all)
@@ -151,32 +137,17 @@ def simulate(config: SimConfig, workload: Workload, progress: Progress | None = 
 
 @dataclass(eq=False)
 class SimulatedRequest:
-    """One request as the router and the client see it."""
+    """One request as the client sees it."""
 
     request: Request
     rid: str
     params: SamplingParams
-    choices: tuple[Choice, ...] = ()
-    tried: int = 0  # routes tried so far
-    holders: set[str] = field(default_factory=set)
     times: list[float] = field(default_factory=list)  # client arrival of each token
     end: float | None = None
     status: str = TIMEOUT
     http_status: int | None = None
     finish_reason: str | None = None
     error: str | None = None
-
-
-class _Routing(Routing):
-    """``Routing`` whose polls hand their outcomes to the simulation (no event loop, no futures)."""
-
-    def __init__(self, sim: Simulation, registry: Registry, config: SimConfig) -> None:
-        super().__init__(registry, config.routing, config.predictor, clock=lambda: sim.now)
-        self.sim = sim
-
-    def poll(self) -> None:
-        if len(self.queue):
-            self.sim.settle(self.queue.poll(self.clock(), self.fit))
 
 
 class Simulation:
@@ -191,11 +162,10 @@ class Simulation:
         self._seq = 0
         self._work = 0  # queued events other than heartbeat timers
         self._done = 0
-        self._armed: float | None = None  # the admission deadline a poll is queued for
-        self._poll_queued = False
+        self._armed: float | None = None  # the router's deadline a poll is queued for
         self._overhead = config.overhead_ms / 1e3
-        self.registry = Registry()
-        self.routing = _Routing(self, self.registry, config)
+        self.router = RouterCore(config.routing, config.predictor, clock=lambda: self.now)
+        self.registry, self.routing = self.router.registry, self.router.routing
         self.workers = {w.worker_id: SimulatedWorker(self, w) for w in config.workers}
         self.link = SimLink(self.workers, lambda: self.now, self.at)  # the workers' KV side
         self._reqs: dict[str, SimulatedRequest] = {}
@@ -206,7 +176,7 @@ class Simulation:
             resolved.tenant.name,
         )
         for w in self.workers.values():
-            self.registry.register(w.registration())
+            self._apply(self.router.on_message(w.registration()))
             self.at(0.0, w.heartbeat_timer, 0.0, work=False)
         for i, r in enumerate(workload.requests):
             self.at(r.arrival_s, self._arrive, i)
@@ -236,6 +206,7 @@ class Simulation:
     # --- requests -------------------------------------------------------------------------------
 
     def _arrive(self, i: int) -> None:
+        """The HTTP handler: the context-window check, then the router's ``submit``."""
         r = self.workload.requests[i]
         rid = str(i)
         req = SimulatedRequest(r, rid, SamplingParams(max_tokens=r.output_len, ignore_eos=True))
@@ -244,116 +215,59 @@ class Simulation:
         if r.input_len >= limit or r.output_len > limit - r.input_len:  # the router's 400
             self._end(req, ERROR, 400, f"prompt and output exceed the {limit}-token context window")
             return
-        ticket = Ticket(rid, self._tenant, self._class, self._budgets, r.input_len, self.now)
-        outcomes = self.routing.queue.arrive(ticket, self.now, self.routing.fit)
-        self.settle([outcomes[-1], *outcomes[:-1]])  # the arrival's own dispatch goes first
+        prompt = _prompt(r.input_len)
+        self._apply(self.router.submit(rid, prompt, req.params, (), self._tenant, self._class, self._budgets))
 
-    def settle(self, outcomes: list[Outcome]) -> None:
-        """Dispatches admitted requests, ends rejected ones, and re-arms the deadline poll."""
-        for outcome in outcomes:
-            req = self._reqs[outcome.ticket.request_id]
-            if outcome.action == ADMIT:
-                assert outcome.ranking is not None
-                req.choices = outcome.ranking.choices
-                self._dispatch(req)
-            elif outcome.action == REJECT:
-                self._end(req, REJECTED, 429, f"HTTP 429 ({outcome.reason})")
-        deadline = self.routing.queue.next_deadline()
+    def receive(self, msg: object) -> None:
+        """A message from a worker to the router."""
+        self._apply(self.router.on_message(msg))
+
+    def _apply(self, effects: list[Effect]) -> None:
+        """Carries out the router's effects (the dispatcher's part), then re-arms its deadline poll."""
+        for effect in effects:
+            if isinstance(effect, Send):
+                self.workers[effect.worker_id].post(effect.msg)
+            elif isinstance(effect, Deliver):
+                self._token(self._reqs[effect.request_id], effect.delta)
+            elif isinstance(effect, Refused):
+                req = self._reqs[effect.request_id]
+                why = f"HTTP 429 ({effect.message})" if effect.status == 429 else effect.message
+                self._end(req, REJECTED, effect.status, why)
+        deadline = self.router.next_deadline()
         if deadline is not None and deadline != self._armed:
             self._armed = deadline
-            self.at(deadline + 1e-3, self._deadline_poll, deadline)
+            self.at(deadline, self._deadline_poll, deadline)
 
     def _deadline_poll(self, deadline: float) -> None:
         if deadline == self._armed:
             self._armed = None
-            self.routing.poll()
+            self._apply(self.router.poll())
 
-    def _dispatch(self, req: SimulatedRequest) -> None:
-        """Tries the next route (the dispatcher's ``_start``): colocated at once, a pair after its reply."""
-        if req.tried == len(req.choices):
-            self.routing.forget(req.rid)
-            self._end(req, REJECTED, 503, "no worker could take the request")
-            return
-        choice = req.choices[req.tried]
-        req.tried += 1
-        prompt = _prompt(req.request.input_len)
-        if choice.colocated:
-            req.holders.add(choice.decode)
-            self.workers[choice.decode].post(Generate(req.rid, prompt, req.params, ()))
-            self.routing.routed(req.rid, req.request.input_len, choice)
-        else:
-            self.workers[choice.decode].post(Reserve(req.rid, prompt, req.params, ()))
-
-    def receive(self, msg: object) -> None:
-        """A message from a worker to the router."""
-        if isinstance(msg, StepOutputs):
-            for delta in msg.deltas:
-                req = self._reqs.get(delta.request_id)
-                if req is not None:
-                    self.token(req, msg.worker_id, bool(delta.token_ids), delta.finish_reason)
-        elif isinstance(msg, Reserved):
-            self.reserved(msg)
-        elif isinstance(msg, HandedOff):
-            self.handed_off(msg)
-        elif isinstance(msg, Heartbeat):
-            self.heartbeat(msg)
-        else:
-            raise TypeError(f"unexpected {type(msg).__name__} from a worker")
-
-    def reserved(self, reply: Reserved) -> None:
-        """A decode worker's answer to a reservation: send the prompt on, or try the next route."""
-        req = self._reqs[reply.request_id]
-        if not reply.block_ids:
-            self._dispatch(req)
-            return
-        choice = req.choices[req.tried - 1]
-        req.holders.update((choice.decode, choice.prefill))
-        prompt = _prompt(req.request.input_len)
-        kv = endpoint_of(choice.decode)
-        self.workers[choice.prefill].post(Prefill(req.rid, prompt, req.params, (), kv, reply.block_ids))
-        self.routing.routed(req.rid, req.request.input_len, choice)
-
-    def token(self, req: SimulatedRequest, worker_id: str, has_token: bool, finish: str | None) -> None:
-        """A delta from a worker: a token (or none) and maybe the request's finish reason."""
+    def _token(self, req: SimulatedRequest, delta: TokenDelta) -> None:
+        """A delta reaching the client: a token (or none) and maybe the request's finish reason."""
         if req.end is not None:
             return
-        if has_token:
+        if delta.token_ids:
             req.times.append(self.now + self._overhead)
-        if finish is not None:
-            req.holders.discard(worker_id)
-            if finish == "error" or not req.times:
-                self._end(req, ERROR, 200, f"finish_reason {finish}")
+        if delta.finish_reason is not None:
+            if delta.finish_reason == "error" or not req.times:
+                self._end(req, ERROR, 200, f"finish_reason {delta.finish_reason}")
             else:
-                req.finish_reason = finish
+                req.finish_reason = delta.finish_reason
                 self._end(req, OK, 200, None)
 
-    def handed_off(self, msg: HandedOff) -> None:
-        req = self._reqs.get(msg.request_id)
-        if req is not None:
-            req.holders.discard(msg.worker_id)
-        self.routing.poll()
-
-    def heartbeat(self, hb: Heartbeat) -> None:
-        self.registry.heartbeat(hb)
-        self.routing.on_heartbeat(hb.worker_id)
-
     def _end(self, req: SimulatedRequest, status: str, http_status: int, error: str | None) -> None:
-        """Ends a request (the HTTP handler's ``release``): workers still holding it get an abort."""
+        """The request is over for the client; the handler's ``release`` runs after this event (workers
+        still holding it get an abort)."""
         req.end = self.now + self._overhead
         req.status, req.http_status, req.error = status, http_status, error
-        for worker_id in sorted(req.holders):
-            self.workers[worker_id].post(Abort(req.rid, "abort"))
-        req.holders.clear()
         self._done += 1
         if self.progress is not None and self._done % 1024 == 0:
             self.progress(self._done, len(self.workload.requests))
-        if not self._poll_queued:  # the handler's ``release`` runs after this event, then polls
-            self._poll_queued = True
-            self.at(self.now, self._poll)
+        self.at(self.now, self._release, req.rid)
 
-    def _poll(self, _: Any) -> None:
-        self._poll_queued = False
-        self.routing.poll()
+    def _release(self, rid: str) -> None:
+        self._apply(self.router.end(rid, "request ended"))
 
     def _record(self, req: SimulatedRequest | None, r: Request) -> RequestRecord:
         if req is None or req.end is None:  # never finished: the run ran out of events

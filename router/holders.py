@@ -1,20 +1,21 @@
 """Who holds each request in the router: the one record of which workers a request was sent to, and
 the one place that lets go of them.
 
-A request's life here (no sockets, no clock, no torch: the dispatcher sends what this returns, and
-the simulator can drive it the same way):
+A request's life here (no sockets, no clock, no torch; ``core.RouterCore`` owns it and acts on
+what it returns):
 1. ``routed`` counts it as *pending* load on its route's workers: sent, but not yet in their
    heartbeats (``pending`` is what the routing adds to their last reported load). Each worker's next
    heartbeat spends it (``heartbeat``); ``routed`` again moves it to another route, ``unrouted``
    drops it when no route took it.
 2. ``reserving`` records a decode worker asked to reserve KV blocks for it, with what waits for the
-   reply; ``replied`` hands that back once. A worker asked to reserve holds the request: its blocks
-   may already be taken when the request ends before the reply.
+   reply; ``replied`` hands that back once (``awaiting`` peeks at it). A worker asked to reserve
+   holds the request: its blocks may already be taken when the request ends before the reply.
 3. ``hold`` records a worker that got the request's work (``Generate``, ``Prefill``, a granted
    reservation); ``done`` lets go of one that finished with it (its last delta, its KV handed off).
 4. ``end`` forgets the request everywhere and returns the workers still holding it, which must get
    an ``Abort`` so that their blocks come back; ``worker_gone`` forgets a worker everywhere and
-   returns the requests it held (they end with an error) and the reservation replies now never coming.
+   returns the requests it held (they end with an error) and those whose reservation reply from it
+   will never come (they try their next route).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-W = TypeVar("W")  # what waits for a reservation's reply (an asyncio future in the dispatcher)
+W = TypeVar("W")  # what waits for a reservation's reply (its deadline in the router's core)
 
 
 @dataclass
@@ -75,6 +76,11 @@ class Holders(Generic[W]):
         held = self._requests.get(request_id)
         return held.awaiting.pop(worker_id, None) if held is not None else None
 
+    def awaiting(self, request_id: str, worker_id: str) -> W | None:
+        """What waits for ``worker_id``'s reservation reply, or None if nothing does (left in place)."""
+        held = self._requests.get(request_id)
+        return held.awaiting.get(worker_id) if held is not None else None
+
     def hold(self, request_id: str, worker_id: str) -> None:
         self._requests.setdefault(request_id, _Held()).workers.add(worker_id)
         self._by_worker.setdefault(worker_id, set()).add(request_id)
@@ -99,19 +105,19 @@ class Holders(Generic[W]):
             self._by_worker[worker_id].discard(request_id)
         return tuple(sorted(held.workers))
 
-    def worker_gone(self, worker_id: str) -> tuple[tuple[str, ...], list[W]]:
-        """Forgets the worker: the requests it held (sorted; they fail with it) and the waiters of the
-        reservations it will never answer (those requests try their next route instead)."""
+    def worker_gone(self, worker_id: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Forgets the worker: the requests it held (sorted; they fail with it) and those awaiting a
+        reservation reply it will never send (sorted; they try their next route instead)."""
         self._pending.pop(worker_id, None)
-        failed, waiters = [], []
+        failed, waiting = [], []
         for rid in sorted(self._by_worker.pop(worker_id, ())):
             held = self._requests[rid]
             held.workers.discard(worker_id)
-            if worker_id in held.awaiting:
-                waiters.append(held.awaiting.pop(worker_id))
+            if held.awaiting.pop(worker_id, None) is not None:
+                waiting.append(rid)
             else:
                 failed.append(rid)
-        return tuple(failed), waiters
+        return tuple(failed), tuple(waiting)
 
     # --- views ----------------------------------------------------------------------------------
 

@@ -1,28 +1,25 @@
 """Route choice in the router: candidates from the registry, predictions, and the admission queue.
 
 A request's life here:
-1. ``Routing.admit`` hands its ``Ticket`` to ``AdmissionQueue.arrive``, which ranks the routes with
-   ``fit`` (``policies.rank_routes`` under the configured policy over ``candidates()``): admitted at
-   once (the ranking's routes, best first), rejected at once (reason and Retry-After), or waiting;
-2. a waiting request's ``admit`` returns when ``poll`` admits or rejects it; ``poll`` runs when load
-   changes (heartbeats, request ends, hand-offs, workers joining or leaving) and at the queue's next
-   deadline; a cancelled ``admit`` (the client went away) takes the ticket out of the queue;
-3. from admission on, the request counts as *pending* load on its route's workers until each of them
-   reports its next heartbeat (which then includes it): ``routed`` moves it when the dispatcher ends
+1. ``core.RouterCore`` hands its ``Ticket`` to ``queue.arrive`` (``AdmissionQueue``) with ``fit``,
+   which ranks the routes (``policies.rank_routes`` under the configured policy over
+   ``candidates()``): admitted at once (the ranking's routes, best first), rejected at once (reason
+   and Retry-After), or waiting until a ``queue.poll`` with ``fit`` admits or rejects it;
+2. from admission on, the request counts as *pending* load on its route's workers until each of them
+   reports its next heartbeat (which then includes it): ``routed`` moves it when the request ends
    up on another route than the first, ``forget`` drops it when no route took it. The pending load is
    kept by ``holders.Holders``, the record of which workers hold which request.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from pdfabric.control import COLOCATED, PREFILL
-from pdfabric.router.admission import ADMIT, QUEUE, AdmissionQueue, Outcome, Ticket
+from pdfabric.router.admission import AdmissionQueue, Outcome, Ticket
 from pdfabric.router.holders import Holders
 from pdfabric.router.openai_api import ApiError
 from pdfabric.router.policies import rank_routes
@@ -145,8 +142,6 @@ class Routing:
         self._sent: dict[str, deque[tuple[float, int]]] = {}  # worker id -> (time, prompt tokens) sent
         self._sent_tokens: dict[str, int] = {}  # worker id -> the prompt tokens in its _sent window
         self._first_sent: dict[str, float] = {}  # worker id -> when its first prompt was sent
-        self._waiters: dict[str, asyncio.Future[Outcome]] = {}
-        self._timer: asyncio.TimerHandle | None = None
 
     # --- predictions ----------------------------------------------------------------------------
 
@@ -191,57 +186,6 @@ class Routing:
         """No route took ``request_id``: it is pending nowhere."""
         self.holders.unrouted(request_id)
 
-    # --- admission ------------------------------------------------------------------------------
-
-    async def admit(self, ticket: Ticket) -> Outcome:
-        """ADMIT (with the routes to try, best first) or REJECT, waiting in the queue if need be.
-        ``ticket.arrived`` is the present on ``clock``: its TTFT budget counts from then."""
-        outcomes = self.queue.arrive(ticket, ticket.arrived, self.fit)
-        mine = outcomes.pop()
-        self._settle(outcomes)
-        if mine.action != QUEUE:
-            self._arm()
-            return mine
-        future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
-        self._waiters[ticket.request_id] = future
-        self._arm()
-        try:
-            return await future
-        finally:
-            self._waiters.pop(ticket.request_id, None)
-            if not future.done() or future.cancelled():  # the client went away while waiting
-                self.queue.cancel(ticket.request_id)
-                self._arm()
-
-    def poll(self) -> None:
-        """Admits or rejects waiting requests as routes fit or deadlines pass."""
-        if len(self.queue):
-            self._settle(self.queue.poll(self.clock(), self.fit))
-            self._arm()
-
     def on_heartbeat(self, worker_id: str) -> None:
         """The worker's report now includes what was sent to it: its pending load is spent."""
         self.holders.heartbeat(worker_id)
-        self.poll()
-
-    def _settle(self, outcomes: list[Outcome]) -> None:
-        for outcome in outcomes:
-            future = self._waiters.pop(outcome.ticket.request_id, None)
-            if future is not None and not future.done():
-                future.set_result(outcome)
-            elif outcome.action == ADMIT:  # nobody is waiting for it any more
-                self.forget(outcome.ticket.request_id)
-
-    def _arm(self) -> None:
-        """Schedules a ``poll`` at the queue's next deadline (one timer at a time)."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        deadline = self.queue.next_deadline()
-        if deadline is None:
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # no event loop (unit tests): the caller polls
-            return
-        self._timer = loop.call_later(max(0.0, deadline - self.clock()) + 1e-3, self.poll)

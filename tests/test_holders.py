@@ -66,11 +66,12 @@ def test_a_dead_worker_fails_what_it_held_and_answers_its_reservations() -> None
     h.reserving("b", "d", "waiter-b")
     h.hold("c", "x")
     h.routed("a", 10, ["p", "d"])
-    failed, waiters = h.worker_gone("d")
-    assert failed == ("a",) and waiters == ["waiter-b"]  # b tries its next route; a fails
+    assert h.awaiting("b", "d") == "waiter-b" and h.awaiting("a", "d") is None
+    failed, waiting = h.worker_gone("d")
+    assert failed == ("a",) and waiting == ("b",)  # b tries its next route; a fails
     assert h.holders("a") == {"p"} and h.holders("b") == frozenset() and h.count("d") == 0
     assert list(h.pending("d")) == [] and list(h.pending("p")) == [10]
-    assert h.worker_gone("d") == ((), [])
+    assert h.worker_gone("d") == ((), ())
     assert h.end("a") == ("p",) and h.end("b") == () and h.end("c") == ("x",) and len(h) == 0
 
 

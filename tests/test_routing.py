@@ -1,9 +1,8 @@
 """The router's route choice without processes: candidates from registrations and heartbeats, pending
-load, pool limits, and admission (admit, reject, wait) over a ``Registry``; and the config tables."""
+load and pool limits over a ``Registry``, and the config tables (admission: test_router_core.py)."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
@@ -11,11 +10,11 @@ import pytest
 from pdfabric.config import load_serve_config
 from pdfabric.control import Heartbeat, Register
 from pdfabric.profile import WorkerProfile
-from pdfabric.router.admission import ADMIT, REJECT, Ticket
+from pdfabric.router.admission import Ticket
 from pdfabric.router.registry import Registry
 from pdfabric.router.routes import Budgets, WorkerLoad
 from pdfabric.router.routing import RATE_WINDOW_S, Routing, candidate, route_of, with_pending
-from pdfabric.router.slo import AdmissionConfig, PoolConfig, SloClass
+from pdfabric.router.slo import AdmissionConfig, PoolConfig
 
 # prefill: 2 ms a step + 40 us a token; decode: 5 ms + 1 ms a sequence
 PROFILE = WorkerProfile(prefill=(2e-3, 4e-5, 0.0), decode=(5e-3, 1e-3, 0.0))
@@ -120,38 +119,6 @@ def test_baseline_policies_spread_over_routes_and_count_only_admissions(policy: 
     full = routing.fit(_ticket("r6"), Budgets(5000, 100))
     assert not full.fits and full.reason == "batch_full" and not full.unreachable
     assert routing.turn == 6
-
-
-def test_admit_rejects_the_impossible_and_waits_for_room() -> None:
-    registry = Registry()
-    register(registry, "c", "colocated", max_running=1)
-    cfg = AdmissionConfig(classes=(SloClass("interactive", priority=1, max_wait_ms=5000),))
-    now = [0.0]
-    routing = Routing(registry, cfg, clock=lambda: now[0])
-
-    async def scenario() -> None:
-        out = await routing.admit(_ticket("impossible", ttft=0.01))
-        assert out.action == REJECT and out.reason == "ttft_unreachable"
-        assert out.retry_after_ms == cfg.max_retry_ms
-        first = await routing.admit(_ticket("a"))
-        assert first.action == ADMIT
-        waiting = asyncio.ensure_future(routing.admit(_ticket("b")))  # batch of 1 is full: it waits
-        await asyncio.sleep(0)
-        assert not waiting.done() and len(routing.queue) == 1
-        routing.forget("a")  # "a" finished and the worker reports an empty batch
-        registry.heartbeat(heartbeat("c"))
-        now[0] = 0.5
-        routing.on_heartbeat("c")
-        second = await asyncio.wait_for(waiting, 1)
-        assert second.action == ADMIT and second.waited_ms == pytest.approx(500)
-        gone = asyncio.ensure_future(routing.admit(_ticket("c")))  # "b" holds the batch now
-        await asyncio.sleep(0)
-        gone.cancel()  # the client went away
-        with pytest.raises(asyncio.CancelledError):
-            await gone
-        assert len(routing.queue) == 0
-
-    asyncio.run(scenario())
 
 
 def test_config_tables(tmp_path: Path) -> None:

@@ -1,0 +1,373 @@
+"""The router's handling of requests and workers, without sockets, an event loop or a clock of its own:
+calls and worker messages in, effects out.
+
+The serving router (``dispatcher.Dispatcher``, over its ZeroMQ socket and asyncio) and the capacity
+planner's simulator (``pdfabric.bench.simulator``, in simulated time) both drive one ``RouterCore``
+and act on the effects it returns; neither keeps decisions of its own. A request's life here:
+
+1. ``submit`` asks admission control (``Routing``'s ranking and its ``AdmissionQueue``) for routes
+   that meet the request's budgets: admitted now, refused now (``Refused``, 429), or waiting until a
+   ``poll`` admits or refuses it. Its TTFT budget counts from ``submit``.
+2. An admitted request tries its routes best first. A colocated worker gets ``Generate``; for a
+   disaggregated pair the decode worker is asked to ``Reserve`` blocks and, on a ``Reserved`` reply
+   with blocks, the prefill worker gets ``Prefill`` with them. Either way the request is ``Started``.
+   A decode worker that refuses, does not answer within ``reserve_timeout_s`` or is gone moves the
+   request to its next route; with none left it is ``Refused`` (503) with every route's reason.
+3. Token deltas come out as ``Deliver`` in output order, each index once, the last with its finish
+   reason; a worker's error delta, or the death of a worker holding the request (``worker_gone``),
+   delivers one error delta at once.
+4. ``end`` forgets the request (its client's handler is done with it: finished, gone, timed out);
+   every worker still holding it is sent ``Abort`` so that its blocks come back. ``holders.Holders``
+   is the one record of which workers hold it.
+
+Admission is re-polled whenever load changes (heartbeats, hand-offs, finished requests, workers
+joining or leaving); the driver also calls ``poll`` at ``next_deadline()`` (a waiting request's
+deadline, a reservation's timeout). Times are the ``clock`` given (seconds).
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pdfabric.control import (
+    Abort,
+    Generate,
+    HandedOff,
+    Heartbeat,
+    Prefill,
+    Register,
+    Reserve,
+    Reserved,
+    Shutdown,
+    StepOutputs,
+    TokenDelta,
+)
+from pdfabric.engine.sampling_params import SamplingParams
+from pdfabric.router.admission import ADMIT, REJECT, Outcome, Ticket
+from pdfabric.router.holders import Holders
+from pdfabric.router.registry import Registry, has_route
+from pdfabric.router.routes import Budgets, Choice, PredictorConfig
+from pdfabric.router.routing import Routing, route_of
+from pdfabric.router.slo import AdmissionConfig
+
+# --- effects ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send ``msg`` to the worker."""
+
+    worker_id: str
+    msg: object
+
+
+@dataclass(frozen=True)
+class Started:
+    """The request is on a route: ``choice`` (with its predicted latencies), ``route`` for logs."""
+
+    request_id: str
+    choice: Choice
+    route: str
+    waited_ms: float  # time spent waiting for admission
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The request never started: 429 (admission control turned it away; ``outcome`` says why) or
+    503 (no worker could take it; ``message`` says why)."""
+
+    request_id: str
+    status: int
+    message: str
+    outcome: Outcome | None = None
+
+
+@dataclass(frozen=True)
+class Deliver:
+    """The request's next delta in output order; one with a finish reason is its last."""
+
+    request_id: str
+    delta: TokenDelta
+
+
+@dataclass(frozen=True)
+class Transferred:
+    """The prefill worker handed the request's KV to its decode worker."""
+
+    request_id: str
+    msg: HandedOff
+
+
+Effect = Send | Started | Refused | Deliver | Transferred
+
+
+@dataclass(eq=False)
+class _Request:
+    ticket: Ticket
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    eos: tuple[int, ...]
+    choices: tuple[Choice, ...] = ()
+    tried: int = 0  # routes tried so far
+    waited_ms: float = 0.0
+    reasons: list[str] = field(default_factory=list)  # why each route tried did not take it
+    started: bool = False
+    finished: bool = False  # its last delta is out
+    next_index: int = 0  # the output index delivered next
+    pending: dict[int, TokenDelta] = field(default_factory=dict)  # deltas that came early
+
+    @property
+    def request_id(self) -> str:
+        return self.ticket.request_id
+
+
+class RouterCore:
+    """Requests, workers and admission for one router. Every method returns the effects to carry out,
+    in order."""
+
+    def __init__(
+        self,
+        admission: AdmissionConfig | None = None,
+        predictor: PredictorConfig | None = None,
+        reserve_timeout_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.registry = Registry()
+        self.routing = Routing(self.registry, admission, predictor, clock)
+        self.holders: Holders[float] = self.routing.holders  # a reservation's waiter: its deadline
+        self.clock = clock
+        self.reserve_timeout_s = reserve_timeout_s
+        self._requests: dict[str, _Request] = {}
+        self._timeouts: list[tuple[float, str, str]] = []  # (deadline, request id, decode worker id)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def __len__(self) -> int:
+        """Requests submitted and not yet ended (waiting, starting or streaming)."""
+        return len(self._requests)
+
+    # --- requests -------------------------------------------------------------------------------
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_ids: tuple[int, ...],
+        params: SamplingParams,
+        eos_token_ids: tuple[int, ...],
+        tenant: str,
+        slo_class: str,
+        budgets: Budgets,
+    ) -> list[Effect]:
+        """A new request: ``Started`` or ``Refused`` now, or later from ``poll`` or a worker's reply."""
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already in the router")
+        if not has_route(self.registry):
+            return [Refused(request_id, 503, "no worker can serve this request now")]
+        ticket = Ticket(request_id, tenant, slo_class, budgets, len(prompt_ids), self.clock())
+        self._requests[request_id] = _Request(ticket, prompt_ids, params, eos_token_ids)
+        out: list[Effect] = []
+        self._settle(self.routing.queue.arrive(ticket, ticket.arrived, self.routing.fit), out)
+        return out
+
+    def end(self, request_id: str, abort_reason: str | None = "request ended") -> list[Effect]:
+        """Forgets a request; each worker still holding it gets an ``Abort`` (unless ``abort_reason``
+        is None: the caller knows none holds it any more)."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return []
+        out: list[Effect] = []
+        self.routing.queue.cancel(request_id)
+        self.routing.forget(request_id)
+        for worker_id in self.holders.end(request_id):
+            if abort_reason is not None and worker_id in self.registry.workers:
+                out.append(Send(worker_id, Abort(request_id, abort_reason)))
+        self._poll(out)
+        return out
+
+    def poll(self) -> list[Effect]:
+        """Times out reservations past their deadline and re-runs admission (waiting requests whose
+        route now fits or whose deadline passed). Call it at ``next_deadline()``."""
+        out: list[Effect] = []
+        now = self.clock()
+        while self._timeouts and self._timeouts[0][0] <= now:
+            deadline, rid, worker_id = heapq.heappop(self._timeouts)
+            req = self._requests.get(rid)
+            if req is None or self.holders.awaiting(rid, worker_id) != deadline:
+                continue  # answered or ended meanwhile
+            self._let_go(rid, worker_id, "reservation timed out", out)
+            req.reasons.append(f"{worker_id} did not answer a reservation in {self.reserve_timeout_s:g}s")
+            self._try_next(req, out)
+        self._poll(out)
+        return out
+
+    def next_deadline(self) -> float | None:
+        """When ``poll`` must run next, on ``clock`` (None: nothing is timed)."""
+        timeouts = self._timeouts
+        while timeouts and self.holders.awaiting(timeouts[0][1], timeouts[0][2]) != timeouts[0][0]:
+            heapq.heappop(timeouts)  # answered or ended: no longer timed
+        queue = self.routing.queue.next_deadline()
+        times = [t for t in (timeouts[0][0] if timeouts else None, queue) if t is not None]
+        return min(times) + 1e-3 if times else None  # a hair after: the deadline has surely passed
+
+    # --- workers --------------------------------------------------------------------------------
+
+    def on_message(self, msg: object) -> list[Effect]:
+        """A control message from a worker."""
+        out: list[Effect] = []
+        if isinstance(msg, StepOutputs):
+            for delta in msg.deltas:
+                self._on_delta(msg.worker_id, delta, out)
+        elif isinstance(msg, HandedOff):
+            self.holders.done(msg.request_id, msg.worker_id)
+            if msg.request_id in self._requests:
+                out.append(Transferred(msg.request_id, msg))
+            self._poll(out)
+        elif isinstance(msg, Heartbeat):
+            if not self.registry.heartbeat(msg):
+                out.append(Send(msg.worker_id, Shutdown("unknown worker: register first")))
+            else:
+                self.routing.on_heartbeat(msg.worker_id)
+                self._poll(out)
+        elif isinstance(msg, Reserved):
+            self._on_reserved(msg, out)
+        elif isinstance(msg, Register):
+            self.registry.register(msg)
+            self._poll(out)
+        else:
+            raise TypeError(f"unexpected {type(msg).__name__} from a worker")
+        return out
+
+    def worker_gone(self, worker_id: str, why: str) -> list[Effect]:
+        """Drops a worker: each request it held ends with an error; a reservation it will never
+        answer moves its request to the next route."""
+        out: list[Effect] = []
+        if self.registry.remove(worker_id) is None:
+            return out
+        failed, waiting = self.holders.worker_gone(worker_id)
+        for rid in failed:
+            req = self._requests.get(rid)
+            if req is not None:
+                self._fail(req, f"worker {worker_id} failed: {why}", out)
+        for rid in waiting:
+            req = self._requests.get(rid)
+            if req is not None:
+                req.reasons.append(f"{worker_id} is gone: {why}")
+                self._try_next(req, out)
+        self._poll(out)
+        return out
+
+    # --- internals ------------------------------------------------------------------------------
+
+    def _poll(self, out: list[Effect]) -> None:
+        if len(self.routing.queue):
+            self._settle(self.routing.queue.poll(self.clock(), self.routing.fit), out)
+
+    def _settle(self, outcomes: list[Outcome], out: list[Effect]) -> None:
+        for outcome in outcomes:
+            req = self._requests.get(outcome.ticket.request_id)
+            if req is None:  # ended while waiting (the queue forgets it then; never in practice)
+                self.routing.forget(outcome.ticket.request_id)
+            elif outcome.action == ADMIT:
+                assert outcome.ranking is not None
+                req.choices, req.waited_ms = outcome.ranking.choices, outcome.waited_ms
+                self._try_next(req, out)
+            elif outcome.action == REJECT:
+                del self._requests[req.request_id]
+                out.append(Refused(req.request_id, 429, outcome.reason, outcome))
+
+    def _try_next(self, req: _Request, out: list[Effect]) -> None:
+        """Starts the request on its next route that exists: at once if colocated, else after the
+        decode worker's reservation reply. Refuses it (503) when no route is left."""
+        rid = req.request_id
+        while req.tried < len(req.choices):
+            choice = req.choices[req.tried]
+            req.tried += 1
+            route = route_of(self.registry, choice)
+            if route is None:
+                req.reasons.append(f"{choice.prefill}/{choice.decode} is gone")
+                continue
+            if route.colocated is not None:
+                self.holders.hold(rid, choice.decode)
+                out.append(Send(choice.decode, Generate(rid, req.prompt_ids, req.params, req.eos)))
+                self._started(req, choice, choice.decode, out)
+                return
+            deadline = self.clock() + self.reserve_timeout_s
+            self.holders.reserving(rid, choice.decode, deadline)  # an end from here on aborts it there
+            heapq.heappush(self._timeouts, (deadline, rid, choice.decode))
+            out.append(Send(choice.decode, Reserve(rid, req.prompt_ids, req.params, req.eos)))
+            return
+        del self._requests[rid]
+        self.routing.forget(rid)
+        self.holders.end(rid)  # every route let go of it already
+        out.append(Refused(rid, 503, "no worker could take the request: " + "; ".join(req.reasons)))
+
+    def _on_reserved(self, reply: Reserved, out: list[Effect]) -> None:
+        rid, decode_id = reply.request_id, reply.worker_id
+        req = self._requests.get(rid)
+        if self.holders.replied(rid, decode_id) is None or req is None:  # given up on (ended, timed out)
+            if reply.block_ids:  # its blocks come back
+                out.append(Send(decode_id, Abort(rid, "reservation no longer wanted")))
+            return
+        choice = req.choices[req.tried - 1]
+        if not reply.block_ids:
+            self.holders.done(rid, decode_id)
+            req.reasons.append(f"{decode_id}: {reply.reason}")
+            self._try_next(req, out)
+            return
+        if choice.prefill not in self.registry.workers:
+            self._let_go(rid, decode_id, "prefill worker gone", out)
+            req.reasons.append(f"{choice.prefill} is gone")
+            self._try_next(req, out)
+            return
+        self.holders.hold(rid, choice.prefill)  # the decode worker holds it since `reserving`
+        kv_endpoint = self.registry.workers[decode_id].reg.kv_endpoint
+        prefill = Prefill(rid, req.prompt_ids, req.params, req.eos, kv_endpoint, reply.block_ids)
+        out.append(Send(choice.prefill, prefill))
+        self._started(req, choice, f"{choice.prefill}->{decode_id}", out)
+
+    def _started(self, req: _Request, choice: Choice, route: str, out: list[Effect]) -> None:
+        req.started = True
+        self.routing.routed(req.request_id, req.ticket.prompt_len, choice)
+        out.append(Started(req.request_id, choice, route, req.waited_ms))
+
+    def _let_go(self, request_id: str, worker_id: str, abort_reason: str, out: list[Effect]) -> None:
+        """One worker stops holding a request that goes on elsewhere (or nowhere): it gets an ``Abort``."""
+        if self.holders.done(request_id, worker_id):
+            out.append(Send(worker_id, Abort(request_id, abort_reason)))
+
+    def _on_delta(self, worker_id: str, delta: TokenDelta, out: list[Effect]) -> None:
+        req = self._requests.get(delta.request_id)
+        if req is None:
+            return  # already ended (aborted, failed or timed out)
+        if delta.finish_reason is not None:
+            self.holders.done(delta.request_id, worker_id)
+            self._deliver(req, delta, out)
+            self._poll(out)
+        else:
+            self._deliver(req, delta, out)
+
+    def _deliver(self, req: _Request, delta: TokenDelta, out: list[Effect]) -> None:
+        if req.finished:
+            return
+        if delta.finish_reason in ("error", "abort"):  # failures jump the queue
+            req.finished = True
+            out.append(Deliver(req.request_id, delta))
+            return
+        req.pending[delta.index] = delta
+        while req.next_index in req.pending:
+            d = req.pending.pop(req.next_index)
+            req.next_index += len(d.token_ids)
+            out.append(Deliver(req.request_id, d))
+            if d.finish_reason is not None:
+                req.finished = True
+                req.pending.clear()
+                break
+            if not d.token_ids:
+                break
+
+    def _fail(self, req: _Request, message: str, out: list[Effect]) -> None:
+        self._deliver(req, TokenDelta(req.request_id, req.next_index, (), (), "error", message), out)

@@ -1,0 +1,188 @@
+"""The router's core without sockets or processes: calls and worker messages in, effects out
+(admission, the route walk, reservations and their timeouts, token order, dead workers, ends)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdfabric.control import (
+    Abort,
+    Generate,
+    HandedOff,
+    Heartbeat,
+    Prefill,
+    Register,
+    Reserve,
+    Reserved,
+    Shutdown,
+    StepOutputs,
+    TokenDelta,
+)
+from pdfabric.engine.sampling_params import SamplingParams
+from pdfabric.profile import WorkerProfile
+from pdfabric.router.core import Deliver, Refused, RouterCore, Send, Started, Transferred
+from pdfabric.router.routes import Budgets
+from pdfabric.router.slo import AdmissionConfig, SloClass
+
+PROFILE = WorkerProfile(prefill=(2e-3, 4e-5, 0.0), decode=(5e-3, 1e-3, 0.0))
+PARAMS = SamplingParams(max_tokens=4)
+LOOSE = Budgets(5000, 100)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def core_with(*workers: tuple[str, str], max_running: int = 64, **kw: object) -> tuple[RouterCore, Clock]:
+    clock = Clock()
+    core = RouterCore(clock=clock, **kw)  # type: ignore[arg-type]
+    for wid, kind in workers:
+        endpoint = f"kv://{wid}" if kind == "decode" else ""
+        reg = Register(
+            wid, kind, "default", "tiny", 4096, 16, 100, endpoint, 1, max_running, 512, 1000, PROFILE
+        )
+        assert core.on_message(reg) == []
+    return core, clock
+
+
+def heartbeat(wid: str, running: int = 0) -> Heartbeat:
+    return Heartbeat(wid, 0, running, 0, 100, 100, 1.0, 0, 2e9, PROFILE)
+
+
+def submit(core: RouterCore, rid: str, budgets: Budgets = LOOSE, prompt: int = 20) -> list[object]:
+    return list(core.submit(rid, (1,) * prompt, PARAMS, (0,), "default", "interactive", budgets))
+
+
+def delta(wid: str, rid: str, index: int, n: int = 1, finish: str | None = None) -> StepOutputs:
+    return StepOutputs(wid, (TokenDelta(rid, index, (7,) * n, (0.0,) * n, finish),))
+
+
+def sends(effects: list[object]) -> list[tuple[str, type]]:
+    return [(e.worker_id, type(e.msg)) for e in effects if isinstance(e, Send)]
+
+
+def test_admission_refuses_the_impossible_and_starts_waiting_requests_as_room_opens() -> None:
+    cfg = AdmissionConfig(classes=(SloClass("interactive", priority=1, max_wait_ms=5000),))
+    core, clock = core_with(("c", "colocated"), max_running=1, admission=cfg)
+    [refused] = submit(core, "impossible", Budgets(0.01, 100))
+    assert isinstance(refused, Refused) and refused.status == 429
+    assert refused.outcome is not None and refused.outcome.reason == "ttft_unreachable"
+    assert "impossible" not in core
+    first = submit(core, "a")
+    assert sends(first) == [("c", Generate)] and isinstance(first[1], Started) and first[1].route == "c"
+    assert submit(core, "b") == [] and len(core.routing.queue) == 1  # a batch of 1 is full: b waits
+    assert submit(core, "gone") == []
+    assert core.end("gone") == [] and len(core.routing.queue) == 1  # its client left while it waited
+    out = core.on_message(delta("c", "a", 0, 4, "length"))
+    assert [type(e) for e in out] == [Deliver]  # still counted on the worker until its handler ends it
+    clock.now = 0.5
+    out = core.end("a")  # its load is gone: b takes the batch; nobody holds a, nobody is owed an Abort
+    assert sends(out) == [("c", Generate)]
+    [started] = [e for e in out if isinstance(e, Started)]
+    assert started.request_id == "b" and started.waited_ms == pytest.approx(500)
+    assert core.next_deadline() is None
+
+
+def test_a_waiting_request_is_refused_at_its_deadline() -> None:
+    cfg = AdmissionConfig(classes=(SloClass("interactive", priority=1, max_wait_ms=2000),))
+    core, clock = core_with(("c", "colocated"), max_running=1, admission=cfg)
+    submit(core, "a")
+    assert submit(core, "b") == []
+    deadline = core.next_deadline()
+    assert deadline is not None and 2.0 < deadline < 2.01
+    clock.now = deadline
+    [refused] = core.poll()
+    assert isinstance(refused, Refused) and refused.status == 429 and refused.outcome is not None
+    assert refused.outcome.reason == "deadline" and "b" not in core
+
+
+def test_a_pair_reserves_then_prefills_and_deltas_come_out_in_order_once() -> None:
+    core, _ = core_with(("p", "prefill"), ("d", "decode"))
+    assert sends(submit(core, "r")) == [("d", Reserve)]
+    assert core.holders.holders("r") == {"d"}
+    out = core.on_message(Reserved("d", "r", (3, 4)))
+    [(worker, msg)] = [(e.worker_id, e.msg) for e in out if isinstance(e, Send)]
+    assert worker == "p" and isinstance(msg, Prefill)
+    assert msg.kv_endpoint == "kv://d" and msg.block_ids == (3, 4)
+    assert isinstance(out[-1], Started) and out[-1].route == "p->d"
+    assert core.on_message(delta("d", "r", 1)) == []  # early: held back until index 0 is out
+    out = core.on_message(delta("p", "r", 0))
+    assert [e.delta.index for e in out if isinstance(e, Deliver)] == [0, 1]
+    assert core.on_message(delta("d", "r", 1)) == []  # a duplicate is not delivered twice
+    [moved] = core.on_message(HandedOff("p", "r", 1000, 0.01))
+    assert isinstance(moved, Transferred) and moved.msg.kv_seconds == 0.01
+    assert core.holders.holders("r") == {"d"}
+    out = core.on_message(delta("d", "r", 2, 2, "length"))
+    assert [e.delta.finish_reason for e in out if isinstance(e, Deliver)] == ["length"]
+    assert core.on_message(delta("d", "r", 4, 1, "length")) == []  # nothing after the last
+    assert core.holders.holders("r") == frozenset() and core.end("r") == []
+    assert len(core) == 0 and len(core.holders) == 0
+
+
+def test_an_ended_request_aborts_every_holder_and_late_reservations_are_given_back() -> None:
+    core, _ = core_with(("p", "prefill"), ("d", "decode"))
+    submit(core, "r")
+    core.on_message(Reserved("d", "r", (3,)))
+    assert sorted(sends(core.end("r", "client gone"))) == [("d", Abort), ("p", Abort)]
+    submit(core, "q")
+    assert sends(core.end("q")) == [("d", Abort)]  # asked to reserve: its blocks may be taken already
+    assert sends(core.on_message(Reserved("d", "q", (5,)))) == [("d", Abort)]  # the late reply's too
+    assert core.on_message(Reserved("d", "q", (), "no room")) == []
+    assert len(core.holders) == 0
+
+
+def test_a_reservation_not_answered_in_time_moves_to_the_next_route() -> None:
+    core, clock = core_with(("p", "prefill"), ("d0", "decode"), ("d1", "decode"), reserve_timeout_s=2.0)
+    [(first, _)] = sends(submit(core, "r"))
+    second = "d1" if first == "d0" else "d0"
+    deadline = core.next_deadline()
+    assert deadline is not None and 2.0 < deadline < 2.01
+    clock.now = deadline
+    out = core.poll()
+    assert sends(out) == [(first, Abort), (second, Reserve)]
+    clock.now = 2 * deadline
+    out = core.poll()
+    assert sends(out) == [(second, Abort)]
+    [refused] = [e for e in out if isinstance(e, Refused)]
+    assert refused.status == 503 and f"{first} did not answer" in refused.message
+    assert "r" not in core and len(core.holders) == 0 and core.next_deadline() is None
+
+
+def test_a_refused_reservation_tries_the_next_route_and_the_last_refusal_says_why() -> None:
+    core, _ = core_with(("p", "prefill"), ("d0", "decode"), ("d1", "decode"))
+    [(first, _)] = sends(submit(core, "r"))
+    out = core.on_message(Reserved(first, "r", (), "no free blocks"))
+    [(second, _)] = sends(out)
+    assert second != first
+    [refused] = core.on_message(Reserved(second, "r", (), "no free blocks"))
+    assert isinstance(refused, Refused) and refused.status == 503
+    assert refused.message.count("no free blocks") == 2 and len(core.holders) == 0
+
+
+def test_a_dead_worker_fails_what_it_held_once_and_its_reservations_move_on() -> None:
+    core, _ = core_with(("p", "prefill"), ("d0", "decode"), ("d1", "decode"))
+    [(first, _)] = sends(submit(core, "r"))
+    second = "d1" if first == "d0" else "d0"
+    assert sends(core.worker_gone(first, "killed")) == [(second, Reserve)]
+    core.on_message(Reserved(second, "r", (3,)))
+    core.on_message(delta("p", "r", 0))
+    out = core.worker_gone("p", "killed")
+    [failed] = [e.delta for e in out if isinstance(e, Deliver)]
+    assert failed.finish_reason == "error" and "worker p failed: killed" in failed.error and failed.index == 1
+    assert core.worker_gone("p", "again") == []
+    assert core.on_message(delta(second, "r", 1, 1, "length")) == []  # it ended already for the client
+    assert sends(core.end("r")) == []  # the decode worker let go with its last delta
+    assert len(core.holders) == 0
+
+
+def test_heartbeats_from_unknown_workers_get_a_shutdown_and_no_route_is_a_503() -> None:
+    core, _ = core_with(("p", "prefill"))
+    assert sends(core.on_message(heartbeat("stranger"))) == [("stranger", Shutdown)]
+    [refused] = submit(core, "r")
+    assert isinstance(refused, Refused) and refused.status == 503 and "r" not in core
+    with pytest.raises(TypeError):
+        core.on_message(Generate("x", (1,), PARAMS, ()))
