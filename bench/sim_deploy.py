@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 from pdfabric.bench.simulator import SimConfig, SimWorker
 from pdfabric.config import ServeConfig
+from pdfabric.core import CoreSpec
 from pdfabric.profile_file import ProfileFile, for_kind
 
 
@@ -34,23 +35,12 @@ def sim_config(
         pf = for_kind(profiles, w.kind)
         num_blocks = w.kv_blocks(pf.kv_bytes_per_token)
         rate = pf.kv_rate(transport) if pf.kv_bytes_per_s else serve.predictor.default_kv_bytes_per_s
-        workers.append(
-            SimWorker(
-                worker_id,
-                w.kind,
-                pf.profile,
-                pool=w.pool,
-                max_running=w.max_running,
-                max_batch_tokens=w.max_batch_tokens,
-                num_blocks=num_blocks,
-                block_size=w.block_size,
-                max_model_len=min(pf.max_model_len, num_blocks * w.block_size),
-                kv_bytes_per_token=pf.kv_bytes_per_token,
-                kv_bytes_per_s=rate,
-                heartbeat_s=w.heartbeat_s,
-            )
-        )
-    return SimConfig(tuple(workers), serve.routing, serve.predictor, heartbeat_s=serve.worker.heartbeat_s)
+        core = CoreSpec(
+            worker_id, w.kind, num_blocks, w.block_size, min(pf.max_model_len, num_blocks * w.block_size),
+            w.max_running, w.max_batch_tokens, pf.kv_bytes_per_token, w.heartbeat_s, w.pool, pf.model,
+        )  # fmt: skip
+        workers.append(SimWorker(core, pf.profile, rate))
+    return SimConfig(tuple(workers), serve.routing, serve.predictor)
 
 
 FABRIC_TRANSPORT = "shm"  # what the workers use on one host (kv_transport "auto"; zmq-tcp across hosts)

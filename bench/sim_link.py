@@ -50,7 +50,7 @@ class SimLink:
         if isinstance(cmd, PushKV):
             decode = self._by_endpoint[cmd.endpoint]
             spec = worker.spec
-            nbytes = len(cmd.local_blocks) * spec.block_size * spec.kv_bytes_per_token
+            nbytes = len(cmd.local_blocks) * spec.core.block_size * spec.core.kv_bytes_per_token
             rate = min(spec.kv_bytes_per_s, decode.spec.kv_bytes_per_s)
             pid, did = spec.worker_id, decode.spec.worker_id
             done = max(now, self._free[pid], self._free[did]) + nbytes / rate

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from pdfabric.bench.sim_link import endpoint_of
 from pdfabric.control import COLOCATED, DECODE, PREFILL, Register
-from pdfabric.core import CancelKV, CoreSpec, ExpectKV, FixedProfile, Out, PushKV, Step, WorkerCore
+from pdfabric.core import CancelKV, ExpectKV, FixedProfile, Out, PushKV, Step, WorkerCore
 from pdfabric.decode.core import ColocatedCore, DecodeCore
 from pdfabric.kvtransfer.state import TransferResult
 from pdfabric.prefill.core import PrefillCore
@@ -39,13 +39,8 @@ class SimulatedWorker:
     def __init__(self, sim: Simulation, spec: SimWorker) -> None:
         self.sim = sim
         self.spec = spec
-        core_spec = CoreSpec(
-            spec.worker_id, spec.kind, spec.num_blocks, spec.block_size, spec.max_model_len,
-            spec.max_running, spec.max_batch_tokens, spec.kv_bytes_per_token,
-            spec.heartbeat_s or sim.config.heartbeat_s, spec.pool, "simulated",
-        )  # fmt: skip
         endpoint = endpoint_of(spec.worker_id) if spec.kind == DECODE else ""
-        self.core = CORES[spec.kind](core_spec, FixedProfile(spec.profile), endpoint)
+        self.core = CORES[spec.kind](spec.core, FixedProfile(spec.profile), endpoint)
         self.scheduler, self.tables = self.core.scheduler, self.core.tables
         self.busy = False  # a step is running
         self._wake = False  # a boundary is queued for an idle worker

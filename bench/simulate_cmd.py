@@ -36,7 +36,6 @@ if TYPE_CHECKING:
     from pdfabric.bench.workload import Workload
 
 
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = (
         "No server runs: the workers of --config are simulated with the step times of the --profile files "
@@ -152,12 +151,14 @@ def workload_at_rate(args: argparse.Namespace) -> Workload:
 def describe(config: SimConfig) -> dict[str, Any]:
     """The simulated deployment, for the report."""
     return {
-        "workers": [asdict(w) for w in config.workers],
+        "workers": [
+            {**asdict(w.core), "profile": asdict(w.profile), "kv_bytes_per_s": w.kv_bytes_per_s}
+            for w in config.workers
+        ],
         "routing_policy": getattr(config.routing, "policy", "budget"),
         "routing_ttft_ms": config.routing.ttft_ms,
         "routing_itl_ms": config.routing.itl_ms,
         "predictor": asdict(config.predictor),
-        "heartbeat_s": config.heartbeat_s,
         "overhead_ms": config.overhead_ms,
     }
 

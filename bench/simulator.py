@@ -59,6 +59,7 @@ from pdfabric.bench.sim_link import SimLink
 from pdfabric.bench.sim_worker import SimulatedWorker
 from pdfabric.bench.workload import Request, Workload
 from pdfabric.control import COLOCATED, DECODE, KINDS, PREFILL, TokenDelta
+from pdfabric.core import CoreSpec
 from pdfabric.engine.sampling_params import SamplingParams
 from pdfabric.profile import WorkerProfile
 from pdfabric.router.core import Deliver, Effect, Refused, RouterCore, Send
@@ -79,31 +80,32 @@ def _prompt(n: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class SimWorker:
-    """One simulated worker: its kind and pool, its scheduler limits and cache, and its step-time fit."""
+    """One simulated worker: its identity and limits exactly as the worker core takes them (``core``,
+    with ``CoreSpec``'s defaults), its step-time fit, and the KV transfer rate of its link."""
 
-    worker_id: str
-    kind: str  # pdfabric.control PREFILL | DECODE | COLOCATED
+    core: CoreSpec
     profile: WorkerProfile
-    pool: str = "default"
-    max_running: int = 64
-    max_batch_tokens: int = 512
-    num_blocks: int = 4096
-    block_size: int = 16
-    max_model_len: int = 4096
-    kv_bytes_per_token: int = 0
-    kv_bytes_per_s: float = 1e9  # KV transfer rate of this worker's link
-    heartbeat_s: float = 0.0  # 0: the config's
+    kv_bytes_per_s: float = 1e9
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"{self.worker_id}: kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        c = self.core
+        if c.kind not in KINDS:
+            raise ValueError(f"{c.worker_id}: kind must be one of {', '.join(KINDS)}, got {c.kind!r}")
         for name in ("max_running", "max_batch_tokens", "num_blocks", "block_size", "max_model_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{self.worker_id}: {name} must be at least 1, got {getattr(self, name)}")
-        if self.kv_bytes_per_token < 0 or self.heartbeat_s < 0:
-            raise ValueError(f"{self.worker_id}: kv_bytes_per_token and heartbeat_s must be >= 0")
+            if getattr(c, name) < 1:
+                raise ValueError(f"{c.worker_id}: {name} must be at least 1, got {getattr(c, name)}")
+        if c.kv_bytes_per_token < 0 or not c.heartbeat_s > 0:
+            raise ValueError(f"{c.worker_id}: kv_bytes_per_token must be >= 0 and heartbeat_s > 0")
         if not (math.isfinite(self.kv_bytes_per_s) and self.kv_bytes_per_s > 0):
-            raise ValueError(f"{self.worker_id}: kv_bytes_per_s must be > 0, got {self.kv_bytes_per_s}")
+            raise ValueError(f"{c.worker_id}: kv_bytes_per_s must be > 0, got {self.kv_bytes_per_s}")
+
+    @property
+    def worker_id(self) -> str:
+        return self.core.worker_id
+
+    @property
+    def kind(self) -> str:
+        return self.core.kind
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,6 @@ class SimConfig:
     workers: tuple[SimWorker, ...]
     routing: AdmissionConfig = field(default_factory=AdmissionConfig)
     predictor: PredictorConfig = field(default_factory=PredictorConfig)
-    heartbeat_s: float = 0.25
     overhead_ms: float = 0.0  # added to every time the client sees (router, HTTP, network)
 
     def __post_init__(self) -> None:
@@ -123,8 +124,8 @@ class SimConfig:
         kinds = {w.kind for w in self.workers}
         if COLOCATED not in kinds and not {PREFILL, DECODE} <= kinds:
             raise ValueError("a deployment needs a colocated worker, or prefill and decode workers")
-        if not self.heartbeat_s > 0 or not (math.isfinite(self.overhead_ms) and self.overhead_ms >= 0):
-            raise ValueError("heartbeat_s must be > 0 and overhead_ms >= 0")
+        if not (math.isfinite(self.overhead_ms) and self.overhead_ms >= 0):
+            raise ValueError(f"overhead_ms must be >= 0, got {self.overhead_ms}")
 
 
 def simulate(config: SimConfig, workload: Workload, progress: Progress | None = None) -> list[RequestRecord]:

@@ -20,6 +20,7 @@ from pdfabric.bench.simulator import SimConfig, Simulation, SimWorker, simulate
 from pdfabric.bench.workload import Request, Workload
 from pdfabric.config import load_serve_config
 from pdfabric.control import COLOCATED, DECODE, PREFILL
+from pdfabric.core import CoreSpec
 from pdfabric.profile import StepShape, WorkerProfile
 from pdfabric.profile_file import ProfileFile
 from pdfabric.router.slo import AdmissionConfig
@@ -33,6 +34,14 @@ def workload(arrivals: list[float], input_len: int, output_len: int) -> Workload
     return Workload("test", reqs)
 
 
+def sim_worker(
+    worker_id: str, kind: str, profile: WorkerProfile, kv_bytes_per_s: float = 1e9, **limits: int
+) -> SimWorker:
+    """A simulated worker with room for every test's prompts and ``CoreSpec``'s other defaults."""
+    limits.setdefault("num_blocks", 4096)
+    return SimWorker(CoreSpec(worker_id, kind, **limits), profile, kv_bytes_per_s)
+
+
 def constant(seconds: float) -> WorkerProfile:
     """Every step takes ``seconds``, whatever it runs."""
     return WorkerProfile(prefill=(seconds, 0.0, 0.0), decode=(seconds, 0.0, 0.0))
@@ -40,7 +49,7 @@ def constant(seconds: float) -> WorkerProfile:
 
 def test_dd1_every_ttft_is_the_step_time() -> None:
     step, gap = 0.02, 0.05
-    worker = SimWorker("c", COLOCATED, constant(step), max_batch_tokens=100)
+    worker = sim_worker("c", COLOCATED, constant(step), max_batch_tokens=100)
     records = simulate(SimConfig((worker,)), workload([i * gap for i in range(50)], 100, 1))
     assert [r.status for r in records] == [OK] * 50
     assert [r.index for r in records] == list(range(50))
@@ -58,7 +67,7 @@ def test_md1_mean_ttft_matches_pollaczek_khinchine() -> None:
         t += rng.expovariate(rho / step)
         arrivals.append(t)
     # One prompt per step; a batch limit the queue never reaches, or the router would hold prompts back.
-    worker = SimWorker("c", COLOCATED, constant(step), max_batch_tokens=64, max_running=n)
+    worker = sim_worker("c", COLOCATED, constant(step), max_batch_tokens=64, max_running=n)
     records = simulate(SimConfig((worker,), routing=LOOSE), workload(arrivals, 64, 1))
     assert all(r.status == OK for r in records)
     mean = sum(r.ttft_ms for r in records) / n / 1e3
@@ -68,8 +77,8 @@ def test_md1_mean_ttft_matches_pollaczek_khinchine() -> None:
 def test_decode_batch_itl_is_the_profiles_step_time() -> None:
     n, prompt, out = 6, 40, 8
     decode_profile = WorkerProfile(decode=(0.01, 0.002, 1e-5))
-    p = SimWorker("p", PREFILL, constant(0.1), max_batch_tokens=n * prompt)
-    d = SimWorker("d", DECODE, decode_profile)  # no KV bytes: every prompt's KV arrives at once
+    p = sim_worker("p", PREFILL, constant(0.1), max_batch_tokens=n * prompt)
+    d = sim_worker("d", DECODE, decode_profile)  # no KV bytes: every prompt's KV arrives at once
     records = simulate(SimConfig((p, d), routing=LOOSE), workload([0.0] * n, prompt, out))
     for r in records:
         assert r.status == OK and r.output_tokens == out
@@ -82,8 +91,8 @@ def test_disaggregated_ttft_and_first_gap() -> None:
     prompt, kv, rate = 100, 1000, 1e6
     pre = WorkerProfile(prefill=(0.05, 1e-3, 1e-6))
     dec = WorkerProfile(decode=(0.02, 1e-3, 1e-5))
-    p = SimWorker("p", PREFILL, pre, kv_bytes_per_token=kv, kv_bytes_per_s=rate)
-    d = SimWorker("d", DECODE, dec, kv_bytes_per_token=kv, kv_bytes_per_s=rate)
+    p = sim_worker("p", PREFILL, pre, kv_bytes_per_token=kv, kv_bytes_per_s=rate)
+    d = sim_worker("d", DECODE, dec, kv_bytes_per_token=kv, kv_bytes_per_s=rate)
     cfg = SimConfig((p, d), routing=LOOSE, overhead_ms=1.5)
     [r] = simulate(cfg, workload([0.0], prompt, 3))
     prefill_ms = pre.step_seconds(StepShape.of([(0, prompt)])) * 1e3
@@ -98,8 +107,8 @@ def test_disaggregated_ttft_and_first_gap() -> None:
 
 def test_reservation_waits_for_the_decode_workers_step() -> None:
     """A busy decode worker answers a reservation only between steps, which delays the prefill."""
-    p = SimWorker("p", PREFILL, constant(0.1))
-    d = SimWorker("d", DECODE, constant(0.3))
+    p = sim_worker("p", PREFILL, constant(0.1))
+    d = sim_worker("d", DECODE, constant(0.3))
     recs = simulate(
         SimConfig((p, d), routing=LOOSE), Workload("t", (Request(0, 0.0, 16, 50), Request(1, 0.25, 16, 1)))
     )
@@ -108,15 +117,15 @@ def test_reservation_waits_for_the_decode_workers_step() -> None:
 
 
 def test_single_token_output_ends_when_the_kv_arrives() -> None:
-    p = SimWorker("p", PREFILL, constant(0.1), kv_bytes_per_token=10, kv_bytes_per_s=1e4)
-    d = SimWorker("d", DECODE, constant(0.2), kv_bytes_per_token=10)
+    p = sim_worker("p", PREFILL, constant(0.1), kv_bytes_per_token=10, kv_bytes_per_s=1e4)
+    d = sim_worker("d", DECODE, constant(0.2), kv_bytes_per_token=10)
     [r] = simulate(SimConfig((p, d), routing=LOOSE), workload([0.0], 16, 1))
     assert r.status == OK and r.output_tokens == 1 and r.ttft_ms == pytest.approx(100.0)
     assert r.e2e_ms == pytest.approx(100.0 + 16 * 10 / 1e4 * 1e3)
 
 
 def test_impossible_ttft_budget_rejects_every_request() -> None:
-    worker = SimWorker("c", COLOCATED, constant(0.05))
+    worker = sim_worker("c", COLOCATED, constant(0.05))
     cfg = SimConfig((worker,), routing=AdmissionConfig(ttft_ms=1.0))
     records = simulate(cfg, workload([i * 0.1 for i in range(20)], 100, 4))
     assert [r.status for r in records] == [REJECTED] * 20
@@ -131,11 +140,11 @@ def test_blocks_never_leak(deployment: str) -> None:
     prof = WorkerProfile(prefill=(0.01, 1e-4, 1e-8), decode=(0.005, 1e-4, 1e-7))
     if deployment == "disaggregated":
         workers: tuple[SimWorker, ...] = (
-            SimWorker("p", PREFILL, prof, num_blocks=40, max_batch_tokens=128, kv_bytes_per_token=100),
-            SimWorker("d", DECODE, prof, num_blocks=60, max_running=16, kv_bytes_per_token=100),
+            sim_worker("p", PREFILL, prof, num_blocks=40, max_batch_tokens=128, kv_bytes_per_token=100),
+            sim_worker("d", DECODE, prof, num_blocks=60, max_running=16, kv_bytes_per_token=100),
         )
     else:
-        workers = (SimWorker("c", COLOCATED, prof, num_blocks=60, max_batch_tokens=128, max_running=16),)
+        workers = (sim_worker("c", COLOCATED, prof, num_blocks=60, max_batch_tokens=128, max_running=16),)
     rng = random.Random(3)
     reqs, t = [], 0.0
     for i in range(200):
@@ -155,7 +164,8 @@ def test_blocks_never_leak(deployment: str) -> None:
 
 def test_simulation_is_deterministic() -> None:
     prof = WorkerProfile(prefill=(0.01, 1e-4, 0.0), decode=(0.005, 1e-4, 1e-7))
-    workers = (SimWorker("p0", PREFILL, prof), SimWorker("p1", PREFILL, prof), SimWorker("d0", DECODE, prof))
+    kinds = (("p0", PREFILL), ("p1", PREFILL), ("d0", DECODE))
+    workers = tuple(sim_worker(wid, kind, prof) for wid, kind in kinds)
     rng = random.Random(1)
     reqs = tuple(Request(i, i * 0.03, rng.randint(10, 200), rng.randint(1, 20)) for i in range(200))
     first = simulate(SimConfig(workers), Workload("w", reqs))
@@ -175,15 +185,15 @@ def test_sim_config_cpu_small_1p1d() -> None:
     serve = load_serve_config(ROOT / "configs" / "cpu-small-1p1d.toml", {})
     cfg = sim_config(serve, _profiles(), transport="zmq-tcp")
     blocks = 1024 * 2**20 // (49152 * 16)
-    assert [(w.worker_id, w.kind, w.num_blocks) for w in cfg.workers] == [
+    assert [(w.worker_id, w.kind, w.core.num_blocks) for w in cfg.workers] == [
         ("prefill-0", PREFILL, blocks),
         ("decode-0", DECODE, blocks),
     ]
     p, d = cfg.workers
     assert p.profile == _profiles()[0].profile and d.profile == _profiles()[1].profile
-    assert (p.max_batch_tokens, p.max_running, p.kv_bytes_per_s) == (256, 32, 1.2e9)
+    assert (p.core.max_batch_tokens, p.core.max_running, p.kv_bytes_per_s) == (256, 32, 1.2e9)
     assert d.kv_bytes_per_s == serve.predictor.default_kv_bytes_per_s  # none measured for it
-    assert (p.max_model_len, d.max_model_len) == (4096, 2048)
+    assert (p.core.max_model_len, d.core.max_model_len) == (4096, 2048)
     assert sim_config(serve, _profiles()).workers[0].kv_bytes_per_s == 5e9  # the fastest measured
     with pytest.raises(ValueError, match="no profile for decode"):
         sim_config(serve, _profiles()[:1])
@@ -193,7 +203,7 @@ def test_sim_config_slo_pools() -> None:
     serve = load_serve_config(ROOT / "configs" / "slo-pools.toml", {})
     cfg = sim_config(serve, _profiles())
     blocks = 128 * 2**20 // (49152 * 16)
-    got = [(w.worker_id, w.kind, w.pool, w.max_running, w.num_blocks) for w in cfg.workers]
+    got = [(w.worker_id, w.kind, w.core.pool, w.core.max_running, w.core.num_blocks) for w in cfg.workers]
     assert got == [
         ("prefill-0", PREFILL, "default", 64, blocks),
         ("decode-tight-0", DECODE, "tight", 4, blocks),
