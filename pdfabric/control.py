@@ -37,6 +37,7 @@ class Register:
     max_batch_tokens: int
     kv_bytes_per_token: int
     profile: WorkerProfile  # fitted from the start-up profiling run
+    host: str = ""  # host name and boot id: workers on one host move KV over shared memory ("": unknown)
 
 
 @message(2)

@@ -113,6 +113,7 @@ class CoreSpec:
     pool: str = "default"
     model: str = ""
     pid: int = 0
+    host: str = ""  # kvtransfer.transport.host_id() of the worker's machine ("": unknown)
 
 
 class ProfileSource(Protocol):
@@ -206,7 +207,7 @@ class WorkerCore:
         return Register(
             s.worker_id, s.kind, s.pool, s.model, s.max_model_len, s.block_size, s.num_blocks,
             self.kv_endpoint, s.pid, s.max_running, s.max_batch_tokens, s.kv_bytes_per_token,
-            self.profile.profile(force=True),
+            self.profile.profile(force=True), s.host,
         )  # fmt: skip
 
     def handle(self, msg: object) -> Out:

@@ -97,6 +97,7 @@ async def health(request: web.Request) -> web.Response:
             "kind": w.reg.kind,
             "pool": w.reg.pool,
             "pid": w.reg.pid,
+            "host": w.reg.host,
             "requests": holders.count(w.worker_id),
             "free_blocks": w.free_blocks,
             "total_blocks": w.reg.num_blocks,

@@ -266,8 +266,13 @@ def _batch_side(
 
 
 def _link_rate(p: Candidate, d: Candidate, config: PredictorConfig) -> float:
-    """KV bytes per second between two workers: the slower measured end, else the default."""
-    known = [r for r in (p.load.kv_bytes_per_s, d.load.kv_bytes_per_s) if r > 0]
+    """KV bytes per second between two workers: the rate measured over the transport the pair uses
+    (shared memory on one host, ZeroMQ across hosts) if either end measured it, else the slower end's
+    rate over all transports, else the default."""
+    transport = "shm" if p.host and p.host == d.host else "zmq"
+    known = [r for r in (p.kv_rates.get(transport, 0.0), d.kv_rates.get(transport, 0.0)) if r > 0]
+    if not known:
+        known = [r for r in (p.load.kv_bytes_per_s, d.load.kv_bytes_per_s) if r > 0]
     return min(known) if known else config.default_kv_bytes_per_s
 
 

@@ -7,7 +7,8 @@ policies, the admission queue and the simulator in ``bench/``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 from pdfabric.control import COLOCATED, DECODE, PREFILL
 from pdfabric.profile import WorkerProfile
@@ -72,6 +73,8 @@ class Candidate:
     chunk_tokens: int  # tokens per step (the pool's chunk budget if lower than the worker's)
     kv_bytes_per_token: int = 0  # KV bytes one prompt token takes (what a transfer moves)
     cost: float = 1.0  # the pool's relative cost; cheaper routes are preferred
+    host: str = ""  # its machine ("": unknown): a pair on one host moves KV over shared memory
+    kv_rates: Mapping[str, float] = field(default_factory=dict)  # measured KV rate per transport
 
     def __post_init__(self) -> None:
         if self.kind not in (PREFILL, DECODE, COLOCATED):

@@ -79,14 +79,7 @@ def with_pending(load: WorkerLoad, kind: str, prompt_len: int, requests: int = 1
         return load.with_prefill(prompt_len, requests)
     decoded = load.with_decode(prompt_len, requests)
     if kind == COLOCATED:  # it also queues the prompt for its own prefill
-        return WorkerLoad(
-            decoded.queued_tokens + prompt_len,
-            decoded.running,
-            decoded.waiting,
-            decoded.context_tokens,
-            decoded.free_kv_tokens,
-            decoded.kv_bytes_per_s,
-        )
+        return replace(decoded, queued_tokens=decoded.queued_tokens + prompt_len)
     return decoded
 
 
@@ -104,9 +97,10 @@ def candidate(
     if lengths:  # the pending load adds up: one step for all of it
         load = with_pending(load, reg.kind, sum(lengths), len(lengths))
     profile = info.load.profile if info.load is not None else reg.profile
+    rates = info.load.kv_rates if info.load is not None else {}
     return Candidate(
         reg.worker_id, reg.kind, reg.pool, profile, load, max_batch, chunk_tokens, reg.kv_bytes_per_token,
-        pool.cost,
+        pool.cost, reg.host, rates,
     )  # fmt: skip
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
@@ -178,6 +179,22 @@ def test_loads_count_what_the_router_sent_since() -> None:
     load = WorkerLoad(queued_tokens=10, running=2, waiting=1, context_tokens=300, free_kv_tokens=1000)
     assert load.with_prefill(50) == WorkerLoad(60, 2, 2, 300, 1000)
     assert load.with_decode(50) == WorkerLoad(10, 2, 2, 350, 950)
+
+
+def test_a_pair_transfers_at_the_rate_measured_over_its_own_transport() -> None:
+    """Shared memory between workers on one host, ZeroMQ across hosts; the overall rate when the pair's
+    transport was never measured, the default when nothing was."""
+    rates = {"shm": 8e9, "zmq": 1e9}
+    p = replace(worker("p", "prefill", kv_bytes_per_s=4e9), host="a", kv_rates=rates)
+    near, far = (replace(worker(w, "decode"), host=h) for w, h in (("near", "a"), ("far", "b")))
+    got = {c.decode: c.transfer_ms for c in rank(1000, Budgets(60_000, 100), [p, near, far], EXACT).choices}
+    ms = 1000 * KV_PER_TOKEN * 1e3  # the prompt's KV bytes, in milliseconds at 1 byte/s
+    assert got == pytest.approx({"near": ms / 8e9, "far": ms / 1e9})
+    unmeasured = replace(p, kv_rates={"shm": 8e9})
+    [c] = rank(1000, Budgets(60_000, 100), [unmeasured, far], EXACT).choices
+    assert c.transfer_ms == pytest.approx(ms / 4e9)  # the overall rate
+    [c] = rank(1000, Budgets(60_000, 100), [worker("p", "prefill"), far], EXACT).choices
+    assert c.transfer_ms == pytest.approx(ms / EXACT.default_kv_bytes_per_s)
 
 
 def test_invalid_inputs() -> None:

@@ -66,6 +66,9 @@ def test_pending_load_by_kind() -> None:
     assert with_pending(base, "prefill", 30) == WorkerLoad(40, 1, 2, 40, 100)
     assert with_pending(base, "decode", 30) == WorkerLoad(10, 1, 2, 70, 70)
     assert with_pending(base, "colocated", 30) == WorkerLoad(40, 1, 2, 70, 70)
+    busy = WorkerLoad(free_kv_tokens=100, kv_bytes_per_s=2e9, prompt_tokens_per_s=500.0)
+    assert with_pending(busy, "colocated", 30).prompt_tokens_per_s == 500.0  # its rate is kept
+    assert with_pending(busy, "colocated", 30).kv_bytes_per_s == 2e9
 
 
 def _ticket(rid: str, prompt_len: int = 20, ttft: float = 5000, itl: float = 100, t: float = 0.0) -> Ticket:
