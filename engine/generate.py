@@ -85,7 +85,7 @@ class ReferenceEngine:
                 pending = pending[len(chunk) :]
                 if not last:
                     continue
-                token = sample(logits, [params], [len(out)])[0]
+                token = sample(logits, [params], [params.output_offset + len(out)])[0]
                 out.append(token.token_id)
                 logprobs.append(token.logprob)
                 if token.token_id in stop_ids:

@@ -11,7 +11,10 @@ class SamplingParams:
 
     ``temperature == 0`` is greedy. Sampling is keyed by ``seed`` and the token's index in the
     output, not by a generator's state, so the same seed gives the same output on any worker, in any
-    batch, and across the prefill/decode hand-over.
+    batch, and across the prefill/decode hand-over. ``output_offset`` is how many output tokens a
+    request already produced elsewhere before it was resumed here (its prompt then ends with them):
+    token ``i`` of this run is output token ``output_offset + i``, so a request moved to another worker
+    mid-stream samples exactly what it would have sampled where it started.
     """
 
     max_tokens: int = 16
@@ -22,6 +25,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int = 0  # how many top log-probabilities to return per token (0: none)
+    output_offset: int = 0  # output tokens produced before this run (a resumed request)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -34,6 +38,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.output_offset < 0:
+            raise ValueError(f"output_offset must be >= 0, got {self.output_offset}")
         if not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
 

@@ -26,7 +26,8 @@ class Stepper:
         ``sample``, in order. ``after_layer(i)``: called as each layer finishes (layer-wise KV push)."""
         logits = self.runner.step([_entry(c, tables) for c in chunks], after_layer)
         sampled = [c for c in chunks if c.sample]
-        picks = sample(logits, [c.seq.params for c in sampled], [len(c.seq.output_ids) for c in sampled])
+        indices = [c.seq.params.output_offset + len(c.seq.output_ids) for c in sampled]
+        picks = sample(logits, [c.seq.params for c in sampled], indices)
         return [(p.token_id, p.logprob) for p in picks]
 
 

@@ -161,6 +161,7 @@ class ServeConfig:
     worker: WorkerConfig = field(default_factory=lambda: WorkerConfig(kind="colocated"))
     worker_timeout_s: float = 10.0  # heartbeats missing this long: the worker is gone
     request_timeout_s: float = 600.0  # a request with no progress this long ends with an error
+    max_failovers: int = 2  # times a request may move off failed workers mid-stream (0: never)
     served_model_name: str = ""  # the name clients use; default: the model argument
     groups: tuple[WorkerGroup, ...] = ()  # [[workers]]: more workers, with settings of their own
     routing: AdmissionConfig = field(default_factory=AdmissionConfig)  # [routing]: budgets, pools, queue
@@ -178,6 +179,8 @@ class ServeConfig:
             raise ValueError("ports must be in 0..65535")
         if self.worker_timeout_s <= 0 or self.request_timeout_s <= 0:
             raise ValueError("timeouts must be positive")
+        if self.max_failovers < 0:
+            raise ValueError(f"max_failovers must be >= 0, got {self.max_failovers}")
 
     @property
     def model_name(self) -> str:

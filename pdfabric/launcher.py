@@ -144,7 +144,13 @@ async def serve(
     model_dir = await asyncio.to_thread(resolve_model, cfg.model)  # build a preset once, before the workers
     tokenizer = Tokenizer.from_pretrained(model_dir)
     address = f"tcp://{cfg.host}:{cfg.control_port}"
-    dispatcher = Dispatcher(address, cfg.worker_timeout_s, admission=cfg.routing, predictor=cfg.predictor)
+    dispatcher = Dispatcher(
+        address,
+        cfg.worker_timeout_s,
+        admission=cfg.routing,
+        predictor=cfg.predictor,
+        max_failovers=cfg.max_failovers,
+    )
     await dispatcher.start()
     workers: list[WorkerProcess] = []
     runner: web.AppRunner | None = None

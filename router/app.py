@@ -51,6 +51,7 @@ def build_app(cfg: ServeConfig, dispatcher: Dispatcher, tokenizer: Tokenizer) ->
     app[CONFIG], app[DISPATCHER], app[TOKENIZER] = cfg, dispatcher, tokenizer
     app[METRICS] = metrics_ = RouterMetrics(dispatcher.registry, lambda: len(dispatcher.routing.queue))
     dispatcher.on_handed_off = lambda msg: _observe_transfer(metrics_, dispatcher, msg)
+    dispatcher.on_failover = lambda moved: metrics_.failovers.labels(moved.cause).inc()
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)

@@ -14,9 +14,16 @@ and act on the effects it returns; neither keeps decisions of its own. A request
    A decode worker that refuses, does not answer within ``reserve_timeout_s`` or is gone moves the
    request to its next route; with none left it is ``Refused`` (503) with every route's reason.
 3. Token deltas come out as ``Deliver`` in output order, each index once, the last with its finish
-   reason; a worker's error delta, or the death of a worker holding the request (``worker_gone``),
-   delivers one error delta at once.
-4. ``end`` forgets the request (its client's handler is done with it: finished, gone, timed out);
+   reason.
+4. Failover: when a worker holding a started request dies (``worker_gone``) or reports an error (a
+   failed KV transfer included), the request moves to healthy workers, at most ``max_failovers``
+   times: the workers of the failed attempt get ``Abort``, and the new attempt prefills the prompt
+   plus every token already delivered, asks for the remaining tokens only, and samples them with
+   ``SamplingParams.output_offset`` so that a seeded or greedy request continues exactly as it would
+   have (``FailedOver`` says so; the client sees no gap and no duplicate). Each attempt has its own
+   id on the wire (``rid``, ``rid~1``, ...), so a late message from a failed attempt is ignored. With
+   no attempt left, or no worker able to take it, one error delta is delivered.
+5. ``end`` forgets the request (its client's handler is done with it: finished, gone, timed out);
    every worker still holding it is sent ``Abort`` so that its blocks come back. ``holders.Holders``
    is the one record of which workers hold it.
 
@@ -30,7 +37,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pdfabric.control import (
     Abort,
@@ -101,15 +108,35 @@ class Transferred:
     msg: HandedOff
 
 
-Effect = Send | Started | Refused | Deliver | Transferred
+@dataclass(frozen=True)
+class FailedOver:
+    """The request left a failed attempt (``cause``: ``worker_gone`` or ``error``; ``worker_id`` the
+    worker that failed) and resumes on other workers after ``resumed_at`` delivered tokens."""
+
+    request_id: str
+    cause: str
+    worker_id: str
+    message: str
+    resumed_at: int
+
+
+Effect = Send | Started | Refused | Deliver | Transferred | FailedOver
+WORKER_GONE, ERROR = "worker_gone", "error"  # failover causes
+_ANY = Budgets(3_600_000.0, 3_600_000.0)  # a failover takes any route that can hold it
 
 
 @dataclass(eq=False)
 class _Request:
     ticket: Ticket
-    prompt_ids: tuple[int, ...]
-    params: SamplingParams
+    prompt_ids: tuple[int, ...]  # the client's prompt
+    params: SamplingParams  # the client's parameters
     eos: tuple[int, ...]
+    wire_id: str = ""  # the current attempt's id on the wire
+    run_prompt: tuple[int, ...] = ()  # what the current attempt prefills (prompt + tokens delivered)
+    run_params: SamplingParams | None = None  # the current attempt's (remaining tokens, offset)
+    failovers: int = 0
+    base: int = 0  # the output index the current attempt's tokens start at
+    output: list[int] = field(default_factory=list)  # token ids delivered, in order
     choices: tuple[Choice, ...] = ()
     tried: int = 0  # routes tried so far
     waited_ms: float = 0.0
@@ -118,6 +145,9 @@ class _Request:
     finished: bool = False  # its last delta is out
     next_index: int = 0  # the output index delivered next
     pending: dict[int, TokenDelta] = field(default_factory=dict)  # deltas that came early
+
+    def __post_init__(self) -> None:
+        self.wire_id, self.run_prompt, self.run_params = self.request_id, self.prompt_ids, self.params
 
     @property
     def request_id(self) -> str:
@@ -134,14 +164,17 @@ class RouterCore:
         predictor: PredictorConfig | None = None,
         reserve_timeout_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        max_failovers: int = 2,
     ) -> None:
         self.registry = Registry()
         self.routing = Routing(self.registry, admission, predictor, clock)
         self.holders: Holders[float] = self.routing.holders  # a reservation's waiter: its deadline
         self.clock = clock
         self.reserve_timeout_s = reserve_timeout_s
+        self.max_failovers = max_failovers
         self._requests: dict[str, _Request] = {}
-        self._timeouts: list[tuple[float, str, str]] = []  # (deadline, request id, decode worker id)
+        self._wire: dict[str, _Request] = {}  # every attempt's wire id -> its request
+        self._timeouts: list[tuple[float, str, str]] = []  # (deadline, wire id, decode worker id)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -168,7 +201,8 @@ class RouterCore:
         if not has_route(self.registry):
             return [Refused(request_id, 503, "no worker can serve this request now")]
         ticket = Ticket(request_id, tenant, slo_class, budgets, len(prompt_ids), self.clock())
-        self._requests[request_id] = _Request(ticket, prompt_ids, params, eos_token_ids)
+        req = _Request(ticket, prompt_ids, params, eos_token_ids)
+        self._requests[request_id] = self._wire[request_id] = req
         out: list[Effect] = []
         self._settle(self.routing.queue.arrive(ticket, ticket.arrived, self.routing.fit), out)
         return out
@@ -176,15 +210,13 @@ class RouterCore:
     def end(self, request_id: str, abort_reason: str | None = "request ended") -> list[Effect]:
         """Forgets a request; each worker still holding it gets an ``Abort`` (unless ``abort_reason``
         is None: the caller knows none holds it any more)."""
-        req = self._requests.pop(request_id, None)
+        req = self._requests.get(request_id)
         if req is None:
             return []
         out: list[Effect] = []
         self.routing.queue.cancel(request_id)
-        self.routing.forget(request_id)
-        for worker_id in self.holders.end(request_id):
-            if abort_reason is not None and worker_id in self.registry.workers:
-                out.append(Send(worker_id, Abort(request_id, abort_reason)))
+        self._forget(req)
+        self._drop_attempt(req, abort_reason, out)
         self._poll(out)
         return out
 
@@ -194,11 +226,11 @@ class RouterCore:
         out: list[Effect] = []
         now = self.clock()
         while self._timeouts and self._timeouts[0][0] <= now:
-            deadline, rid, worker_id = heapq.heappop(self._timeouts)
-            req = self._requests.get(rid)
-            if req is None or self.holders.awaiting(rid, worker_id) != deadline:
+            deadline, wire_id, worker_id = heapq.heappop(self._timeouts)
+            req = self._current(wire_id)
+            if req is None or self.holders.awaiting(wire_id, worker_id) != deadline:
                 continue  # answered or ended meanwhile
-            self._let_go(rid, worker_id, "reservation timed out", out)
+            self._let_go(wire_id, worker_id, "reservation timed out", out)
             req.reasons.append(f"{worker_id} did not answer a reservation in {self.reserve_timeout_s:g}s")
             self._try_next(req, out)
         self._poll(out)
@@ -223,8 +255,9 @@ class RouterCore:
                 self._on_delta(msg.worker_id, delta, out)
         elif isinstance(msg, HandedOff):
             self.holders.done(msg.request_id, msg.worker_id)
-            if msg.request_id in self._requests:
-                out.append(Transferred(msg.request_id, msg))
+            req = self._current(msg.request_id)
+            if req is not None:
+                out.append(Transferred(req.request_id, msg))
             self._poll(out)
         elif isinstance(msg, Heartbeat):
             if not self.registry.heartbeat(msg):
@@ -248,12 +281,12 @@ class RouterCore:
         if self.registry.remove(worker_id) is None:
             return out
         failed, waiting = self.holders.worker_gone(worker_id)
-        for rid in failed:
-            req = self._requests.get(rid)
+        for wire_id in failed:
+            req = self._current(wire_id)
             if req is not None:
-                self._fail(req, f"worker {worker_id} failed: {why}", out)
-        for rid in waiting:
-            req = self._requests.get(rid)
+                self._failover(req, WORKER_GONE, worker_id, f"worker {worker_id} failed: {why}", out)
+        for wire_id in waiting:
+            req = self._current(wire_id)
             if req is not None:
                 req.reasons.append(f"{worker_id} is gone: {why}")
                 self._try_next(req, out)
@@ -276,13 +309,14 @@ class RouterCore:
                 req.choices, req.waited_ms = outcome.ranking.choices, outcome.waited_ms
                 self._try_next(req, out)
             elif outcome.action == REJECT:
-                del self._requests[req.request_id]
+                self._forget(req)
                 out.append(Refused(req.request_id, 429, outcome.reason, outcome))
 
     def _try_next(self, req: _Request, out: list[Effect]) -> None:
         """Starts the request on its next route that exists: at once if colocated, else after the
         decode worker's reservation reply. Refuses it (503) when no route is left."""
-        rid = req.request_id
+        rid, prompt, params = req.wire_id, req.run_prompt, req.run_params
+        assert params is not None
         while req.tried < len(req.choices):
             choice = req.choices[req.tried]
             req.tried += 1
@@ -292,22 +326,26 @@ class RouterCore:
                 continue
             if route.colocated is not None:
                 self.holders.hold(rid, choice.decode)
-                out.append(Send(choice.decode, Generate(rid, req.prompt_ids, req.params, req.eos)))
+                out.append(Send(choice.decode, Generate(rid, prompt, params, req.eos)))
                 self._started(req, choice, choice.decode, out)
                 return
             deadline = self.clock() + self.reserve_timeout_s
             self.holders.reserving(rid, choice.decode, deadline)  # an end from here on aborts it there
             heapq.heappush(self._timeouts, (deadline, rid, choice.decode))
-            out.append(Send(choice.decode, Reserve(rid, req.prompt_ids, req.params, req.eos)))
+            out.append(Send(choice.decode, Reserve(rid, prompt, params, req.eos)))
             return
-        del self._requests[rid]
         self.routing.forget(rid)
         self.holders.end(rid)  # every route let go of it already
-        out.append(Refused(rid, 503, "no worker could take the request: " + "; ".join(req.reasons)))
+        why = "no worker could take the request: " + "; ".join(req.reasons or ["no route fits it"])
+        if req.started:  # a failover found no home: the client's stream ends with the error
+            self._fail(req, why, out)
+        else:
+            self._forget(req)
+            out.append(Refused(req.request_id, 503, why))
 
     def _on_reserved(self, reply: Reserved, out: list[Effect]) -> None:
         rid, decode_id = reply.request_id, reply.worker_id
-        req = self._requests.get(rid)
+        req = self._current(rid)
         if self.holders.replied(rid, decode_id) is None or req is None:  # given up on (ended, timed out)
             if reply.block_ids:  # its blocks come back
                 out.append(Send(decode_id, Abort(rid, "reservation no longer wanted")))
@@ -325,14 +363,16 @@ class RouterCore:
             return
         self.holders.hold(rid, choice.prefill)  # the decode worker holds it since `reserving`
         kv_endpoint = self.registry.workers[decode_id].reg.kv_endpoint
-        prefill = Prefill(rid, req.prompt_ids, req.params, req.eos, kv_endpoint, reply.block_ids)
+        assert req.run_params is not None
+        prefill = Prefill(rid, req.run_prompt, req.run_params, req.eos, kv_endpoint, reply.block_ids)
         out.append(Send(choice.prefill, prefill))
         self._started(req, choice, f"{choice.prefill}->{decode_id}", out)
 
     def _started(self, req: _Request, choice: Choice, route: str, out: list[Effect]) -> None:
-        req.started = True
-        self.routing.routed(req.request_id, req.ticket.prompt_len, choice)
-        out.append(Started(req.request_id, choice, route, req.waited_ms))
+        self.routing.routed(req.wire_id, len(req.run_prompt), choice)
+        if not req.started:  # a failover's new route goes unannounced: the stream just goes on
+            req.started = True
+            out.append(Started(req.request_id, choice, route, req.waited_ms))
 
     def _let_go(self, request_id: str, worker_id: str, abort_reason: str, out: list[Effect]) -> None:
         """One worker stops holding a request that goes on elsewhere (or nowhere): it gets an ``Abort``."""
@@ -340,11 +380,17 @@ class RouterCore:
             out.append(Send(worker_id, Abort(request_id, abort_reason)))
 
     def _on_delta(self, worker_id: str, delta: TokenDelta, out: list[Effect]) -> None:
-        req = self._requests.get(delta.request_id)
+        req = self._current(delta.request_id)
         if req is None:
-            return  # already ended (aborted, failed or timed out)
+            return  # already ended (aborted, failed or timed out), or from an attempt that failed
+        if delta.finish_reason == "error":
+            self.holders.done(req.wire_id, worker_id)
+            self._failover(req, ERROR, worker_id, delta.error or f"worker {worker_id} reported an error", out)
+            self._poll(out)
+            return
+        delta = replace(delta, request_id=req.request_id, index=delta.index + req.base)
         if delta.finish_reason is not None:
-            self.holders.done(delta.request_id, worker_id)
+            self.holders.done(req.wire_id, worker_id)
             self._deliver(req, delta, out)
             self._poll(out)
         else:
@@ -361,6 +407,7 @@ class RouterCore:
         while req.next_index in req.pending:
             d = req.pending.pop(req.next_index)
             req.next_index += len(d.token_ids)
+            req.output.extend(d.token_ids)
             out.append(Deliver(req.request_id, d))
             if d.finish_reason is not None:
                 req.finished = True
@@ -368,6 +415,54 @@ class RouterCore:
                 break
             if not d.token_ids:
                 break
+
+    def _current(self, wire_id: str) -> _Request | None:
+        """The live request whose current attempt is ``wire_id`` (None: ended, or a failed attempt)."""
+        req = self._wire.get(wire_id)
+        return req if req is not None and req.wire_id == wire_id else None
+
+    def _forget(self, req: _Request) -> None:
+        """Drops the request and every attempt's wire id."""
+        self._requests.pop(req.request_id, None)
+        self._wire.pop(req.request_id, None)
+        for k in range(1, req.failovers + 1):
+            self._wire.pop(f"{req.request_id}~{k}", None)
+
+    def _drop_attempt(self, req: _Request, abort_reason: str | None, out: list[Effect]) -> None:
+        """Lets go of the current attempt everywhere; its workers still holding it get an ``Abort``."""
+        self.routing.forget(req.wire_id)
+        for worker_id in self.holders.end(req.wire_id):
+            if abort_reason is not None and worker_id in self.registry.workers:
+                out.append(Send(worker_id, Abort(req.wire_id, abort_reason)))
+
+    def _failover(self, req: _Request, cause: str, worker_id: str, message: str, out: list[Effect]) -> None:
+        """Moves a started request off a failed attempt onto other workers, or ends it with the error
+        when it has no failover left."""
+        if req.finished:
+            return
+        if req.failovers >= self.max_failovers:
+            tried = f" (after {req.failovers} failovers)" if req.failovers else " (failover is off)"
+            self._fail(req, message + tried, out)
+            return
+        self._drop_attempt(req, "moved to another worker", out)
+        n = len(req.output)
+        remaining = req.params.max_tokens - n
+        if remaining < 1:  # every token is out; only the finish was lost
+            self._deliver(req, TokenDelta(req.request_id, n, (), (), "length"), out)
+            return
+        req.failovers += 1
+        req.wire_id = f"{req.request_id}~{req.failovers}"
+        self._wire[req.wire_id] = req
+        req.run_prompt = req.prompt_ids + tuple(req.output)
+        offset = req.params.output_offset + n
+        req.run_params = replace(req.params, max_tokens=remaining, output_offset=offset)
+        req.base, req.pending = n, {}  # early deltas of the failed attempt will come again
+        out.append(FailedOver(req.request_id, cause, worker_id, message, n))
+        ticket = replace(req.ticket, request_id=req.wire_id, prompt_len=len(req.run_prompt))
+        ranking = self.routing.fit(ticket, _ANY)
+        req.choices, req.tried = ranking.choices, 0
+        req.reasons = [message] if ranking.fits else [message, f"no route fits it ({ranking.reason})"]
+        self._try_next(req, out)
 
     def _fail(self, req: _Request, message: str, out: list[Effect]) -> None:
         self._deliver(req, TokenDelta(req.request_id, req.next_index, (), (), "error", message), out)

@@ -9,7 +9,8 @@ A request's life is in ``core``'s docstring; here:
 1. ``submit`` awaits the request's start (``Started``) or refusal (``Rejected``, a 429, or an
    ``ApiError`` 503); a client gone while it waits ends it in the core (its holders get ``Abort``);
 2. the stream gets the request's deltas in output order, ending with the one that carries a finish
-   reason (an error from a worker or its death included);
+   reason; a failed worker's requests move to others (``FailedOver``: logged and counted) and their
+   streams go on, and an error ends a stream only when a request cannot move;
 3. the HTTP handler calls ``release`` when it is done with the request, however it ended.
 """
 
@@ -25,7 +26,7 @@ import zmq.asyncio
 
 from pdfabric.control import HandedOff, Register, Shutdown, TokenDelta
 from pdfabric.engine.sampling_params import SamplingParams
-from pdfabric.router.core import Deliver, Effect, Refused, RouterCore, Send, Started, Transferred
+from pdfabric.router.core import Deliver, Effect, FailedOver, Refused, RouterCore, Send, Started, Transferred
 from pdfabric.router.openai_api import ApiError
 from pdfabric.router.registry import WorkerInfo
 from pdfabric.router.routes import Choice, PredictorConfig
@@ -58,8 +59,9 @@ class Dispatcher:
         reserve_timeout_s: float = 5.0,
         admission: AdmissionConfig | None = None,
         predictor: PredictorConfig | None = None,
+        max_failovers: int = 2,
     ) -> None:
-        self.core = RouterCore(admission, predictor, reserve_timeout_s)
+        self.core = RouterCore(admission, predictor, reserve_timeout_s, max_failovers=max_failovers)
         self.registry, self.routing, self.holders = self.core.registry, self.core.routing, self.core.holders
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -78,6 +80,7 @@ class Dispatcher:
         self._timer_at: float | None = None
         self.on_register: Callable[[WorkerInfo], None] | None = None
         self.on_handed_off: Callable[[HandedOff], None] | None = None  # e.g. transfer metrics
+        self.on_failover: Callable[[FailedOver], None] | None = None  # e.g. failover metrics
 
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._liveness_loop())]
@@ -149,6 +152,13 @@ class Dispatcher:
             if isinstance(effect, Send):
                 self._send(effect.worker_id, effect.msg)
                 continue
+            if isinstance(effect, FailedOver):
+                log.warning(
+                    "request %s moves to other workers after %d tokens: %s",
+                    effect.request_id, effect.resumed_at, effect.message,
+                )  # fmt: skip
+                if self.on_failover is not None:
+                    self.on_failover(effect)
             stream = self.streams.get(effect.request_id)
             if stream is None:
                 continue

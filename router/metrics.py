@@ -115,6 +115,12 @@ class RouterMetrics:
         self.rejections = Counter(
             "pdfabric_rejections", "Requests refused, by reason", ["reason"], registry=r
         )
+        self.failovers = Counter(
+            "pdfabric_failovers",
+            "Requests moved off a failed worker mid-stream, by cause (worker_gone, error)",
+            ["cause"],
+            registry=r,
+        )
         r.register(_WorkerGauges(registry))
         if waiting is not None:
             r.register(_Waiting(waiting))

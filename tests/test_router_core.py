@@ -20,7 +20,7 @@ from pdfabric.control import (
 )
 from pdfabric.engine.sampling_params import SamplingParams
 from pdfabric.profile import WorkerProfile
-from pdfabric.router.core import Deliver, Refused, RouterCore, Send, Started, Transferred
+from pdfabric.router.core import Deliver, FailedOver, Refused, RouterCore, Send, Started, Transferred
 from pdfabric.router.routes import Budgets
 from pdfabric.router.slo import AdmissionConfig, SloClass
 
@@ -163,20 +163,69 @@ def test_a_refused_reservation_tries_the_next_route_and_the_last_refusal_says_wh
     assert refused.message.count("no free blocks") == 2 and len(core.holders) == 0
 
 
-def test_a_dead_worker_fails_what_it_held_once_and_its_reservations_move_on() -> None:
+def test_a_dead_workers_reservations_move_on_and_a_request_with_nowhere_to_go_fails_once() -> None:
     core, _ = core_with(("p", "prefill"), ("d0", "decode"), ("d1", "decode"))
     [(first, _)] = sends(submit(core, "r"))
     second = "d1" if first == "d0" else "d0"
     assert sends(core.worker_gone(first, "killed")) == [(second, Reserve)]
     core.on_message(Reserved(second, "r", (3,)))
     core.on_message(delta("p", "r", 0))
-    out = core.worker_gone("p", "killed")
+    out = core.worker_gone("p", "killed")  # no prefill worker is left to move to
+    assert sends(out) == [(second, Abort)]
     [failed] = [e.delta for e in out if isinstance(e, Deliver)]
-    assert failed.finish_reason == "error" and "worker p failed: killed" in failed.error and failed.index == 1
+    assert failed.finish_reason == "error" and failed.index == 1
+    assert "worker p failed: killed" in failed.error and "no_workers" in failed.error
     assert core.worker_gone("p", "again") == []
     assert core.on_message(delta(second, "r", 1, 1, "length")) == []  # it ended already for the client
-    assert sends(core.end("r")) == []  # the decode worker let go with its last delta
+    assert sends(core.end("r")) == []
     assert len(core.holders) == 0
+
+
+def test_a_stream_moves_to_another_worker_mid_stream_and_goes_on_where_it_stopped() -> None:
+    core, _ = core_with(("c0", "colocated"), ("c1", "colocated"))
+    [(first, _)] = sends(submit(core, "r"))
+    second = "c1" if first == "c0" else "c0"
+    out = core.on_message(delta(first, "r", 0, 2))
+    assert [e.delta.token_ids for e in out if isinstance(e, Deliver)] == [(7, 7)]
+    core.on_message(delta(first, "r", 3))  # early: never delivered, the new attempt makes it again
+    out = core.worker_gone(first, "killed")
+    [moved] = [e for e in out if isinstance(e, FailedOver)]
+    assert (moved.cause, moved.worker_id, moved.resumed_at) == ("worker_gone", first, 2)
+    [(worker, msg)] = [(e.worker_id, e.msg) for e in out if isinstance(e, Send)]
+    assert worker == second and isinstance(msg, Generate) and msg.request_id == "r~1"
+    assert msg.prompt_ids == (1,) * 20 + (7, 7)  # the prompt and what the client already has
+    assert (msg.params.max_tokens, msg.params.output_offset, msg.params.seed) == (2, 2, PARAMS.seed)
+    assert not any(isinstance(e, Started | Deliver) for e in out)  # the client sees nothing of it
+    assert core.on_message(delta(first, "r", 2)) == []  # a late word from the failed attempt
+    out = core.on_message(delta(second, "r~1", 0, 2, "length"))
+    [last] = [e.delta for e in out if isinstance(e, Deliver)]
+    assert (last.request_id, last.index, last.finish_reason) == ("r", 2, "length")
+    assert core.end("r") == [] and len(core.holders) == 0 and len(core) == 0
+
+
+def test_a_worker_error_fails_over_aborting_the_rest_of_the_attempt_and_attempts_are_bounded() -> None:
+    core, _ = core_with(("p", "prefill"), ("d", "decode"), max_failovers=1)
+    submit(core, "r")
+    core.on_message(Reserved("d", "r", (3,)))
+    out = core.on_message(
+        StepOutputs("d", (TokenDelta("r", 0, (), (), "error", "KV transfer failed: checksum"),))
+    )
+    assert sends(out) == [("p", Abort), ("d", Reserve)]  # the prefill worker still held attempt 0
+    assert [m.msg.request_id for m in out if isinstance(m, Send)] == ["r", "r~1"]
+    [moved] = [e for e in out if isinstance(e, FailedOver)]
+    assert moved.cause == "error" and "checksum" in moved.message and moved.resumed_at == 0
+    core.on_message(Reserved("d", "r~1", (4,)))
+    out = core.on_message(StepOutputs("d", (TokenDelta("r~1", 0, (), (), "error", "again"),)))
+    [failed] = [e.delta for e in out if isinstance(e, Deliver)]
+    assert failed.finish_reason == "error" and failed.error == "again (after 1 failovers)"
+    assert sends(core.end("r")) == [("p", Abort)] and len(core.holders) == 0
+
+
+def test_with_failover_off_a_dead_worker_ends_the_stream_with_its_error() -> None:
+    core, _ = core_with(("c0", "colocated"), ("c1", "colocated"), max_failovers=0)
+    [(first, _)] = sends(submit(core, "r"))
+    [failed] = [e.delta for e in core.worker_gone(first, "killed") if isinstance(e, Deliver)]
+    assert failed.error == f"worker {first} failed: killed (failover is off)"
 
 
 def test_heartbeats_from_unknown_workers_get_a_shutdown_and_no_route_is_a_503() -> None:
