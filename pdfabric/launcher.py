@@ -2,9 +2,11 @@
 
 Start-up: bind the control socket, start the workers with its address, wait until every worker has
 registered (or fail, showing why), then open the HTTP port. While serving, a worker process that
-exits is reported to the dispatcher at once, so its requests end with an error instead of waiting for
-heartbeats to time out. Ctrl-C or SIGTERM stops the HTTP site, tells the workers to shut down, and
-kills any that do not within a few seconds.
+exits is reported to the dispatcher at once, so its requests fail over to other workers instead of
+waiting for heartbeats to time out, and it is started again after a backoff (``RestartPolicy``); it
+registers under its old id and serves again. A worker that keeps exiting is left down (a circuit
+breaker) and listed under ``down`` in ``/health``. Ctrl-C or SIGTERM stops the HTTP site, tells the
+workers to shut down, and kills any that do not within a few seconds.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import os
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass, replace
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
 
 from pdfabric.config import ServeConfig, WorkerConfig, load_serve_config, worker_default
 from pdfabric.control import KINDS
@@ -118,6 +122,31 @@ class WorkerProcess:
     worker_id: str
     kind: str
     proc: subprocess.Popen[bytes]
+    cmd: list[str] = field(default_factory=list)  # what starts it (again)
+    exited: bool = False  # its exit was reported
+    restart_at: float | None = None  # when it starts again (monotonic seconds)
+
+
+class RestartPolicy:
+    """When to start an exited worker again: after ``base_s``, doubling with each exit still inside
+    ``window_s`` up to ``max_s``; never again once it exited ``max_exits`` times inside the window
+    (the circuit opens: something is wrong that a restart will not fix). No clock of its own."""
+
+    def __init__(
+        self, base_s: float = 0.5, max_s: float = 30.0, window_s: float = 300.0, max_exits: int = 5
+    ) -> None:
+        self.base_s, self.max_s, self.window_s, self.max_exits = base_s, max_s, window_s, max_exits
+        self._exits: dict[str, deque[float]] = {}
+
+    def exited(self, worker_id: str, now: float) -> float | None:
+        """The worker exited at ``now``: when to start it again, or None to leave it down."""
+        exits = self._exits.setdefault(worker_id, deque())
+        exits.append(now)
+        while exits and exits[0] < now - self.window_s:
+            exits.popleft()
+        if len(exits) >= self.max_exits:
+            return None
+        return now + min(self.max_s, self.base_s * 2 ** (len(exits) - 1))
 
 
 def worker_command(cfg: ServeConfig, w: WorkerConfig, join: str, log_level: str) -> list[str]:
@@ -157,7 +186,7 @@ async def serve(
     try:
         for worker_id, worker in cfg.launch_plan():
             cmd = worker_command(cfg, worker, dispatcher.address, log_level)
-            workers.append(WorkerProcess(worker_id, worker.kind, subprocess.Popen(cmd)))
+            workers.append(WorkerProcess(worker_id, worker.kind, subprocess.Popen(cmd), cmd))
         await _wait_ready(dispatcher, workers, ready_timeout)
         runner = web.AppRunner(build_app(cfg, dispatcher, tokenizer), handler_cancellation=True)
         await runner.setup()
@@ -203,14 +232,29 @@ async def _wait_ready(dispatcher, workers: list[WorkerProcess], timeout: float) 
         await asyncio.sleep(0.05)
 
 
-async def _monitor(dispatcher, workers: list[WorkerProcess]) -> None:  # noqa: ANN001
-    reported: set[str] = set()
+async def _monitor(dispatcher, workers: list[WorkerProcess], policy: RestartPolicy | None = None) -> None:  # noqa: ANN001
+    """Reports exited workers to the dispatcher at once and starts them again as ``policy`` says."""
+    policy = policy or RestartPolicy()
     while True:
+        now = time.monotonic()
         for w in workers:
             code = w.proc.poll()
-            if code is not None and w.worker_id not in reported:
-                reported.add(w.worker_id)
-                dispatcher.worker_gone(w.worker_id, f"process exited with code {code}")
+            if code is not None and not w.exited:
+                w.exited = True
+                why = f"process exited with code {code}"
+                dispatcher.worker_gone(w.worker_id, why)
+                w.restart_at = policy.exited(w.worker_id, now)
+                if w.restart_at is None:
+                    dispatcher.down[w.worker_id] = (
+                        f"{why}; it exited {policy.max_exits} times in {policy.window_s:.0f}s and is not "
+                        "restarted again"
+                    )
+                    log.error("worker %s is down: %s", w.worker_id, dispatcher.down[w.worker_id])
+                else:
+                    log.warning("worker %s %s; restarting in %.1fs", w.worker_id, why, w.restart_at - now)
+            if w.exited and w.restart_at is not None and now >= w.restart_at:
+                w.proc, w.exited, w.restart_at = subprocess.Popen(w.cmd), False, None
+                dispatcher.restarts[w.worker_id] = dispatcher.restarts.get(w.worker_id, 0) + 1
         await asyncio.sleep(0.1)
 
 

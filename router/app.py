@@ -115,8 +115,15 @@ async def health(request: web.Request) -> web.Response:
         for w in registry.workers.values()
     ]
     ok = has_route(registry)
+    dispatcher = request.app[DISPATCHER]
+    for w in workers:
+        w["restarts"] = dispatcher.restarts.get(w["id"], 0)
+    down = [
+        {"id": wid, "reason": why, "restarts": dispatcher.restarts.get(wid, 0)}
+        for wid, why in sorted(dispatcher.down.items())
+    ]
     return web.json_response(
-        {"status": "ok" if ok else "unavailable", "workers": workers}, status=200 if ok else 503
+        {"status": "ok" if ok else "unavailable", "workers": workers, "down": down}, status=200 if ok else 503
     )
 
 

@@ -81,6 +81,8 @@ class Dispatcher:
         self.on_register: Callable[[WorkerInfo], None] | None = None
         self.on_handed_off: Callable[[HandedOff], None] | None = None  # e.g. transfer metrics
         self.on_failover: Callable[[FailedOver], None] | None = None  # e.g. failover metrics
+        self.restarts: dict[str, int] = {}  # worker id -> times its supervisor started it again
+        self.down: dict[str, str] = {}  # worker id -> why its supervisor gave up on it
 
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._liveness_loop())]

@@ -294,7 +294,20 @@ def test_a_worker_killed_mid_stream_fails_over_token_exact(
         failovers = metric_values(url, "pdfabric_failovers_total")
         if victim != "prefill-0":  # a prefill worker may have handed every stream off already
             assert sum(failovers.values()) >= 1, failovers
+        # The launcher starts the killed worker again; it registers under its old id and serves.
+        deadline = time.monotonic() + 60
+        while True:
+            health = get_json(url + "/health")[1]
+            back = [w for w in health["workers"] if w["id"] == victim]
+            if back and back[0]["pid"] != pid or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert back and back[0]["pid"] != pid and back[0]["restarts"] == 1 and health["down"] == [], health
         wait_blocks_free(url)
+        prompt = bodies[0]["prompt"]
+        greedy = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        again = asyncio.run(_stream(url, greedy))
+        assert again[0] == reference.generate(prompt, SamplingParams(16, ignore_eos=True)).token_ids
 
 
 @pytest.mark.parametrize(
