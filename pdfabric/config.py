@@ -36,6 +36,7 @@ class WorkerConfig:
     max_running: int = 64
     kv_host: str = "127.0.0.1"  # address a decode worker binds its KV endpoint on
     heartbeat_s: float = 0.25
+    drain_timeout_s: float = 30.0  # SIGTERM: exit once idle, or after this long (what is left fails over)
     device: str = "auto"  # auto (cuda when available, else cpu), cpu, cuda or cuda:N
     threads: int = 0  # torch threads (0: the launcher gives each worker its share of the cores)
     profile_seconds: float = 5.0  # start-up profiling budget (0: none; the profile is then learnt online)
@@ -55,6 +56,8 @@ class WorkerConfig:
             raise ValueError(f"num_blocks and threads must be >= 0, got {self.num_blocks}, {self.threads}")
         if self.heartbeat_s <= 0:
             raise ValueError(f"heartbeat_s must be positive, got {self.heartbeat_s}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.kv_transport not in KV_TRANSPORTS:
             raise ValueError(
                 f"kv_transport must be one of {', '.join(KV_TRANSPORTS)}, got {self.kv_transport!r}"

@@ -54,6 +54,7 @@ class Heartbeat:
     kv_bytes_per_s: float  # recent KV transfer rate, all transports (0: none measured yet)
     profile: WorkerProfile  # refined online from real steps
     kv_rates: dict[str, float] = field(default_factory=dict)  # the same, per transport ("shm", "zmq")
+    draining: bool = False  # it takes no new requests and exits once those it holds are done
 
 
 @message(3)

@@ -30,8 +30,12 @@ from typing import Protocol
 
 from pdfabric.control import (
     Abort,
+    Generate,
     Heartbeat,
+    Prefill,
     Register,
+    Reserve,
+    Reserved,
     StepOutputs,
     TokenDelta,
 )
@@ -199,6 +203,7 @@ class WorkerCore:
         self.kv_rates = KVRates()
         self._recent_ms: deque[float] = deque(maxlen=32)
         self.next_heartbeat = 0.0
+        self.draining = False  # ``drain()``: no new requests; the loop exits once ``idle``
 
     # --- inputs ---------------------------------------------------------------------------------
 
@@ -211,10 +216,25 @@ class WorkerCore:
         )  # fmt: skip
 
     def handle(self, msg: object) -> Out:
-        """A control message from the router."""
+        """A control message from the router. A draining worker refuses new requests: a reservation
+        gets no blocks, a prompt an error (the router moves it to another worker)."""
         if isinstance(msg, Abort):
             return self.abort(msg.request_id, msg.reason)
+        if self.draining and isinstance(msg, Reserve):
+            return [Reserved(self.worker_id, msg.request_id, (), f"{self.worker_id} is draining")]
+        if self.draining and isinstance(msg, Generate | Prefill):
+            return self.error(msg.request_id, 0, f"{self.worker_id} is draining")
         return self.on_message(msg)
+
+    def drain(self) -> None:
+        """Takes no new requests from now on; the next heartbeat, due at once, tells the router."""
+        self.draining = True
+        self.next_heartbeat = 0.0
+
+    @property
+    def idle(self) -> bool:
+        """Nothing to run and no block held (no sequence, no reservation, no transfer in flight)."""
+        return not self.scheduler.has_work and self.tables.pool.num_free == self.tables.pool.num_blocks
 
     def on_message(self, msg: object) -> Out:
         raise NotImplementedError
@@ -265,6 +285,7 @@ class WorkerCore:
             self.kv_rates.overall(),
             self.profile.profile(),
             self.kv_rates.per_transport(),
+            self.draining,
         )
 
     @property

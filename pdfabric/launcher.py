@@ -243,6 +243,10 @@ async def _monitor(dispatcher, workers: list[WorkerProcess], policy: RestartPoli
                 w.exited = True
                 why = f"process exited with code {code}"
                 dispatcher.worker_gone(w.worker_id, why)
+                if code == 0:  # it drained and left on purpose (SIGTERM): not restarted
+                    dispatcher.down[w.worker_id] = "drained: it exited on its own after SIGTERM"
+                    log.warning("worker %s drained and exited", w.worker_id)
+                    continue
                 w.restart_at = policy.exited(w.worker_id, now)
                 if w.restart_at is None:
                     dispatcher.down[w.worker_id] = (

@@ -87,6 +87,7 @@ class Worker:
         self._poller.register(self.sock, zmq.POLLIN)
         self._watched: set[zmq.Socket] = set()
         self._running = True
+        self._drain_until = float("inf")
         self.kv = self.make_kv(cfg)
         spec = CoreSpec(
             self.worker_id, cfg.kind, engine.num_blocks, cfg.block_size, engine.max_model_len,
@@ -143,6 +144,14 @@ class Worker:
             "" if done.complete else " (time budget reached; the profile refines online)",
         )
 
+    def drain(self) -> None:
+        """Stops taking new requests (SIGTERM); the loop ends once those held are done, or after
+        ``drain_timeout_s`` (the router moves what is left to other workers)."""
+        if not self.core.draining:
+            log.warning("%s: draining (at most %.0fs)", self.worker_id, self.cfg.drain_timeout_s)
+            self.core.drain()
+            self._drain_until = time.monotonic() + self.cfg.drain_timeout_s
+
     def serve_forever(self) -> None:
         self.profile_startup()
         self.send(self.core.registration())
@@ -150,6 +159,9 @@ class Worker:
         core = self.core
         try:
             while self._running:
+                if core.draining and (core.idle or time.monotonic() > self._drain_until):
+                    log.warning("%s: drained, exiting", self.worker_id)
+                    break
                 self._poll_kv()
                 self._drain(timeout_ms=0 if core.has_work else 5)
                 step = core.schedule()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from dataclasses import replace
 
@@ -35,13 +36,14 @@ OVERRIDES: tuple[tuple[str, type, str], ...] = (
     ("max_running", int, "sequences decoding at once"),
     ("kv_host", str, "address a decode worker binds its KV endpoint on"),
     ("heartbeat_s", float, "seconds between heartbeats to the router"),
+    ("drain_timeout_s", float, "on SIGTERM: stop taking requests, exit once idle or after this many seconds"),
     ("threads", int, "torch threads (0: torch's default, all cores)"),
     ("device", str, "auto (cuda when available), cpu, cuda or cuda:N"),
     ("profile_seconds", float, "start-up profiling budget in seconds, 0: none"),
     ("kv_transport", str, "how KV moves to decode workers (auto: shm on one host, zmq across hosts)"),
 )
 _QUOTED = ("model", "pool", "block_size", "kv_memory_mb", "max_batch_tokens", "max_running", "kv_host",
-           "heartbeat_s", "device", "profile_seconds", "kv_transport")  # fmt: skip
+           "heartbeat_s", "drain_timeout_s", "device", "profile_seconds", "kv_transport")  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -103,5 +105,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"pdfabric worker: error: {exc}", file=sys.stderr)
         return 2
-    build(cfg, args.parent_pid).serve_forever()
+    worker = build(cfg, args.parent_pid)
+    signal.signal(signal.SIGTERM, lambda *_: worker.drain())
+    worker.serve_forever()
     return 0

@@ -310,6 +310,42 @@ def test_a_worker_killed_mid_stream_fails_over_token_exact(
         assert again[0] == reference.generate(prompt, SamplingParams(16, ignore_eos=True)).token_ids
 
 
+def test_sigterm_drains_a_worker_its_streams_finish_and_new_requests_go_elsewhere(
+    reference: ReferenceEngine,
+) -> None:
+    flags = ("--prefill", "1", "--decode", "2", "--num-blocks", "256")
+    with running_fabric("--model", "tiny", *flags) as url:
+        workers = get_json(url + "/health")[1]["workers"]
+        pid = next(w["pid"] for w in workers if w["id"] == "decode-0")
+        bodies = [
+            {"prompt": [9 + i] * (10 + 5 * i), "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+            for i in range(4)
+        ]
+
+        async def run_all() -> list:
+            tasks = [asyncio.create_task(_stream(url, b)) for b in bodies]
+            await asyncio.sleep(0.3)
+            os.kill(pid, signal.SIGTERM)
+            return await asyncio.wait_for(asyncio.gather(*tasks), 120)
+
+        results = asyncio.run(run_all())
+        for body, (ids, _, finish, _) in zip(bodies, results, strict=True):
+            want = reference.generate(body["prompt"], SamplingParams(200, ignore_eos=True)).token_ids
+            assert ids == want and finish == "length"
+        deadline = time.monotonic() + 30
+        while True:
+            health = get_json(url + "/health")[1]
+            if health["down"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert [d["id"] for d in health["down"]] == ["decode-0"] and "drained" in health["down"][0]["reason"]
+        assert "decode-0" not in [w["id"] for w in health["workers"]]  # and it was not restarted
+        # Its streams finished there, none had to move; a new request goes to the other decode worker.
+        assert sum(metric_values(url, "pdfabric_failovers_total").values()) == 0
+        assert asyncio.run(_stream(url, bodies[0]))[0] == results[0][0]
+        wait_blocks_free(url)
+
+
 @pytest.mark.parametrize(
     "flags, victim",
     [(("--colocated", "1"), "colocated-0"), (("--prefill", "1", "--decode", "1"), "decode-0")],

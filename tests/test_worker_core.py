@@ -220,3 +220,28 @@ def test_cores_and_the_simulator_never_import_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_draining_core_finishes_what_it_holds_and_refuses_new_requests() -> None:
+    core = ColocatedCore(_spec("colocated"), PROFILE)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    core.handle(Generate("a", (5, 6, 7), params, ()))
+    core.heartbeat(0.0)
+    core.drain()
+    hb = core.heartbeat(0.01)  # due at once, so the router hears of it before routing again
+    assert isinstance(hb, Heartbeat) and hb.draining
+    [refused] = _deltas(core.handle(Generate("b", (1, 2), params, ())))
+    assert (refused.request_id, refused.finish_reason) == ("b", "error") and "draining" in refused.error
+    assert not core.idle
+    out: list[TokenDelta] = []
+    while not core.idle:
+        out += _deltas(_run_step(core))
+    assert len(_tokens(out, "a")) == 3 and out[-1].finish_reason == "length"  # "a" ran to its end
+    decode = DecodeCore(_spec("decode"), PROFILE, "kv://d")
+    decode.drain()
+    [no_room] = decode.handle(Reserve("c", (1, 2, 3), params, ()))
+    assert isinstance(no_room, Reserved) and no_room.block_ids == () and "draining" in no_room.reason
+    prefill = PrefillCore(_spec("prefill"), PROFILE)
+    prefill.drain()
+    [err] = _deltas(prefill.handle(Prefill("d", (1, 2), params, (), "kv://d", (0,))))
+    assert err.finish_reason == "error" and prefill.idle
