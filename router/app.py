@@ -49,7 +49,12 @@ class Event:
 def build_app(cfg: ServeConfig, dispatcher: Dispatcher, tokenizer: Tokenizer) -> web.Application:
     app = web.Application(client_max_size=16 * 2**20)
     app[CONFIG], app[DISPATCHER], app[TOKENIZER] = cfg, dispatcher, tokenizer
-    app[METRICS] = metrics_ = RouterMetrics(dispatcher.registry, lambda: len(dispatcher.routing.queue))
+    app[METRICS] = metrics_ = RouterMetrics(
+        dispatcher.registry,
+        lambda: len(dispatcher.routing.queue),
+        lambda: dispatcher.restarts,
+        lambda: dispatcher.down,
+    )
     dispatcher.on_handed_off = lambda msg: _observe_transfer(metrics_, dispatcher, msg)
     dispatcher.on_failover = lambda moved: metrics_.failovers.labels(moved.cause).inc()
     app.router.add_post("/v1/completions", completions)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pdfabric.control import KINDS
@@ -59,10 +59,35 @@ class _Waiting(Collector):
         )
 
 
+class _Supervision(Collector):
+    """Worker restarts by the launcher and workers it left down, read at scrape time."""
+
+    def __init__(self, restarts: Callable[[], dict[str, int]], down: Callable[[], dict[str, str]]) -> None:
+        self.restarts, self.down = restarts, down
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        restarts = CounterMetricFamily(
+            "pdfabric_worker_restarts", "Times the launcher started an exited worker again", labels=["worker"]
+        )
+        for worker_id, n in sorted(self.restarts().items()):
+            restarts.add_metric([worker_id], n)
+        yield restarts
+        yield GaugeMetricFamily(
+            "pdfabric_workers_down", "Workers the launcher no longer restarts (drained, or failing)",
+            value=len(self.down()),
+        )  # fmt: skip
+
+
 class RouterMetrics:
     """The router's metrics; ``waiting`` (if given) counts the requests in its admission queue."""
 
-    def __init__(self, registry: Registry, waiting: Callable[[], int] | None = None) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        waiting: Callable[[], int] | None = None,
+        restarts: Callable[[], dict[str, int]] | None = None,
+        down: Callable[[], dict[str, str]] | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram(
@@ -124,3 +149,5 @@ class RouterMetrics:
         r.register(_WorkerGauges(registry))
         if waiting is not None:
             r.register(_Waiting(waiting))
+        if restarts is not None and down is not None:
+            r.register(_Supervision(restarts, down))

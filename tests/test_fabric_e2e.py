@@ -303,6 +303,7 @@ def test_a_worker_killed_mid_stream_fails_over_token_exact(
                 break
             time.sleep(0.2)
         assert back and back[0]["pid"] != pid and back[0]["restarts"] == 1 and health["down"] == [], health
+        assert metric_values(url, "pdfabric_worker_restarts_total") == {f'{{worker="{victim}"}}': 1.0}
         wait_blocks_free(url)
         prompt = bodies[0]["prompt"]
         greedy = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
