@@ -104,10 +104,11 @@ def receiver_main(conn: Connection, dist_port: int) -> None:
     shm: Any = None
     poller = zmq.Poller()
     poller.register(conn.fileno(), zmq.POLLIN)
-    while True:  # sleep until the sender or the parent says something (1 ms: dist waits finish off-socket)
+    off_socket = False  # dist: chunk completions end off the socket, so a busy receiver polls each 1 ms
+    while True:  # sleep until the sender or the parent says something
         if receiver is not None:
             poller.register(receiver.sock, zmq.POLLIN)
-        ready = dict(poller.poll(1 if receiver is not None and receiver.busy else 50))
+        ready = dict(poller.poll(1 if off_socket and receiver.busy else 50))
         if receiver is not None:
             receiver.poll()
             poller.unregister(receiver.sock)
@@ -116,6 +117,7 @@ def receiver_main(conn: Connection, dist_port: int) -> None:
         cmd, *rest = conn.recv()
         if cmd == "setup":
             receiver, shm = _open_receiver(dist_port, *rest)
+            off_socket = rest[0] == "dist"
             conn.send(receiver.endpoint)
         elif cmd == "expect":
             receiver.expect(*rest)
@@ -126,7 +128,7 @@ def receiver_main(conn: Connection, dist_port: int) -> None:
             receiver.close()
             if shm is not None:
                 shm.close()
-            receiver, shm = None, None
+            receiver, shm, off_socket = None, None, False
             conn.send("ok")
         elif cmd == "quit":
             return
@@ -340,7 +342,7 @@ class TransferBench:
         else:
             sender.send(rid)
         while True:
-            sender.wait(0.001)
+            sender.wait(0.05)  # wakes on the acknowledgement
             results = sender.poll()
             if results:
                 if not results[0].ok:
