@@ -101,7 +101,8 @@ class KVSender:
         self._pump(out)
 
     def send(self, request_id: str, meta: Meta | None = None) -> None:
-        """Ships every layer in one chunk (whole-request mode)."""
+        """Ships every layer (whole-request mode): one chunk, or over ZeroMQ chunks of at most
+        ``chunk_bytes``."""
         self.send_layers(request_id, 0, self.layout.num_layers, meta)
 
     def state(self, request_id: str) -> TransferState | None:
