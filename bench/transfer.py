@@ -11,7 +11,8 @@ alone the last acknowledgement came.
 
 The ``tcp-raw`` row is no pdfabric transport: the same bytes over one plain TCP socket pair on the
 same loopback (``sendall`` of one contiguous buffer, ``recv_into`` the destination tensor, a one-byte
-acknowledgement), the ceiling that ``zmq-tcp`` is compared with.
+acknowledgement), the ceiling that ``zmq-tcp`` is compared with. When both rows are asked for,
+their repeats alternate in one loop, so that a change in the machine's load hits both alike.
 """
 
 from __future__ import annotations
@@ -104,10 +105,11 @@ def receiver_main(conn: Connection, dist_port: int) -> None:
     shm: Any = None
     poller = zmq.Poller()
     poller.register(conn.fileno(), zmq.POLLIN)
-    while True:  # sleep until the sender or the parent says something (1 ms: dist waits finish off-socket)
+    off_socket = False  # dist: chunk completions end off the socket, so a busy receiver polls each 1 ms
+    while True:  # sleep until the sender or the parent says something
         if receiver is not None:
             poller.register(receiver.sock, zmq.POLLIN)
-        ready = dict(poller.poll(1 if receiver is not None and receiver.busy else 50))
+        ready = dict(poller.poll(1 if off_socket and receiver.busy else 50))
         if receiver is not None:
             receiver.poll()
             poller.unregister(receiver.sock)
@@ -116,6 +118,7 @@ def receiver_main(conn: Connection, dist_port: int) -> None:
         cmd, *rest = conn.recv()
         if cmd == "setup":
             receiver, shm = _open_receiver(dist_port, *rest)
+            off_socket = rest[0] == "dist"
             conn.send(receiver.endpoint)
         elif cmd == "expect":
             receiver.expect(*rest)
@@ -126,7 +129,7 @@ def receiver_main(conn: Connection, dist_port: int) -> None:
             receiver.close()
             if shm is not None:
                 shm.close()
-            receiver, shm = None, None
+            receiver, shm, off_socket = None, None, False
             conn.send("ok")
         elif cmd == "quit":
             return
@@ -236,25 +239,40 @@ class TransferBench:
         self.layerwise: list[dict[str, Any]] = []
 
     def measure(
-        self, kind: str, dims: tuple[int, int, int, int], rows: list[tuple[str, int]], prefill_ms: float
+        self,
+        kind: str,
+        dims: tuple[int, int, int, int],
+        rows: list[tuple[str, int]],
+        prefill_ms: float,
+        raw_beside: bool = False,
     ) -> None:
-        """One receiver and sender for ``kind`` and ``dims``; each row timed ``repeats`` times."""
+        """One receiver and sender for ``kind`` and ``dims``; each row timed ``repeats`` times.
+        ``raw_beside``: the ``tcp-raw`` row is timed in the same loop, alternating with ``kind``, so
+        that the ratio of the two compares the same moments of a machine whose load moves."""
         if kind == RAW:
-            self._measure_raw(dims, rows)
+            with self._raw_pair(dims, rows) as raw:
+                for label, n in rows:
+                    self._row(RAW, label, raw.nbytes(n), [raw(n) for _ in range(self.repeats)])
             return
-        sender, endpoint = self.open(kind, dims, max(n for _, n in rows))
-        try:
+        with contextlib.ExitStack() as stack:
+            raw = stack.enter_context(self._raw_pair(dims, rows)) if raw_beside else None
+            sender, endpoint = self.open(kind, dims, max(n for _, n in rows))
+            stack.callback(self._call, "teardown")
+            stack.callback(sender.close)
             self.transfer(sender, endpoint, 1)  # warm up: handshake and connection
             for label, n in rows:
-                nbytes = sender.layout.transfer_bytes(n)
-                self._row(
-                    kind, label, nbytes, [self.transfer(sender, endpoint, n) for _ in range(self.repeats)]
-                )
+                times, raw_times = [], []
+                for i in range(self.repeats):
+                    if raw is not None and i % 2:
+                        raw_times.append(raw(n))
+                    times.append(self.transfer(sender, endpoint, n))
+                    if raw is not None and not i % 2:
+                        raw_times.append(raw(n))
+                if raw is not None:
+                    self._row(RAW, label, raw.nbytes(n), raw_times)
+                self._row(kind, label, sender.layout.transfer_bytes(n), times)
             if prefill_ms > 0:
                 self.layerwise.append(_layerwise(self, sender, endpoint, kind, prefill_ms))
-        finally:
-            sender.close()
-            self._call("teardown")
 
     def _row(self, kind: str, label: str, nbytes: int, times: list[float]) -> None:
         if nbytes not in self.memcpy:
@@ -275,8 +293,9 @@ class TransferBench:
         done = len(self.results)
         self.progress.update(done, done, {}, time.monotonic() - self.started)
 
-    def _measure_raw(self, dims: tuple[int, int, int, int], rows: list[tuple[str, int]]) -> None:
-        """The rows over one plain TCP socket pair (the receiver process's thread receives them)."""
+    @contextlib.contextmanager
+    def _raw_pair(self, dims: tuple[int, int, int, int], rows: list[tuple[str, int]]) -> Iterator[RawPair]:
+        """One plain TCP socket pair to the receiver process (a thread there receives)."""
         import socket
 
         layers, bs, heads, dim = dims
@@ -284,21 +303,11 @@ class TransferBench:
         most = max(n for _, n in rows) * per_block
         port = self._call("raw", most)
         src = self.torch.randn(most // 2).to(self.torch.bfloat16).view(self.torch.uint8)
-        view = memoryview(src.numpy())
         with socket.create_connection(("127.0.0.1", port)) as sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-            def once(nbytes: int) -> float:
-                t0 = time.perf_counter()
-                sock.sendall(nbytes.to_bytes(8, "little"))
-                sock.sendall(view[:nbytes])
-                if sock.recv(1) != b"k":
-                    raise RuntimeError("raw tcp receiver went away")
-                return time.perf_counter() - t0
-
-            once(per_block)  # warm up the connection
-            for label, n in rows:
-                self._row(RAW, label, n * per_block, [once(n * per_block) for _ in range(self.repeats)])
+            raw = RawPair(sock, memoryview(src.numpy()), per_block)
+            raw(1)  # warm up the connection
+            yield raw
 
     def _call(self, *msg: Any) -> Any:
         self.conn.send(msg)
@@ -340,12 +349,31 @@ class TransferBench:
         else:
             sender.send(rid)
         while True:
-            sender.wait(0.001)
+            sender.wait(0.05)  # wakes on the acknowledgement
             results = sender.poll()
             if results:
                 if not results[0].ok:
                     raise RuntimeError(f"transfer failed: {results[0].reason}")
                 return time.perf_counter() - t0
+
+
+class RawPair:
+    """``raw(n)``: seconds to send ``n`` blocks' bytes over the socket and get the one-byte answer."""
+
+    def __init__(self, sock: Any, view: memoryview, per_block: int) -> None:
+        self.sock, self.view, self.per_block = sock, view, per_block
+
+    def nbytes(self, blocks: int) -> int:
+        return blocks * self.per_block
+
+    def __call__(self, blocks: int) -> float:
+        nbytes = self.nbytes(blocks)
+        t0 = time.perf_counter()
+        self.sock.sendall(nbytes.to_bytes(8, "little"))
+        self.sock.sendall(self.view[:nbytes])
+        if self.sock.recv(1) != b"k":
+            raise RuntimeError("raw tcp receiver went away")
+        return time.perf_counter() - t0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -374,15 +402,20 @@ def run(args: argparse.Namespace) -> int:
         prefill_ms = 2 * CPU_SMALL_PARAMS * 2048 / _gemm_flops(torch) * 1e3
     progress = Progress(len(kinds) * len(rows), "transfer", enabled=not args.no_progress)
     try:
+        paired = RAW in kinds and "zmq-tcp" in kinds  # tcp-raw is then timed beside zmq-tcp
         with bench_session(kinds, args.repeats, args.checksum, progress) as bench:
             for kind in kinds:
+                if kind == RAW and paired:
+                    continue
                 for dims in (PAYLOAD, CPU_SMALL):
                     mine = [(label, n) for label, n, d in rows if d == dims]
                     if mine:
-                        bench.measure(kind, dims, mine, prefill_ms if dims == CPU_SMALL else 0.0)
+                        layerwise_ms = prefill_ms if dims == CPU_SMALL else 0.0
+                        bench.measure(kind, dims, mine, layerwise_ms, raw_beside=paired and kind == "zmq-tcp")
     finally:
         progress.close()
-    results, layerwise = bench.results, bench.layerwise
+    results = sorted(bench.results, key=lambda r: TRANSPORTS.index(r["transport"]))  # stable: rows in order
+    layerwise = bench.layerwise
     _print(results, layerwise, prefill_ms)
     if args.json:
         with open(args.json, "w") as f:

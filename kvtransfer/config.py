@@ -21,7 +21,12 @@ class TransferConfig:
     blocks of a transfer that failed on the receiver's side go back to the pool only after this long,
     when no sender can still be writing into them (the result is reported at once).
     ``socket_buffer_bytes``: larger kernel socket buffers than the OS default roughly double what
-    ZeroMQ tcp moves per second on loopback (``bench transfer``'s ``tcp-raw`` row is the ceiling)."""
+    ZeroMQ tcp moves per second on loopback (``bench transfer``'s ``tcp-raw`` row is the ceiling).
+    ``chunk_bytes``: over ZeroMQ, layers sent together leave in chunks of at most this many bytes
+    (at least one layer each): libzmq allocates every received frame on its I/O thread, whose glibc
+    arena grows in 64 MiB heaps and unmaps each as soon as it empties, so a message of 64 MiB or more
+    was page-faulted afresh on every transfer; smaller chunks also let the receiver copy one while
+    the next is on the wire."""
 
     transport: str = "auto"
     timeout_s: float = 30.0
@@ -31,6 +36,7 @@ class TransferConfig:
     name: str = "kv"
     shm_quarantine_s: float | None = None
     socket_buffer_bytes: int = 4 << 20  # kernel send/receive buffers of the ZeroMQ sockets (0: the OS's)
+    chunk_bytes: int = 16 << 20  # ZeroMQ: a larger layer range leaves as several chunks (>= 1 layer each)
 
     def __post_init__(self) -> None:
         if self.transport not in CHOICES:
@@ -43,6 +49,8 @@ class TransferConfig:
             raise ValueError(f"shm_quarantine_s must be >= 0, got {self.shm_quarantine_s}")
         if self.socket_buffer_bytes < 0:
             raise ValueError(f"socket_buffer_bytes must be >= 0, got {self.socket_buffer_bytes}")
+        if self.chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be >= 1, got {self.chunk_bytes}")
         if self.max_messages_per_poll < 1:
             raise ValueError(f"max_messages_per_poll must be >= 1, got {self.max_messages_per_poll}")
 

@@ -101,7 +101,8 @@ class KVSender:
         self._pump(out)
 
     def send(self, request_id: str, meta: Meta | None = None) -> None:
-        """Ships every layer in one chunk (whole-request mode)."""
+        """Ships every layer (whole-request mode): one chunk, or over ZeroMQ chunks of at most
+        ``chunk_bytes``."""
         self.send_layers(request_id, 0, self.layout.num_layers, meta)
 
     def state(self, request_id: str) -> TransferState | None:
@@ -229,33 +230,50 @@ class KVSender:
         if peer.error:
             self._fail(out, peer.error)
             return
-        assert peer.path is not None  # set with info when there is no error
         while out.queued:
             layers, meta = out.queued.pop(0)
-            sent = peer.path.send(self.caches, out.blocks, out.remote_blocks, layers, self.config.checksum)
-            chunk = Chunk(
-                out.request_id,
-                out.next_seq,
-                layers.start,
-                layers.stop,
-                out.remote_blocks,
-                dtype_name(self.caches[0].dtype),
-                sent.nbytes // (2 * len(layers)),
-                sent.checksums,
-                sent.tag,
-                sent.src_rank,
-                meta,
-                peer.transport,
-            )
-            try:
-                peer.sock.send_multipart([encode(chunk), *sent.frames], copy=False, flags=zmq.NOBLOCK)
-            except zmq.ZMQError as exc:  # never block the worker loop: fail this request instead
-                self._fail(out, f"cannot send to {out.endpoint}: {exc}")
-                return
-            out.next_seq += 1
-            out.transport = peer.transport
-            out.inflight.append(sent)
-            out.progress(sent.nbytes, len(layers))
+            for part in self._parts(peer, out, layers):
+                if not self._ship(peer, out, part, meta if part.stop == layers.stop else {}):
+                    return
+
+    def _parts(self, peer: _Peer, out: _Out, layers: range) -> list[range]:
+        """``layers`` as the chunks they leave in: over ZeroMQ a range of more than ``chunk_bytes``
+        is split (at least one layer a chunk), so that the receiver holds less in flight and copies
+        one chunk while the next is on the wire; other transports send a range as one chunk."""
+        layer_bytes = 2 * len(out.blocks) * self.layout.block_bytes
+        step = max(1, self.config.chunk_bytes // layer_bytes)
+        if peer.transport != "zmq" or len(layers) <= step:
+            return [layers]
+        return [range(l0, min(l0 + step, layers.stop)) for l0 in range(layers.start, layers.stop, step)]
+
+    def _ship(self, peer: _Peer, out: _Out, layers: range, meta: Meta) -> bool:
+        """Moves ``layers`` and sends their ``Chunk``; False when the transfer failed instead."""
+        assert peer.path is not None  # set with info when there is no error
+        sent = peer.path.send(self.caches, out.blocks, out.remote_blocks, layers, self.config.checksum)
+        chunk = Chunk(
+            out.request_id,
+            out.next_seq,
+            layers.start,
+            layers.stop,
+            out.remote_blocks,
+            dtype_name(self.caches[0].dtype),
+            sent.nbytes // (2 * len(layers)),
+            sent.checksums,
+            sent.tag,
+            sent.src_rank,
+            meta,
+            peer.transport,
+        )
+        try:
+            peer.sock.send_multipart([encode(chunk), *sent.frames], copy=False, flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # never block the worker loop: fail this request instead
+            self._fail(out, f"cannot send to {out.endpoint}: {exc}")
+            return False
+        out.next_seq += 1
+        out.transport = peer.transport
+        out.inflight.append(sent)
+        out.progress(sent.nbytes, len(layers))
+        return True
 
     def _fail(self, out: _Out, reason: str) -> None:
         self._end(out, TransferState.FAILED, reason, notify=reason)

@@ -21,7 +21,15 @@ LAYERS = 3
 class Pair:
     """A sender and a receiver over one transport, each with its own fake block pool."""
 
-    def __init__(self, transport: str, bind: str, dtype: torch.dtype, blocks: int, checksum: bool) -> None:
+    def __init__(
+        self,
+        transport: str,
+        bind: str,
+        dtype: torch.dtype,
+        blocks: int,
+        checksum: bool,
+        chunk_bytes: int = TransferConfig.chunk_bytes,
+    ) -> None:
         self.src_pool, self.dst_pool = FakePool(blocks), FakePool(blocks)
         self.src = make_caches(LAYERS, blocks, dtype, seed=1)
         self.shm: SharedKVPool | None = None
@@ -30,7 +38,7 @@ class Pair:
             self.dst = self.shm.caches
         else:
             self.dst = make_caches(LAYERS, blocks, dtype, seed=None)
-        cfg = TransferConfig(transport=transport, timeout_s=10, checksum=checksum)
+        cfg = TransferConfig(transport=transport, timeout_s=10, checksum=checksum, chunk_bytes=chunk_bytes)
         self.receiver = KVReceiver(
             self.dst, cfg, self.dst_pool.reservations(), bind, shm_paths=self.shm.paths if self.shm else ()
         )
@@ -141,3 +149,34 @@ def test_receiver_reports_layers_as_they_land(pair_factory) -> None:
     sent, got = pump(pair.sender, pair.receiver, 1)
     assert got[0].ok and sent[0].ok
     pair.dst_pool.release("w", remote)
+
+
+@pytest.mark.parametrize(("kind", "layers_per_chunk"), [("zmq-tcp", 1), ("zmq-tcp", 2), ("shm", 1)])
+def test_whole_request_send_leaves_in_chunks_over_zmq(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, layers_per_chunk: int
+) -> None:
+    seen: list[tuple[int, int, int, dict]] = []
+    on_chunk = KVReceiver._on_chunk
+
+    def spy(self: KVReceiver, peer: bytes, chunk, frames: list) -> None:
+        seen.append((chunk.seq, chunk.layer_start, chunk.layer_end, dict(chunk.meta)))
+        on_chunk(self, peer, chunk, frames)
+
+    monkeypatch.setattr(KVReceiver, "_on_chunk", spy)
+    n = 5
+    layer_bytes = 2 * n * 4 * 2 * 8 * 2  # keys and values of n blocks: block size 4, 2 heads, dim 8, bf16
+    transport = "shm" if kind == "shm" else "zmq"
+    pair = Pair(transport, _bind(kind, tmp_path), torch.bfloat16, 32, False, layers_per_chunk * layer_bytes)
+    try:
+        pair.transfer("a", n, layerwise=False, scattered=True)  # checks bytes, meta and layers
+    finally:
+        pair.close()
+    if kind == "shm":  # the copy is the sender's own: one control message says all layers landed
+        want = [(0, 0, LAYERS)]
+    else:
+        want = [
+            (i, l0, min(l0 + layers_per_chunk, LAYERS))
+            for i, l0 in enumerate(range(0, LAYERS, layers_per_chunk))
+        ]
+    assert [s[:3] for s in seen] == want
+    assert [s[3] for s in seen] == [{}] * (len(want) - 1) + [{"first_token": 42}]  # meta rides the last
