@@ -166,7 +166,7 @@ class Simulation:
         self._armed: float | None = None  # the router's deadline a poll is queued for
         self._overhead = config.overhead_ms / 1e3
         self.router = RouterCore(config.routing, config.predictor, clock=lambda: self.now)
-        self.registry, self.routing = self.router.registry, self.router.routing
+        self.registry = self.router.registry
         self.workers = {w.worker_id: SimulatedWorker(self, w) for w in config.workers}
         self.link = SimLink(self.workers, lambda: self.now, self.at)  # the workers' KV side
         self._reqs: dict[str, SimulatedRequest] = {}

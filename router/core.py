@@ -131,9 +131,9 @@ class _Request:
     prompt_ids: tuple[int, ...]  # the client's prompt
     params: SamplingParams  # the client's parameters
     eos: tuple[int, ...]
-    wire_id: str = ""  # the current attempt's id on the wire
-    run_prompt: tuple[int, ...] = ()  # what the current attempt prefills (prompt + tokens delivered)
-    run_params: SamplingParams | None = None  # the current attempt's (remaining tokens, offset)
+    wire_id: str = field(init=False)  # the current attempt's id on the wire
+    run_prompt: tuple[int, ...] = field(init=False)  # what the current attempt prefills (prompt + tokens out)
+    run_params: SamplingParams = field(init=False)  # the current attempt's (remaining tokens, offset)
     failovers: int = 0
     base: int = 0  # the output index the current attempt's tokens start at
     output: list[int] = field(default_factory=list)  # token ids delivered, in order
@@ -316,7 +316,6 @@ class RouterCore:
         """Starts the request on its next route that exists: at once if colocated, else after the
         decode worker's reservation reply. Refuses it (503) when no route is left."""
         rid, prompt, params = req.wire_id, req.run_prompt, req.run_params
-        assert params is not None
         while req.tried < len(req.choices):
             choice = req.choices[req.tried]
             req.tried += 1
@@ -363,7 +362,6 @@ class RouterCore:
             return
         self.holders.hold(rid, choice.prefill)  # the decode worker holds it since `reserving`
         kv_endpoint = self.registry.workers[decode_id].reg.kv_endpoint
-        assert req.run_params is not None
         prefill = Prefill(rid, req.run_prompt, req.run_params, req.eos, kv_endpoint, reply.block_ids)
         out.append(Send(choice.prefill, prefill))
         self._started(req, choice, f"{choice.prefill}->{decode_id}", out)
