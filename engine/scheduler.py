@@ -213,6 +213,10 @@ class Scheduler:
     def get(self, request_id: str) -> Sequence | None:
         return self._by_id.get(request_id)
 
+    def request_ids(self) -> list[str]:
+        """Every request held here, in any state."""
+        return list(self._by_id)
+
     @property
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)

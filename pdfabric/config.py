@@ -174,8 +174,11 @@ class ServeConfig:
         if min(self.prefill, self.decode, self.colocated) < 0:
             raise ValueError("worker counts must be >= 0")
         counts = {k: self.count(k) for k in KINDS}
-        if sum(counts.values()) == 0:
-            raise ValueError("a deployment needs at least one worker")
+        if sum(counts.values()) == 0 and self.control_port == 0:
+            raise ValueError(
+                "a deployment needs at least one worker, or a fixed control_port that workers started "
+                "elsewhere join (pdfabric worker --join)"
+            )
         if (counts["prefill"] == 0) != (counts["decode"] == 0):
             raise ValueError("disaggregated serving needs both prefill and decode workers")
         if not 0 <= self.port < 65536 or not 0 <= self.control_port < 65536:

@@ -151,3 +151,21 @@ class Abort:
 @dataclass(frozen=True)
 class Shutdown:
     reason: str = ""
+
+
+@message(25)
+@dataclass(frozen=True)
+class Reregister:
+    """The router does not know this worker (it restarted, or it gave the worker up as silent): the
+    worker drops every request it holds (the router has none of them any more) and registers again."""
+
+    reason: str = ""
+
+
+@message(26)
+@dataclass(frozen=True)
+class Drain:
+    """Take no new requests, finish those held (the router moves what is left after the worker's
+    ``drain_timeout_s``), then exit, as on SIGTERM."""
+
+    reason: str = ""

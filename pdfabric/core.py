@@ -5,7 +5,8 @@ block accounting, what a step's tokens become, what happens to transfers, and wh
 It is driven the same way by the ZeroMQ worker loop (``pdfabric.worker``) and by the simulator
 (``bench.sim_worker``), and by unit tests with nothing else:
 
-1. ``handle(msg)``: a control message from the router (``Generate``, ``Reserve``, ``Prefill``, ``Abort``);
+1. ``handle(msg)``: a control message from the router (``Generate``, ``Reserve``, ``Prefill``, ``Abort``,
+   ``Reregister``);
 2. ``schedule()``: the next ``Step`` (chunks and their shape), or ``None``; the driver runs the model on
    its chunks (the simulator: waits for the profile's time) and calls ``complete(step, sampled,
    seconds)`` with one ``(token, logprob)`` per sampling chunk;
@@ -34,6 +35,7 @@ from pdfabric.control import (
     Heartbeat,
     Prefill,
     Register,
+    Reregister,
     Reserve,
     Reserved,
     StepOutputs,
@@ -220,11 +222,23 @@ class WorkerCore:
         gets no blocks, a prompt an error (the router moves it to another worker)."""
         if isinstance(msg, Abort):
             return self.abort(msg.request_id, msg.reason)
+        if isinstance(msg, Reregister):
+            return self.rejoin(msg.reason)
         if self.draining and isinstance(msg, Reserve):
             return [Reserved(self.worker_id, msg.request_id, (), f"{self.worker_id} is draining")]
         if self.draining and isinstance(msg, Generate | Prefill):
             return self.error(msg.request_id, 0, f"{self.worker_id} is draining")
         return self.on_message(msg)
+
+    def rejoin(self, reason: str) -> Out:
+        """The router no longer knows this worker (it restarted, or gave the worker up as silent):
+        every request held here is dropped (their KV transfers cancelled, their blocks freed) and the
+        worker registers again; its next heartbeat is due at once."""
+        out: Out = []
+        for request_id in self.scheduler.request_ids():
+            out += self.abort(request_id, f"router lost the request: {reason}")
+        self.next_heartbeat = 0.0
+        return [*out, self.registration()]
 
     def drain(self) -> None:
         """Takes no new requests from now on; the next heartbeat, due at once, tells the router."""

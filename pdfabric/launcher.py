@@ -212,7 +212,7 @@ async def serve(
     finally:
         if runner is not None:
             await runner.cleanup()
-        await dispatcher.close()
+        await dispatcher.close(shutdown={w.worker_id for w in workers})
         await asyncio.to_thread(_stop_all, workers)
 
 

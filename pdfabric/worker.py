@@ -13,7 +13,10 @@ turn of the loop, never blocking for long:
 4. a heartbeat goes out when the core says one is due.
 
 Whatever the core returns is sent: control messages to the router, KV commands to the KV side. The
-worker exits when the router says ``Shutdown`` or when the process that started it is gone.
+worker exits when the router says ``Shutdown``, when it has drained (SIGTERM or the router's
+``Drain``), or when the process that started it is gone. If the router restarts, the control socket
+reconnects by itself; the new router answers the first heartbeat with ``Reregister``, and the core
+drops what it held and registers again.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import TYPE_CHECKING, Protocol
 import zmq
 
 from pdfabric.config import WorkerConfig
-from pdfabric.control import Shutdown
+from pdfabric.control import Drain, Shutdown
 from pdfabric.core import (
     CancelKV,
     CoreSpec,
@@ -214,6 +217,9 @@ class Worker:
             if isinstance(msg, Shutdown):
                 self._running = False
                 return
+            if isinstance(msg, Drain):  # the router's admin endpoint: as SIGTERM
+                self.drain()
+                continue
             try:
                 out = self.core.handle(msg)
             except WrongMessage as exc:

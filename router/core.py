@@ -46,9 +46,9 @@ from pdfabric.control import (
     Heartbeat,
     Prefill,
     Register,
+    Reregister,
     Reserve,
     Reserved,
-    Shutdown,
     StepOutputs,
     TokenDelta,
 )
@@ -260,14 +260,16 @@ class RouterCore:
                 out.append(Transferred(req.request_id, msg))
             self._poll(out)
         elif isinstance(msg, Heartbeat):
-            if not self.registry.heartbeat(msg):
-                out.append(Send(msg.worker_id, Shutdown("unknown worker: register first")))
+            if not self.registry.heartbeat(msg):  # this router restarted, or gave the worker up
+                out.append(Send(msg.worker_id, Reregister("the router does not know this worker")))
             else:
                 self.routing.on_heartbeat(msg.worker_id)
                 self._poll(out)
         elif isinstance(msg, Reserved):
             self._on_reserved(msg, out)
         elif isinstance(msg, Register):
+            if msg.worker_id in self.registry.workers:  # a new process under the old id: the old is gone
+                out += self.worker_gone(msg.worker_id, "it registered again (restarted)")
             self.registry.register(msg)
             self._poll(out)
         else:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import zmq
@@ -87,9 +87,12 @@ class Dispatcher:
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._liveness_loop())]
 
-    async def close(self) -> None:
+    async def close(self, shutdown: Collection[str] | None = None) -> None:
+        """Stops the router. The workers in ``shutdown`` (default: all) are told to exit; the others
+        (workers that joined from elsewhere) stay and register again with the next router."""
         for w in list(self.registry.workers):
-            self._send(w, Shutdown("router stopping"))
+            if shutdown is None or w in shutdown:
+                self._send(w, Shutdown("router stopping"))
         if self._timer is not None:
             self._timer.cancel()
         for t in self._tasks:

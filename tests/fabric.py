@@ -33,24 +33,20 @@ def get_json(url: str, timeout: float = 5.0) -> tuple[int, dict]:
 def running_fabric(*flags: str, port: int = 0, timeout: float = 120.0) -> Iterator[str]:
     """Starts ``pdfabric serve FLAGS`` on ``port`` (default: a free one); yields its base URL; always
     stops it and its workers."""
+    with serve_process(*flags, port=port) as (proc, url):
+        wait_healthy(url, proc, timeout)
+        yield url
+
+
+@contextlib.contextmanager
+def serve_process(*flags: str, port: int = 0) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """Starts ``pdfabric serve FLAGS`` on ``port`` (default: a free one) without waiting for it; yields
+    the process and its base URL; always stops it and the workers it started."""
     port = port or free_port()
     cmd = [sys.executable, "-m", "pdfabric.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *flags]
     proc = subprocess.Popen(cmd, env={**os.environ}, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"pdfabric serve exited with code {proc.returncode} during start-up")
-            try:
-                if get_json(url + "/health", timeout=1.0)[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("the fabric did not become healthy in time")
-            time.sleep(0.1)
-        yield url
+        yield proc, f"http://127.0.0.1:{port}"
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -62,6 +58,22 @@ def running_fabric(*flags: str, port: int = 0, timeout: float = 120.0) -> Iterat
         # Workers follow the router; make sure none outlives the test.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 120.0) -> None:
+    """Waits until ``url``'s /health says 200; fails if ``proc`` exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"pdfabric serve exited with code {proc.returncode} during start-up")
+        try:
+            if get_json(url + "/health", timeout=1.0)[0] == 200:
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError("the fabric did not become healthy in time")
+        time.sleep(0.1)
 
 
 def metric_values(url: str, name: str) -> dict[str, float]:

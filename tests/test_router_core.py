@@ -12,9 +12,9 @@ from pdfabric.control import (
     Heartbeat,
     Prefill,
     Register,
+    Reregister,
     Reserve,
     Reserved,
-    Shutdown,
     StepOutputs,
     TokenDelta,
 )
@@ -228,10 +228,29 @@ def test_with_failover_off_a_dead_worker_ends_the_stream_with_its_error() -> Non
     assert failed.error == f"worker {first} failed: killed (failover is off)"
 
 
-def test_heartbeats_from_unknown_workers_get_a_shutdown_and_no_route_is_a_503() -> None:
+def test_heartbeats_from_unknown_workers_are_asked_to_register_and_no_route_is_a_503() -> None:
     core, _ = core_with(("p", "prefill"))
-    assert sends(core.on_message(heartbeat("stranger"))) == [("stranger", Shutdown)]
+    assert sends(core.on_message(heartbeat("stranger"))) == [("stranger", Reregister)]
     [refused] = submit(core, "r")
     assert isinstance(refused, Refused) and refused.status == 503 and "r" not in core
     with pytest.raises(TypeError):
         core.on_message(Generate("x", (1,), PARAMS, ()))
+
+
+def test_a_worker_registering_again_under_its_id_is_a_new_process_and_the_old_ones_requests_move() -> None:
+    core, _ = core_with(("c0", "colocated"), ("c1", "colocated"))
+    [(first, _)] = sends(submit(core, "r"))
+    core.on_message(delta(first, "r", 0, 2))
+    again = Register(first, "colocated", "default", "tiny", 4096, 16, 100, "", 2, 64, 512, 1000, PROFILE)
+    out = core.on_message(again)
+    [moved] = [e for e in out if isinstance(e, FailedOver)]
+    assert moved.worker_id == first and "registered again" in moved.message and moved.resumed_at == 2
+    assert first in core.registry.workers and core.registry.workers[first].reg.pid == 2
+    assert [m for _, m in sends(out)] == [Generate]  # the resumed attempt, on either worker
+
+
+def test_stale_messages_from_workers_a_restarted_router_never_knew_change_nothing() -> None:
+    core, _ = core_with(("d", "decode"))
+    assert core.on_message(delta("old", "gone-request", 0, 3)) == []
+    assert core.on_message(HandedOff("old", "gone-request", 10, 0.1)) == []
+    assert sends(core.on_message(Reserved("d", "gone-request", (1, 2)))) == [("d", Abort)]  # blocks back

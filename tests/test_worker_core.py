@@ -15,6 +15,7 @@ from pdfabric.control import (
     Heartbeat,
     Prefill,
     Register,
+    Reregister,
     Reserve,
     Reserved,
     StepOutputs,
@@ -245,3 +246,30 @@ def test_a_draining_core_finishes_what_it_holds_and_refuses_new_requests() -> No
     prefill.drain()
     [err] = _deltas(prefill.handle(Prefill("d", (1, 2), params, (), "kv://d", (0,))))
     assert err.finish_reason == "error" and prefill.idle
+
+
+def test_reregister_drops_everything_held_and_registers_again() -> None:
+    """After the router restarts it knows none of this worker's requests: the worker frees them all
+    (a transfer in flight is cancelled, its blocks kept until released) and registers anew."""
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    col = ColocatedCore(_spec("colocated"), PROFILE)
+    col.handle(Generate("a", (5, 6, 7), params, ()))
+    col.handle(Generate("b", (1, 2), params, ()))
+    _run_step(col)
+    col.heartbeat(0.0)
+    out = col.handle(Reregister("router restarted"))
+    assert [type(m) for m in out] == [Register] and out[0].worker_id == "colocated-0"
+    assert col.idle and col.scheduler.request_ids() == []
+    assert col.heartbeat(0.01) is not None  # due at once: the router hears the load right away
+    dec = DecodeCore(_spec("decode"), PROFILE, "kv://d")
+    dec.handle(Reserve("r", tuple(range(10)), params, ()))
+    out = dec.handle(Reregister("router restarted"))
+    assert [type(m) for m in out] == [CancelKV, Register]
+    assert not dec.idle  # quarantined until the KV side says the sender can no longer write
+    dec.kv_released("r")
+    assert dec.idle
+    pre = PrefillCore(_spec("prefill"), PROFILE)
+    pre.handle(Prefill("p", (1, 2, 3, 4, 5), params, (), "kv://d", (0, 1)))
+    _run_step(pre)  # its KV is being pushed
+    assert [type(m) for m in pre.handle(Reregister("router restarted"))] == [CancelKV, Register]
+    assert pre.idle
