@@ -165,6 +165,8 @@ class ServeConfig:
     worker_timeout_s: float = 10.0  # heartbeats missing this long: the worker is gone
     request_timeout_s: float = 600.0  # a request with no progress this long ends with an error
     max_failovers: int = 2  # times a request may move off failed workers mid-stream (0: never)
+    shutdown_drain_s: float = 30.0  # on SIGTERM / Ctrl-C: requests in flight get this long to finish
+    admin_key_sha256: str = ""  # hex SHA-256 of the key admin endpoints require ("": no key needed)
     served_model_name: str = ""  # the name clients use; default: the model argument
     groups: tuple[WorkerGroup, ...] = ()  # [[workers]]: more workers, with settings of their own
     routing: AdmissionConfig = field(default_factory=AdmissionConfig)  # [routing]: budgets, pools, queue
@@ -187,6 +189,11 @@ class ServeConfig:
             raise ValueError("timeouts must be positive")
         if self.max_failovers < 0:
             raise ValueError(f"max_failovers must be >= 0, got {self.max_failovers}")
+        if self.shutdown_drain_s < 0:
+            raise ValueError(f"shutdown_drain_s must be >= 0, got {self.shutdown_drain_s}")
+        key = self.admin_key_sha256
+        if key and (len(key) != 64 or any(c not in "0123456789abcdef" for c in key.lower())):
+            raise ValueError("admin_key_sha256 must be 64 hex digits (printf %s KEY | sha256sum)")
 
     @property
     def model_name(self) -> str:

@@ -5,14 +5,17 @@ registered (or fail, showing why), then open the HTTP port. While serving, a wor
 exits is reported to the dispatcher at once, so its requests fail over to other workers instead of
 waiting for heartbeats to time out, and it is started again after a backoff (``RestartPolicy``); it
 registers under its old id and serves again. A worker that keeps exiting is left down (a circuit
-breaker) and listed under ``down`` in ``/health``. Ctrl-C or SIGTERM stops the HTTP site, tells the
-workers to shut down, and kills any that do not within a few seconds.
+breaker) and listed under ``down`` in ``/health``. Ctrl-C or SIGTERM first drains the router: new
+requests get 503 while those in flight finish, for at most ``shutdown_drain_s`` (a second signal cuts
+it short); then it stops the HTTP site, tells its workers to shut down, and kills any that do not
+within a few seconds. Workers that joined from elsewhere stay, and register with the next router.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -167,6 +170,7 @@ async def serve(
 
     from pdfabric.engine.default_model import resolve_model
     from pdfabric.engine.tokenizer import Tokenizer
+    from pdfabric.router.admin import LIFECYCLE
     from pdfabric.router.app import build_app
     from pdfabric.router.dispatcher import Dispatcher
 
@@ -188,7 +192,8 @@ async def serve(
             cmd = worker_command(cfg, worker, dispatcher.address, log_level)
             workers.append(WorkerProcess(worker_id, worker.kind, subprocess.Popen(cmd), cmd))
         await _wait_ready(dispatcher, workers, ready_timeout)
-        runner = web.AppRunner(build_app(cfg, dispatcher, tokenizer), handler_cancellation=True)
+        app = build_app(cfg, dispatcher, tokenizer)
+        runner = web.AppRunner(app, handler_cancellation=True)
         await runner.setup()
         site = web.TCPSite(runner, cfg.host, cfg.port)
         await site.start()
@@ -205,7 +210,8 @@ async def serve(
         try:
             if once is not None:
                 return await _stream_once(url, cfg.model_name, once, max_tokens)
-            await _until_signal()
+            again = await _until_signal()
+            await _drain_requests(app[LIFECYCLE], dispatcher, cfg.shutdown_drain_s, again)
             return 0
         finally:
             monitor.cancel()
@@ -243,8 +249,8 @@ async def _monitor(dispatcher, workers: list[WorkerProcess], policy: RestartPoli
                 w.exited = True
                 why = f"process exited with code {code}"
                 dispatcher.worker_gone(w.worker_id, why)
-                if code == 0:  # it drained and left on purpose (SIGTERM): not restarted
-                    dispatcher.down[w.worker_id] = "drained: it exited on its own after SIGTERM"
+                if code == 0:  # it drained and left on purpose (SIGTERM or Drain): not restarted
+                    dispatcher.down[w.worker_id] = "drained: it exited on its own (SIGTERM or an admin drain)"
                     log.warning("worker %s drained and exited", w.worker_id)
                     continue
                 w.restart_at = policy.exited(w.worker_id, now)
@@ -262,12 +268,35 @@ async def _monitor(dispatcher, workers: list[WorkerProcess], policy: RestartPoli
         await asyncio.sleep(0.1)
 
 
-async def _until_signal() -> None:
+async def _until_signal() -> asyncio.Event:
+    """Waits for SIGINT or SIGTERM; returns an event that the next one sets."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    stop.clear()
+    return stop
+
+
+async def _drain_requests(lifecycle, dispatcher, limit_s: float, again: asyncio.Event) -> None:  # noqa: ANN001
+    """Stops taking requests (503 from now on) and lets those in flight finish, for at most
+    ``limit_s`` or until a second signal; whatever is still running then is cut off."""
+    lifecycle.shutting_down = True
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit_s
+    if len(dispatcher.core):
+        print(
+            f"pdfabric: stopping: {len(dispatcher.core)} requests in flight get up to {limit_s:g}s to "
+            "finish (signal again to stop now)",
+            file=sys.stderr,
+            flush=True,
+        )
+    while len(dispatcher.core) and loop.time() < deadline and not again.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(again.wait(), min(0.1, max(0.0, deadline - loop.time())))
+    if len(dispatcher.core):
+        log.warning("stopping with %d requests still in flight", len(dispatcher.core))
 
 
 def _stop_all(workers: list[WorkerProcess], grace_s: float = 5.0) -> None:

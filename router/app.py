@@ -25,6 +25,7 @@ from pdfabric.control import HandedOff
 from pdfabric.engine.detokenizer import IncrementalDetokenizer
 from pdfabric.engine.tokenizer import Tokenizer
 from pdfabric.router import openai_api as api
+from pdfabric.router.admin import LIFECYCLE, add_admin
 from pdfabric.router.breakdown import TokenTimes, breakdown
 from pdfabric.router.dispatcher import Dispatcher, RequestStream
 from pdfabric.router.metrics import RouterMetrics
@@ -62,6 +63,7 @@ def build_app(cfg: ServeConfig, dispatcher: Dispatcher, tokenizer: Tokenizer) ->
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    add_admin(app, dispatcher, cfg.admin_key_sha256)
     return app
 
 
@@ -105,6 +107,7 @@ async def health(request: web.Request) -> web.Response:
             "pid": w.reg.pid,
             "host": w.reg.host,
             "requests": holders.count(w.worker_id),
+            "draining": w.draining,
             "free_blocks": w.free_blocks,
             "total_blocks": w.reg.num_blocks,
             "model": w.reg.model,
@@ -120,6 +123,7 @@ async def health(request: web.Request) -> web.Response:
         for w in registry.workers.values()
     ]
     ok = has_route(registry)
+    stopping = request.app[LIFECYCLE].shutting_down
     dispatcher = request.app[DISPATCHER]
     for w in workers:
         w["restarts"] = dispatcher.restarts.get(w["id"], 0)
@@ -127,8 +131,9 @@ async def health(request: web.Request) -> web.Response:
         {"id": wid, "reason": why, "restarts": dispatcher.restarts.get(wid, 0)}
         for wid, why in sorted(dispatcher.down.items())
     ]
+    status = "draining" if stopping else "ok" if ok else "unavailable"
     return web.json_response(
-        {"status": "ok" if ok else "unavailable", "workers": workers, "down": down}, status=200 if ok else 503
+        {"status": status, "workers": workers, "down": down}, status=200 if status == "ok" else 503
     )
 
 

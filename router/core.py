@@ -41,6 +41,7 @@ from dataclasses import dataclass, field, replace
 
 from pdfabric.control import (
     Abort,
+    Drain,
     Generate,
     HandedOff,
     Heartbeat,
@@ -275,6 +276,13 @@ class RouterCore:
         else:
             raise TypeError(f"unexpected {type(msg).__name__} from a worker")
         return out
+
+    def drain(self, worker_id: str, reason: str) -> list[Effect]:
+        """Tells a worker to drain (no new requests from now on; it exits once those it holds are done,
+        or after its ``drain_timeout_s``, when the ones left move elsewhere). ``KeyError``: unknown."""
+        info = self.registry.workers[worker_id]
+        info.drain_sent = True
+        return [Send(worker_id, Drain(reason))]
 
     def worker_gone(self, worker_id: str, why: str) -> list[Effect]:
         """Drops a worker: each request it held ends with an error; a reservation it will never

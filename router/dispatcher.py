@@ -144,6 +144,11 @@ class Dispatcher:
 
     # --- workers --------------------------------------------------------------------------------
 
+    def drain_worker(self, worker_id: str, reason: str) -> None:
+        """Tells a worker to drain (``KeyError``: no such worker); new requests go elsewhere at once."""
+        log.warning("draining worker %s: %s", worker_id, reason)
+        self._apply(self.core.drain(worker_id, reason))
+
     def worker_gone(self, worker_id: str, why: str) -> None:
         """Drops a worker; each request it held ends with an error."""
         if worker_id in self.registry.workers:

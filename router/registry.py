@@ -14,10 +14,16 @@ class WorkerInfo:
     reg: Register
     last_seen: float
     load: Heartbeat | None = None
+    drain_sent: bool = False  # the router told it to drain (its heartbeats may not say so yet)
 
     @property
     def worker_id(self) -> str:
         return self.reg.worker_id
+
+    @property
+    def draining(self) -> bool:
+        """It takes no new requests: it drains (told by the router, or on SIGTERM)."""
+        return self.drain_sent or (self.load is not None and self.load.draining)
 
     @property
     def free_blocks(self) -> int:

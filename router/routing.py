@@ -144,7 +144,7 @@ class Routing:
         return [
             candidate(w, self.config, self.holders.pending(wid), self.prompt_rate(wid, now))
             for wid, w in self.registry.workers.items()
-            if w.load is None or not w.load.draining  # a draining worker takes no new requests
+            if not w.draining  # a draining worker takes no new requests
         ]
 
     def prompt_rate(self, worker_id: str, now: float) -> float:

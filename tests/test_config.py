@@ -24,6 +24,11 @@ def test_overrides_and_errors(tmp_path: Path) -> None:
         load_serve_config(bad, {})
     with pytest.raises(ValueError, match="both prefill and decode"):
         load_serve_config(None, {"prefill": 1, "colocated": 0})
+    with pytest.raises(ValueError, match="fixed control_port"):
+        load_serve_config(None, {"colocated": 0})
+    assert load_serve_config(None, {"colocated": 0, "control_port": 5557}).launch_plan() == []
+    with pytest.raises(ValueError, match="admin_key_sha256 must be 64 hex digits"):
+        load_serve_config(None, {"admin_key_sha256": "secret"})
     with pytest.raises(ValueError, match="max_batch_tokens"):
         WorkerConfig(kind="decode", max_batch_tokens=0)
     with pytest.raises(ValueError, match="kind"):

@@ -4,12 +4,15 @@ against the single-process reference."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import re
 import signal
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -311,10 +314,27 @@ def test_a_worker_killed_mid_stream_fails_over_token_exact(
         assert again[0] == reference.generate(prompt, SamplingParams(16, ignore_eos=True)).token_ids
 
 
-def test_sigterm_drains_a_worker_its_streams_finish_and_new_requests_go_elsewhere(
-    reference: ReferenceEngine,
+ADMIN_KEY = "admin-secret"
+
+
+def _post_status(url: str, headers: dict[str, str] | None = None) -> int:
+    req = urllib.request.Request(url, data=b"", method="POST", headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+@pytest.mark.parametrize("how", ["sigterm", "admin"])
+def test_a_draining_worker_finishes_its_streams_and_new_requests_go_elsewhere(
+    how: str, reference: ReferenceEngine, tmp_path: Path
 ) -> None:
-    flags = ("--prefill", "1", "--decode", "2", "--num-blocks", "256")
+    """SIGTERM to the worker, or the router's admin endpoint (which needs the admin key when one is
+    configured): its streams finish there, token-exact, it exits and is not restarted."""
+    config = tmp_path / "admin.toml"
+    config.write_text(f'[serve]\nadmin_key_sha256 = "{hashlib.sha256(ADMIN_KEY.encode()).hexdigest()}"\n')
+    flags = ("--config", str(config), "--prefill", "1", "--decode", "2", "--num-blocks", "256")
     with running_fabric("--model", "tiny", *flags) as url:
         workers = get_json(url + "/health")[1]["workers"]
         pid = next(w["pid"] for w in workers if w["id"] == "decode-0")
@@ -322,11 +342,19 @@ def test_sigterm_drains_a_worker_its_streams_finish_and_new_requests_go_elsewher
             {"prompt": [9 + i] * (10 + 5 * i), "max_tokens": 200, "temperature": 0, "ignore_eos": True}
             for i in range(4)
         ]
+        drain, key = url + "/admin/workers/decode-0/drain", {"Authorization": f"Bearer {ADMIN_KEY}"}
+        if how == "admin":
+            assert _post_status(drain) == 401
+            assert _post_status(drain, {"Authorization": "Bearer wrong"}) == 401
+            assert _post_status(url + "/admin/workers/nobody/drain", key) == 404
 
         async def run_all() -> list:
             tasks = [asyncio.create_task(_stream(url, b)) for b in bodies]
             await asyncio.sleep(0.3)
-            os.kill(pid, signal.SIGTERM)
+            if how == "sigterm":
+                os.kill(pid, signal.SIGTERM)
+            else:
+                assert await asyncio.to_thread(_post_status, drain, key) == 202
             return await asyncio.wait_for(asyncio.gather(*tasks), 120)
 
         results = asyncio.run(run_all())

@@ -1,5 +1,6 @@
-"""A router that restarts: workers that joined it from elsewhere reconnect, drop what the old router
-had them doing, register again and serve token-exact; none of their blocks stays taken."""
+"""The router's own life: stopping drains the requests in flight first; a router that restarts gets
+back the workers that joined it from elsewhere (they reconnect, drop what the old router had them
+doing, register again and serve token-exact; none of their blocks stays taken)."""
 
 from __future__ import annotations
 
@@ -91,3 +92,38 @@ def test_workers_reregister_with_a_restarted_router_and_serve_token_exact() -> N
             assert router.wait(timeout=20) == 0
         time.sleep(0.5)
         assert worker.poll() is None
+
+
+def test_stopping_the_server_lets_streams_in_flight_finish_and_refuses_new_requests() -> None:
+    prompt, n = [13] * 20, 3000  # long enough to be still running while the test looks around
+    with serve_process("--model", "tiny", "--colocated", "1", "--num-blocks", "256") as (router, url):
+        wait_healthy(url, router)
+
+        async def run() -> tuple[list[int], str | None, int, int]:
+            ids: list[int] = []
+            finish = None
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0,
+                    "ignore_eos": True, "stream": True, "return_token_ids": True}  # fmt: skip
+            async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json=body) as r:
+                async for line in r.content:
+                    if not line.startswith(b"data: {"):
+                        continue
+                    data = json.loads(line[6:])
+                    assert "error" not in data, data
+                    for choice in data["choices"]:
+                        ids += choice["token_ids"]
+                        finish = choice["finish_reason"] or finish
+                    if len(ids) == 5:  # the server is told to stop mid-stream
+                        router.send_signal(signal.SIGTERM)
+                        await asyncio.sleep(0.3)
+                        new = {"model": "tiny", "prompt": "x", "max_tokens": 2}
+                        async with s.post(url + "/v1/completions", json=new) as refused:
+                            status = refused.status
+                        async with s.get(url + "/health") as health:
+                            health_status = health.status
+            return ids, finish, status, health_status
+
+        ids, finish, status, health_status = asyncio.run(asyncio.wait_for(run(), 120))
+        assert (status, health_status) == (503, 503)
+        assert len(ids) == n and finish == "length"  # the stream in flight ran to its end
+        assert router.wait(timeout=30) == 0
