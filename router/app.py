@@ -45,6 +45,7 @@ class Event:
     token_ids: tuple[int, ...]  # the tokens this event covers
     finish_reason: str | None = None
     error: str = ""
+    status: int = 503  # of an error: what a non-streaming client gets
 
 
 def build_app(cfg: ServeConfig, dispatcher: Dispatcher, tokenizer: Tokenizer) -> web.Application:
@@ -162,12 +163,16 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
         max_tokens = _max_tokens(parsed, len(prompt_ids), app[DISPATCHER].registry.max_model_len)
         seed = parsed.seed if parsed.seed is not None else secrets.randbelow(2**63)
         request_id = api.new_id(chat)
+        header_timeout = api.timeout_seconds(request.headers.get("X-Request-Timeout"), "X-Request-Timeout")
+        timeouts = [t for t in (parsed.timeout_s, header_timeout) if t is not None]
+        deadline = arrival + min(timeouts) if timeouts else None
         stream = await app[DISPATCHER].submit(
             request_id,
             prompt_ids,
             parsed.sampling_params(max_tokens, seed),
             tuple(sorted(app[TOKENIZER].eos_token_ids)),
             resolved,
+            deadline,
         )
     except Rejected as err:
         metrics_.rejections.labels(err.reason).inc()
@@ -183,7 +188,9 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     try:
         detok = IncrementalDetokenizer(app[TOKENIZER], list(prompt_ids), stop=list(parsed.stop))
         times = TokenTimes()
-        events = _events(stream, detok, app[CONFIG].request_timeout_s, metrics_, model, arrival, times)
+        events = _events(
+            stream, detok, app[CONFIG].request_timeout_s, deadline, metrics_, model, arrival, times
+        )
         if parsed.stream:
 
             def report() -> dict[str, Any]:
@@ -243,20 +250,30 @@ async def _events(
     stream: RequestStream,
     detok: IncrementalDetokenizer,
     timeout_s: float,
+    deadline: float | None,
     metrics_: RouterMetrics,
     model: str,
     arrival: float,
     times: TokenTimes,
 ) -> AsyncIterator[Event]:
-    """The request's text in order, ending with exactly one event that carries a finish reason."""
+    """The request's text in order, ending with exactly one event that carries a finish reason. It
+    ends with an error when no delta comes for ``timeout_s`` or at the request's ``deadline``
+    (``time.monotonic()``); each such end counts as a lost request, by cause."""
     last = None
     while True:
+        left = deadline - time.monotonic() if deadline is not None else math.inf
         try:
-            delta = await asyncio.wait_for(stream.queue.get(), timeout_s)
+            delta = await asyncio.wait_for(stream.queue.get(), max(0.0, min(timeout_s, left)))
         except TimeoutError:
-            yield Event("", (), "error", f"no progress for {timeout_s:.0f}s")
+            if left < timeout_s:
+                metrics_.lost.labels("deadline").inc()
+                yield Event("", (), "error", f"the request's deadline ({deadline - arrival:g}s) passed", 504)
+            else:
+                metrics_.lost.labels("no_progress").inc()
+                yield Event("", (), "error", f"no progress for {timeout_s:.0f}s")
             return
         if delta.finish_reason in ("error", "abort"):
+            metrics_.lost.labels("worker_failed").inc()
             yield Event("", (), delta.finish_reason, delta.error or "aborted by a worker")
             return
         if delta.token_ids:
@@ -336,7 +353,8 @@ async def _collect(
     async for event in events:
         token_ids.extend(event.token_ids)
         if event.finish_reason in ("error", "abort"):
-            return error_response(api.ApiError(503, event.error, kind="server_error")), event.finish_reason
+            failed = api.ApiError(event.status, event.error, kind="server_error")
+            return error_response(failed), event.finish_reason
         parts.append(event.text)
         if event.finish_reason is not None:
             body = api.full_response(

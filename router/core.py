@@ -17,10 +17,11 @@ and act on the effects it returns; neither keeps decisions of its own. A request
    reason.
 4. Failover: when a worker holding a started request dies (``worker_gone``) or reports an error (a
    failed KV transfer included), the request moves to healthy workers, at most ``max_failovers``
-   times: the workers of the failed attempt get ``Abort``, and the new attempt prefills the prompt
-   plus every token already delivered, asks for the remaining tokens only, and samples them with
-   ``SamplingParams.output_offset`` so that a seeded or greedy request continues exactly as it would
-   have (``FailedOver`` says so; the client sees no gap and no duplicate). Each attempt has its own
+   times and only before its deadline: the workers of the failed attempt get ``Abort``, and the new
+   attempt prefills the prompt plus every token already delivered, asks for the remaining tokens
+   only, and samples them with ``SamplingParams.output_offset`` so that a seeded or greedy request
+   continues exactly as it would have (``FailedOver`` says so; the client sees no gap and no
+   duplicate). Each attempt has its own
    id on the wire (``rid``, ``rid~1``, ...), so a late message from a failed attempt is ignored. With
    no attempt left, or no worker able to take it, one error delta is delivered.
 5. ``end`` forgets the request (its client's handler is done with it: finished, gone, timed out);
@@ -35,6 +36,7 @@ deadline, a reservation's timeout). Times are the ``clock`` given (seconds).
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -132,6 +134,7 @@ class _Request:
     prompt_ids: tuple[int, ...]  # the client's prompt
     params: SamplingParams  # the client's parameters
     eos: tuple[int, ...]
+    deadline: float | None = None  # the client's bound on the whole request (None: none), on the clock
     wire_id: str = field(init=False)  # the current attempt's id on the wire
     run_prompt: tuple[int, ...] = field(init=False)  # what the current attempt prefills (prompt + tokens out)
     run_params: SamplingParams = field(init=False)  # the current attempt's (remaining tokens, offset)
@@ -195,14 +198,21 @@ class RouterCore:
         tenant: str,
         slo_class: str,
         budgets: Budgets,
+        deadline: float | None = None,
     ) -> list[Effect]:
-        """A new request: ``Started`` or ``Refused`` now, or later from ``poll`` or a worker's reply."""
+        """A new request: ``Started`` or ``Refused`` now, or later from ``poll`` or a worker's reply.
+        With a ``deadline`` (on the clock) its first token must come before it (the TTFT budget is
+        cut to fit), and a failover after it ends the request instead (the driver ends it at the
+        deadline itself)."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already in the router")
         if not has_route(self.registry):
             return [Refused(request_id, 503, "no worker can serve this request now")]
-        ticket = Ticket(request_id, tenant, slo_class, budgets, len(prompt_ids), self.clock())
-        req = _Request(ticket, prompt_ids, params, eos_token_ids)
+        now = self.clock()
+        if deadline is not None:
+            budgets = replace(budgets, ttft_ms=max(1e-3, min(budgets.ttft_ms, (deadline - now) * 1e3)))
+        ticket = Ticket(request_id, tenant, slo_class, budgets, len(prompt_ids), now)
+        req = _Request(ticket, prompt_ids, params, eos_token_ids, deadline)
         self._requests[request_id] = self._wire[request_id] = req
         out: list[Effect] = []
         self._settle(self.routing.queue.arrive(ticket, ticket.arrived, self.routing.fit), out)
@@ -452,6 +462,10 @@ class RouterCore:
             tried = f" (after {req.failovers} failovers)" if req.failovers else " (failover is off)"
             self._fail(req, message + tried, out)
             return
+        left_s = req.deadline - self.clock() if req.deadline is not None else math.inf
+        if left_s <= 0:
+            self._fail(req, message + " (and the request's deadline has passed)", out)
+            return
         self._drop_attempt(req, "moved to another worker", out)
         n = len(req.output)
         remaining = req.params.max_tokens - n
@@ -467,7 +481,7 @@ class RouterCore:
         req.base, req.pending = n, {}  # early deltas of the failed attempt will come again
         out.append(FailedOver(req.request_id, cause, worker_id, message, n))
         ticket = replace(req.ticket, request_id=req.wire_id, prompt_len=len(req.run_prompt))
-        ranking = self.routing.fit(ticket, _ANY)
+        ranking = self.routing.fit(ticket, replace(_ANY, ttft_ms=min(_ANY.ttft_ms, left_s * 1e3)))
         req.choices, req.tried = ranking.choices, 0
         req.reasons = [message] if ranking.fits else [message, f"no route fits it ({ranking.reason})"]
         self._try_next(req, out)

@@ -110,10 +110,12 @@ class Dispatcher:
         params: SamplingParams,
         eos_token_ids: tuple[int, ...],
         resolved: Resolved,
+        deadline: float | None = None,
     ) -> RequestStream:
-        """Starts the request on a route that meets its budgets (``resolved``). Raises ``Rejected``
-        (429) when admission control turns it away and ``ApiError`` (503) when no worker can take it.
-        Its TTFT budget counts from here."""
+        """Starts the request on a route that meets its budgets (``resolved``) and its ``deadline``
+        (``time.monotonic()`` seconds; None: none). Raises ``Rejected`` (429) when admission control
+        turns it away and ``ApiError`` (503) when no worker can take it. Its TTFT budget counts from
+        here."""
         stream = RequestStream(request_id, len(prompt_ids))
         stream.started = asyncio.get_running_loop().create_future()
         self.streams[request_id] = stream
@@ -127,6 +129,7 @@ class Dispatcher:
                     resolved.tenant.name,
                     resolved.slo_class.name,
                     resolved.budgets,
+                    deadline,
                 )  # fmt: skip
             )
             await stream.started

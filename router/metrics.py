@@ -146,6 +146,13 @@ class RouterMetrics:
             ["cause"],
             registry=r,
         )
+        self.lost = Counter(
+            "pdfabric_requests_lost",
+            "Accepted requests that ended with an error, by cause: worker_failed (no failover left or no "
+            "worker to take it), no_progress (request_timeout_s), deadline (the request's own timeout)",
+            ["cause"],
+            registry=r,
+        )
         r.register(_WorkerGauges(registry))
         if waiting is not None:
             r.register(_Waiting(waiting))

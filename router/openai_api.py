@@ -14,6 +14,7 @@ from typing import Any
 from pdfabric.engine.sampling_params import SamplingParams
 
 MAX_STOP_STRINGS = 16
+MAX_TIMEOUT_S = 86_400.0  # a request's own deadline, at most a day
 
 
 class ApiError(Exception):
@@ -62,6 +63,7 @@ class ParsedRequest:
     include_usage: bool
     logprobs: int
     return_token_ids: bool = False  # extension: each choice also carries the generated token ids
+    timeout_s: float | None = None  # extension: the whole request's deadline, seconds from arrival
 
     def sampling_params(self, max_tokens: int, seed: int) -> SamplingParams:
         return SamplingParams(
@@ -152,7 +154,22 @@ def parse_request(body: Any, chat: bool, served_models: tuple[str, ...], vocab_s
         include_usage=include_usage,
         logprobs=logprobs,
         return_token_ids=_typed(body, "return_token_ids", bool, False),
+        timeout_s=timeout_seconds(_typed(body, "timeout", (int, float), None), "timeout"),
     )
+
+
+def timeout_seconds(value: float | str | None, param: str) -> float | None:
+    """A request's ``timeout`` (body field) or ``X-Request-Timeout`` (header): seconds in
+    (0, 86400]; None when not given."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise bad(f"'{param}' must be a number of seconds, got {value!r}", param) from None
+    if not 0 < seconds <= MAX_TIMEOUT_S:
+        raise bad(f"'{param}' must be in (0, {MAX_TIMEOUT_S:g}] seconds, got {value}", param)
+    return seconds
 
 
 def _prompt(body: dict[str, Any], vocab_size: int) -> tuple[str | None, tuple[int, ...] | None]:

@@ -200,6 +200,9 @@ def test_openai_client_chat_and_completions(fabric: str) -> None:
         ({"model": "tiny", "prompt": "x", "stream": "yes"}, "stream"),
         ({"model": "tiny", "prompt": "x", "n": 2}, "n"),
         ({"model": "tiny", "prompt": [1] * 5000}, "prompt"),
+        ({"model": "tiny", "prompt": "x", "timeout": 0}, "timeout"),
+        ({"model": "tiny", "prompt": "x", "timeout": "soon"}, "timeout"),
+        ({"model": "tiny", "prompt": "x", "timeout": 1e9}, "timeout"),
     ],
 )
 def test_bad_input_is_a_400_naming_the_field(fabric: str, body: dict, field: str) -> None:
@@ -225,6 +228,35 @@ def test_malformed_json_and_bad_chat(fabric: str) -> None:
         post("/v1/chat/completions", json.dumps({"model": "tiny", "messages": []}).encode())
     )
     assert status == 400 and data["error"]["param"] == "messages"
+
+
+def test_a_request_deadline_ends_it_in_time_and_frees_its_blocks(fabric: str) -> None:
+    """``timeout`` in the body or ``X-Request-Timeout``: the request ends with an error at its deadline
+    (streaming: an error event; otherwise 504), every worker drops it, and it counts as lost."""
+    long = {"model": "tiny", "prompt": [3] * 60, "max_tokens": 3000, "ignore_eos": True}
+
+    async def run() -> tuple[str, float, int, dict, int]:
+        async with aiohttp.ClientSession() as s:
+            start = time.monotonic()
+            error = ""
+            async with s.post(fabric + "/v1/completions", json={**long, "stream": True, "timeout": 0.5}) as r:
+                async for line in r.content:
+                    if line.startswith(b'data: {"error"'):
+                        error = json.loads(line[6:])["error"]["message"]
+            took = time.monotonic() - start
+            url = fabric + "/v1/completions"
+            async with s.post(url, json=long, headers={"X-Request-Timeout": "0.4"}) as r:
+                status, body = r.status, await r.json()
+            async with s.post(url, json=long, headers={"X-Request-Timeout": "-1"}) as r:
+                bad_header = r.status
+        return error, took, status, body, bad_header
+
+    error, took, status, body, bad_header = asyncio.run(asyncio.wait_for(run(), 60))
+    assert "deadline (0.5s) passed" in error and took < 5, (error, took)
+    assert status == 504 and "deadline (0.4s) passed" in body["error"]["message"]
+    assert bad_header == 400
+    assert metric_values(fabric, "pdfabric_requests_lost_total").get('{cause="deadline"}', 0) >= 2
+    wait_blocks_free(fabric)
 
 
 def test_client_disconnect_frees_blocks(fabric: str) -> None:
