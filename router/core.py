@@ -26,7 +26,8 @@ and act on the effects it returns; neither keeps decisions of its own. A request
    no attempt left, or no worker able to take it, one error delta is delivered.
 5. ``end`` forgets the request (its client's handler is done with it: finished, gone, timed out);
    every worker still holding it is sent ``Abort`` so that its blocks come back. ``holders.Holders``
-   is the one record of which workers hold it.
+   is the one record of which workers hold it; ``request.RouterRequest`` keeps the rest (its output
+   so far, its order, its attempts).
 
 Admission is re-polled whenever load changes (heartbeats, hand-offs, finished requests, workers
 joining or leaving); the driver also calls ``poll`` at ``next_deadline()`` (a waiting request's
@@ -39,7 +40,7 @@ import heapq
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from pdfabric.control import (
     Abort,
@@ -59,6 +60,7 @@ from pdfabric.engine.sampling_params import SamplingParams
 from pdfabric.router.admission import ADMIT, REJECT, Outcome, Ticket
 from pdfabric.router.holders import Holders
 from pdfabric.router.registry import Registry, has_route
+from pdfabric.router.request import RouterRequest
 from pdfabric.router.routes import Budgets, Choice, PredictorConfig
 from pdfabric.router.routing import Routing, route_of
 from pdfabric.router.slo import AdmissionConfig
@@ -128,36 +130,6 @@ WORKER_GONE, ERROR = "worker_gone", "error"  # failover causes
 _ANY = Budgets(3_600_000.0, 3_600_000.0)  # a failover takes any route that can hold it
 
 
-@dataclass(eq=False)
-class _Request:
-    ticket: Ticket
-    prompt_ids: tuple[int, ...]  # the client's prompt
-    params: SamplingParams  # the client's parameters
-    eos: tuple[int, ...]
-    deadline: float | None = None  # the client's bound on the whole request (None: none), on the clock
-    wire_id: str = field(init=False)  # the current attempt's id on the wire
-    run_prompt: tuple[int, ...] = field(init=False)  # what the current attempt prefills (prompt + tokens out)
-    run_params: SamplingParams = field(init=False)  # the current attempt's (remaining tokens, offset)
-    failovers: int = 0
-    base: int = 0  # the output index the current attempt's tokens start at
-    output: list[int] = field(default_factory=list)  # token ids delivered, in order
-    choices: tuple[Choice, ...] = ()
-    tried: int = 0  # routes tried so far
-    waited_ms: float = 0.0
-    reasons: list[str] = field(default_factory=list)  # why each route tried did not take it
-    started: bool = False
-    finished: bool = False  # its last delta is out
-    next_index: int = 0  # the output index delivered next
-    pending: dict[int, TokenDelta] = field(default_factory=dict)  # deltas that came early
-
-    def __post_init__(self) -> None:
-        self.wire_id, self.run_prompt, self.run_params = self.request_id, self.prompt_ids, self.params
-
-    @property
-    def request_id(self) -> str:
-        return self.ticket.request_id
-
-
 class RouterCore:
     """Requests, workers and admission for one router. Every method returns the effects to carry out,
     in order."""
@@ -176,8 +148,8 @@ class RouterCore:
         self.clock = clock
         self.reserve_timeout_s = reserve_timeout_s
         self.max_failovers = max_failovers
-        self._requests: dict[str, _Request] = {}
-        self._wire: dict[str, _Request] = {}  # every attempt's wire id -> its request
+        self._requests: dict[str, RouterRequest] = {}
+        self._wire: dict[str, RouterRequest] = {}  # every attempt's wire id -> its request
         self._timeouts: list[tuple[float, str, str]] = []  # (deadline, wire id, decode worker id)
 
     def __contains__(self, request_id: str) -> bool:
@@ -212,7 +184,7 @@ class RouterCore:
         if deadline is not None:
             budgets = replace(budgets, ttft_ms=max(1e-3, min(budgets.ttft_ms, (deadline - now) * 1e3)))
         ticket = Ticket(request_id, tenant, slo_class, budgets, len(prompt_ids), now)
-        req = _Request(ticket, prompt_ids, params, eos_token_ids, deadline)
+        req = RouterRequest(ticket, prompt_ids, params, eos_token_ids, deadline)
         self._requests[request_id] = self._wire[request_id] = req
         out: list[Effect] = []
         self._settle(self.routing.queue.arrive(ticket, ticket.arrived, self.routing.fit), out)
@@ -332,7 +304,7 @@ class RouterCore:
                 self._forget(req)
                 out.append(Refused(req.request_id, 429, outcome.reason, outcome))
 
-    def _try_next(self, req: _Request, out: list[Effect]) -> None:
+    def _try_next(self, req: RouterRequest, out: list[Effect]) -> None:
         """Starts the request on its next route that exists: at once if colocated, else after the
         decode worker's reservation reply. Refuses it (503) when no route is left."""
         rid, prompt, params = req.wire_id, req.run_prompt, req.run_params
@@ -386,7 +358,7 @@ class RouterCore:
         out.append(Send(choice.prefill, prefill))
         self._started(req, choice, f"{choice.prefill}->{decode_id}", out)
 
-    def _started(self, req: _Request, choice: Choice, route: str, out: list[Effect]) -> None:
+    def _started(self, req: RouterRequest, choice: Choice, route: str, out: list[Effect]) -> None:
         self.routing.routed(req.wire_id, len(req.run_prompt), choice)
         if not req.started:  # a failover's new route goes unannounced: the stream just goes on
             req.started = True
@@ -414,46 +386,30 @@ class RouterCore:
         else:
             self._deliver(req, delta, out)
 
-    def _deliver(self, req: _Request, delta: TokenDelta, out: list[Effect]) -> None:
-        if req.finished:
-            return
-        if delta.finish_reason in ("error", "abort"):  # failures jump the queue
-            req.finished = True
-            out.append(Deliver(req.request_id, delta))
-            return
-        req.pending[delta.index] = delta
-        while req.next_index in req.pending:
-            d = req.pending.pop(req.next_index)
-            req.next_index += len(d.token_ids)
-            req.output.extend(d.token_ids)
-            out.append(Deliver(req.request_id, d))
-            if d.finish_reason is not None:
-                req.finished = True
-                req.pending.clear()
-                break
-            if not d.token_ids:
-                break
+    def _deliver(self, req: RouterRequest, delta: TokenDelta, out: list[Effect]) -> None:
+        out += [Deliver(req.request_id, d) for d in req.accept(delta)]
 
-    def _current(self, wire_id: str) -> _Request | None:
+    def _current(self, wire_id: str) -> RouterRequest | None:
         """The live request whose current attempt is ``wire_id`` (None: ended, or a failed attempt)."""
         req = self._wire.get(wire_id)
         return req if req is not None and req.wire_id == wire_id else None
 
-    def _forget(self, req: _Request) -> None:
+    def _forget(self, req: RouterRequest) -> None:
         """Drops the request and every attempt's wire id."""
         self._requests.pop(req.request_id, None)
-        self._wire.pop(req.request_id, None)
-        for k in range(1, req.failovers + 1):
-            self._wire.pop(f"{req.request_id}~{k}", None)
+        for wire_id in req.wire_ids():
+            self._wire.pop(wire_id, None)
 
-    def _drop_attempt(self, req: _Request, abort_reason: str | None, out: list[Effect]) -> None:
+    def _drop_attempt(self, req: RouterRequest, abort_reason: str | None, out: list[Effect]) -> None:
         """Lets go of the current attempt everywhere; its workers still holding it get an ``Abort``."""
         self.routing.forget(req.wire_id)
         for worker_id in self.holders.end(req.wire_id):
             if abort_reason is not None and worker_id in self.registry.workers:
                 out.append(Send(worker_id, Abort(req.wire_id, abort_reason)))
 
-    def _failover(self, req: _Request, cause: str, worker_id: str, message: str, out: list[Effect]) -> None:
+    def _failover(
+        self, req: RouterRequest, cause: str, worker_id: str, message: str, out: list[Effect]
+    ) -> None:
         """Moves a started request off a failed attempt onto other workers, or ends it with the error
         when it has no failover left."""
         if req.finished:
@@ -467,24 +423,16 @@ class RouterCore:
             self._fail(req, message + " (and the request's deadline has passed)", out)
             return
         self._drop_attempt(req, "moved to another worker", out)
-        n = len(req.output)
-        remaining = req.params.max_tokens - n
-        if remaining < 1:  # every token is out; only the finish was lost
-            self._deliver(req, TokenDelta(req.request_id, n, (), (), "length"), out)
+        if not req.resume():  # every token is out; only the finish was lost
+            self._deliver(req, TokenDelta(req.request_id, len(req.output), (), (), "length"), out)
             return
-        req.failovers += 1
-        req.wire_id = f"{req.request_id}~{req.failovers}"
         self._wire[req.wire_id] = req
-        req.run_prompt = req.prompt_ids + tuple(req.output)
-        offset = req.params.output_offset + n
-        req.run_params = replace(req.params, max_tokens=remaining, output_offset=offset)
-        req.base, req.pending = n, {}  # early deltas of the failed attempt will come again
-        out.append(FailedOver(req.request_id, cause, worker_id, message, n))
+        out.append(FailedOver(req.request_id, cause, worker_id, message, req.base))
         ticket = replace(req.ticket, request_id=req.wire_id, prompt_len=len(req.run_prompt))
         ranking = self.routing.fit(ticket, replace(_ANY, ttft_ms=min(_ANY.ttft_ms, left_s * 1e3)))
-        req.choices, req.tried = ranking.choices, 0
+        req.choices = ranking.choices
         req.reasons = [message] if ranking.fits else [message, f"no route fits it ({ranking.reason})"]
         self._try_next(req, out)
 
-    def _fail(self, req: _Request, message: str, out: list[Effect]) -> None:
+    def _fail(self, req: RouterRequest, message: str, out: list[Effect]) -> None:
         self._deliver(req, TokenDelta(req.request_id, req.next_index, (), (), "error", message), out)
