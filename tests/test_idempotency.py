@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from pdfabric.config import ServeConfig, load_serve_config
 from pdfabric.router.idempotency import HEADER, IdempotencyStore, Reply, check_key, fingerprint
 from pdfabric.router.openai_api import ApiError
 
@@ -207,3 +209,18 @@ def test_the_fingerprint_ignores_key_order_but_not_values() -> None:
     assert fingerprint(a) == fingerprint(dict(reversed(a.items())))
     assert fingerprint(a) != fingerprint({**a, "max_tokens": 5})
 
+
+def test_settings_are_checked_and_a_zero_ttl_turns_the_store_off(tmp_path: Path) -> None:
+    assert not IdempotencyStore(0, 1).enabled and IdempotencyStore(1, 1).enabled
+    for bad in (
+        {"idempotency_ttl_s": -1.0},
+        {"idempotency_ttl_s": float("nan")},
+        {"idempotency_max_entries": 0},
+    ):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            ServeConfig(**bad)
+    config = tmp_path / "idem.toml"
+    config.write_text("[serve]\nidempotency_ttl_s = 30\nidempotency_max_entries = 5\n")
+    cfg = load_serve_config(config, {})
+    assert (cfg.idempotency_ttl_s, cfg.idempotency_max_entries) == (30, 5)
+    assert (ServeConfig().idempotency_ttl_s, ServeConfig().idempotency_max_entries) == (600.0, 10000)
