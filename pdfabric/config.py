@@ -168,6 +168,8 @@ class ServeConfig:
     shutdown_drain_s: float = 30.0  # on SIGTERM / Ctrl-C: requests in flight get this long to finish
     admin_key_sha256: str = ""  # hex SHA-256 of the key admin endpoints require ("": no key needed)
     served_model_name: str = ""  # the name clients use; default: the model argument
+    idempotency_ttl_s: float = 600.0  # how long a response is replayed to its Idempotency-Key (0: off)
+    idempotency_max_entries: int = 10000  # responses kept for replay; past that the oldest is forgotten
     groups: tuple[WorkerGroup, ...] = ()  # [[workers]]: more workers, with settings of their own
     routing: AdmissionConfig = field(default_factory=AdmissionConfig)  # [routing]: budgets, pools, queue
     predictor: PredictorConfig = field(default_factory=PredictorConfig)  # [routing] prediction settings
@@ -194,6 +196,12 @@ class ServeConfig:
         key = self.admin_key_sha256
         if key and (len(key) != 64 or any(c not in "0123456789abcdef" for c in key.lower())):
             raise ValueError("admin_key_sha256 must be 64 hex digits (printf %s KEY | sha256sum)")
+        if not self.idempotency_ttl_s >= 0:
+            raise ValueError(f"idempotency_ttl_s must be >= 0, got {self.idempotency_ttl_s}")
+        if self.idempotency_max_entries < 1:
+            raise ValueError(
+                f"idempotency_max_entries must be at least 1, got {self.idempotency_max_entries}"
+            )
 
     @property
     def model_name(self) -> str:

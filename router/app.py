@@ -24,6 +24,7 @@ from pdfabric.config import ServeConfig
 from pdfabric.control import HandedOff
 from pdfabric.engine.detokenizer import IncrementalDetokenizer
 from pdfabric.engine.tokenizer import Tokenizer
+from pdfabric.router import idempotency as idem
 from pdfabric.router import openai_api as api
 from pdfabric.router.admin import LIFECYCLE, add_admin
 from pdfabric.router.breakdown import TokenTimes, breakdown
@@ -37,6 +38,7 @@ CONFIG = web.AppKey("config", ServeConfig)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 TOKENIZER = web.AppKey("tokenizer", Tokenizer)
 METRICS = web.AppKey("metrics", RouterMetrics)
+IDEMPOTENCY = web.AppKey("idempotency", idem.IdempotencyStore)
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class Event:
 def build_app(cfg: ServeConfig, dispatcher: Dispatcher, tokenizer: Tokenizer) -> web.Application:
     app = web.Application(client_max_size=16 * 2**20)
     app[CONFIG], app[DISPATCHER], app[TOKENIZER] = cfg, dispatcher, tokenizer
+    app[IDEMPOTENCY] = idem.IdempotencyStore(cfg.idempotency_ttl_s, cfg.idempotency_max_entries)
     app[METRICS] = metrics_ = RouterMetrics(
         dispatcher.registry,
         lambda: len(dispatcher.routing.queue),
@@ -84,11 +87,44 @@ def error_response(err: api.ApiError) -> web.Response:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _serve(request, chat=False)
+    return await _once(request, chat=False)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _serve(request, chat=True)
+    return await _once(request, chat=True)
+
+
+async def _once(request: web.Request, chat: bool) -> web.StreamResponse:
+    """``_serve``, at most once per ``Idempotency-Key`` of a non-streaming request: a duplicate gets
+    the first one's response with ``Idempotent-Replayed: true`` (router/idempotency.py)."""
+    store, key = request.app[IDEMPOTENCY], request.headers.get(idem.HEADER)
+    if key is None or not store.enabled:
+        return await _serve(request, chat)
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return await _serve(request, chat)  # which answers the 400
+    if isinstance(body, dict) and body.get("stream") is True:
+        return await _serve(request, chat)  # a stream is never replayed: the header is ignored
+
+    async def compute() -> idem.Reply:
+        response = await _serve(request, chat)
+        if not isinstance(response, web.Response) or not isinstance(response.body, bytes):
+            raise TypeError("a non-streaming request was answered with a stream")
+        return idem.Reply(response.status, response.body, tuple(response.headers.items()))
+
+    scope = (request.headers.get("X-Tenant", "default"), request.path, key)
+    try:
+        idem.check_key(key)
+        reply, replayed = await store.run(scope, idem.fingerprint(body), compute)
+    except api.ApiError as err:
+        request.app[METRICS].rejections.labels("invalid").inc()
+        return error_response(err)
+    headers = list(reply.headers)
+    if replayed:
+        request.app[METRICS].idempotent_replays.inc()
+        headers.append((idem.REPLAYED_HEADER, "true"))
+    return web.Response(status=reply.status, body=reply.body, headers=headers)
 
 
 async def models(request: web.Request) -> web.Response:

@@ -153,6 +153,11 @@ class RouterMetrics:
             ["cause"],
             registry=r,
         )
+        self.idempotent_replays = Counter(
+            "pdfabric_idempotent_replays",
+            "Responses answered from an earlier request with the same Idempotency-Key, not computed",
+            registry=r,
+        )
         r.register(_WorkerGauges(registry))
         if waiting is not None:
             r.register(_Waiting(waiting))

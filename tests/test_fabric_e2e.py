@@ -13,6 +13,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,11 +41,13 @@ def reference() -> ReferenceEngine:
     return ReferenceEngine("tiny")
 
 
-async def _stream(url: str, body: dict) -> tuple[list[int], str, str | None, dict | None]:
+async def _stream(
+    url: str, body: dict, headers: dict[str, str] | None = None
+) -> tuple[list[int], str, str | None, dict | None]:
     """(token ids, text, finish reason, usage) of one streamed completion."""
     ids, text, finish, usage = [], "", None, None
     body = {"model": "tiny", "stream": True, "return_token_ids": True, **body}
-    async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json=body) as r:
+    async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json=body, headers=headers) as r:
         assert r.status == 200, await r.text()
         async for line in r.content:
             if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
@@ -257,6 +260,48 @@ def test_a_request_deadline_ends_it_in_time_and_frees_its_blocks(fabric: str) ->
     assert bad_header == 400
     assert metric_values(fabric, "pdfabric_requests_lost_total").get('{cause="deadline"}', 0) >= 2
     wait_blocks_free(fabric)
+
+
+def test_an_idempotency_key_replays_a_sampled_completion_computed_once(fabric: str) -> None:
+    """Unseeded sampling at temperature 1 draws new tokens (and the response a new id) every time it
+    runs, so a retry under the same key that gets the same body, with the generated tokens counted
+    once, was replayed, not computed again."""
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 24, "temperature": 1,
+            "ignore_eos": True}  # fmt: skip
+
+    async def post(key: str, payload: dict = body) -> tuple[int, bytes, str | None]:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s,
+            s.post(fabric + "/v1/completions", json=payload, headers={"Idempotency-Key": key}) as r,
+        ):
+            return r.status, await r.read(), r.headers.get("Idempotent-Replayed")
+
+    async def twice_at_once(key: str) -> list[tuple[int, bytes, str | None]]:
+        return await asyncio.gather(post(key), post(key))
+
+    def total(name: str) -> float:
+        return sum(metric_values(fabric, name).values())
+
+    generated, replays = total("pdfabric_generation_tokens_total"), total("pdfabric_idempotent_replays_total")
+    key = f"retry-{uuid.uuid4()}"
+    status, first, replayed = asyncio.run(post(key))
+    assert status == 200 and replayed is None, first
+    assert asyncio.run(post(key)) == (200, first, "true")
+    assert total("pdfabric_generation_tokens_total") == generated + 24
+    # Sent together, one computes and the other waits for its response.
+    a, b = asyncio.run(twice_at_once(f"together-{uuid.uuid4()}"))
+    assert a[:2] == b[:2] and a[0] == 200 and {a[2], b[2]} == {None, "true"}
+    assert json.loads(a[1])["id"] != json.loads(first)["id"]
+    assert total("pdfabric_generation_tokens_total") == generated + 48
+    assert total("pdfabric_idempotent_replays_total") == replays + 2
+    # The key with another body is a 422; an empty or over-long key a 400; both name the header.
+    for other_key, payload, want in [(key, {**body, "max_tokens": 5}, 422), ("", body, 400),
+                                     ("k" * 256, body, 400)]:  # fmt: skip
+        status, data, _ = asyncio.run(post(other_key, payload))
+        assert status == want and json.loads(data)["error"]["param"] == "Idempotency-Key", data
+    # A stream ignores the header: it is computed, under a key held by another body.
+    ids, _, finish, _ = asyncio.run(_stream(fabric, {**body, "max_tokens": 3}, {"Idempotency-Key": key}))
+    assert len(ids) == 3 and finish == "length"
 
 
 def test_client_disconnect_frees_blocks(fabric: str) -> None:
