@@ -38,6 +38,7 @@ def sim_config(
         core = CoreSpec(
             worker_id, w.kind, num_blocks, w.block_size, min(pf.max_model_len, num_blocks * w.block_size),
             w.max_running, w.max_batch_tokens, pf.kv_bytes_per_token, w.heartbeat_s, w.pool, pf.model,
+            prefix_caching=w.prefix_caching,
         )  # fmt: skip
         workers.append(SimWorker(core, pf.profile, rate))
     return SimConfig(tuple(workers), serve.routing, serve.predictor)

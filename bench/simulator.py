@@ -57,7 +57,7 @@ from typing import Any
 from pdfabric.bench.records import ERROR, OK, REJECTED, TIMEOUT, RequestRecord
 from pdfabric.bench.sim_link import SimLink
 from pdfabric.bench.sim_worker import SimulatedWorker
-from pdfabric.bench.workload import Request, Workload
+from pdfabric.bench.workload import PREFIX_BLOCK_TOKENS, Request, Workload
 from pdfabric.control import COLOCATED, DECODE, KINDS, PREFILL, TokenDelta
 from pdfabric.core import CoreSpec
 from pdfabric.engine.sampling_params import SamplingParams
@@ -67,15 +67,21 @@ from pdfabric.router.routes import PredictorConfig
 from pdfabric.router.slo import AdmissionConfig, resolve
 
 Progress = Callable[[int, int], None]  # (requests finished, requests in all)
-_PROMPTS: dict[int, tuple[int, ...]] = {}
 
 
-def _prompt(n: int) -> tuple[int, ...]:
-    """A prompt of ``n`` tokens (the ids do not matter to the scheduler; one tuple per length)."""
-    ids = _PROMPTS.get(n)
-    if ids is None:
-        ids = _PROMPTS[n] = (0,) * n
-    return ids
+def _prompt(r: Request) -> tuple[int, ...]:
+    """Stand-in token ids for ``r``'s prompt that share a prefix with another request's exactly when
+    the real prompts would, so that the workers' prefix caches hit as they would: block by
+    ``PREFIX_BLOCK_TOKENS``-token block along ``hash_ids`` (Mooncake traces), otherwise never (the
+    request's own index leads)."""
+    if not r.hash_ids:
+        return (-1 - r.index,) + (0,) * (r.input_len - 1)
+    ids: list[int] = []
+    for h in r.hash_ids:
+        ids += [h] * PREFIX_BLOCK_TOKENS
+    if len(ids) < r.input_len:  # more tokens than named blocks: the rest is the request's own
+        ids += [-1 - r.index] * (r.input_len - len(ids))
+    return tuple(ids[: r.input_len])
 
 
 @dataclass(frozen=True)
@@ -216,7 +222,7 @@ class Simulation:
         if r.input_len >= limit or r.output_len > limit - r.input_len:  # the router's 400
             self._end(req, ERROR, 400, f"prompt and output exceed the {limit}-token context window")
             return
-        prompt = _prompt(r.input_len)
+        prompt = _prompt(r)
         self._apply(self.router.submit(rid, prompt, req.params, (), self._tenant, self._class, self._budgets))
 
     def receive(self, msg: object) -> None:

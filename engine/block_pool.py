@@ -4,12 +4,20 @@ Blocks are reference counted so that a block can be shared (a cached prefix) and
 list only when its last holder lets go. Allocation is check-then-commit: ``can_allocate`` has no side
 effects and running out of blocks is a normal ``None``, not an exception. No torch here: tensors live
 in ``kv_cache.py``.
+
+Prefix cache: a full block whose KV is computed can be recorded (``cache``) under the chained hash of
+its tokens (``chain_hashes``: each block's hash covers every token before it, salted by the model).
+A cached block whose last holder lets go is not wiped: it waits, least recently used first, until
+either a new sequence with the same prefix takes it again (``lookup`` then ``acquire``) or the free
+list runs dry and ``allocate`` reuses it for something else. Such blocks count as free.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Hashable, Iterable
+import hashlib
+import struct
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Iterable, Sequence
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -17,8 +25,24 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def chain_hashes(
+    tokens: Sequence[int], block_size: int, salt: bytes, prev: Sequence[bytes] = ()
+) -> list[bytes]:
+    """``prev`` extended by the prefix hash of each full block of ``tokens``, the tokens that follow
+    the ``len(prev)`` blocks already hashed. Block i's hash covers every token up to its end and
+    ``salt`` (model and version), so equal hashes mean equal KV."""
+    out = list(prev)
+    last = out[-1] if out else salt
+    for i in range(len(tokens) // block_size):
+        block = tokens[i * block_size : (i + 1) * block_size]
+        last = hashlib.blake2b(last + struct.pack(f"<{block_size}q", *block), digest_size=16).digest()
+        out.append(last)
+    return out
+
+
 class BlockPool:
-    """A free list of block ids ``0 .. num_blocks - 1`` with reference counts."""
+    """A free list of block ids ``0 .. num_blocks - 1`` with reference counts, and the prefix cache
+    over them."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks <= 0 or block_size <= 0:
@@ -27,22 +51,65 @@ class BlockPool:
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
         self._refs = [0] * num_blocks
+        self._hash_of: dict[int, bytes] = {}  # cached block -> its prefix hash
+        self._block_of: dict[bytes, int] = {}  # prefix hash -> the block holding that KV
+        self._idle: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody holds, oldest first
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks ``allocate`` can hand out: free ones and cached ones nobody holds."""
+        return len(self._free) + len(self._idle)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks recorded in the prefix cache (held or not)."""
+        return len(self._hash_of)
 
     def can_allocate(self, n: int) -> bool:
-        return 0 <= n <= len(self._free)
+        return 0 <= n <= self.num_free
 
     def allocate(self, n: int) -> list[int] | None:
-        """``n`` fresh blocks with one reference each, or ``None`` if the pool cannot supply them."""
+        """``n`` fresh blocks with one reference each, or ``None`` if the pool cannot supply them.
+        Free blocks go first; then cached blocks nobody holds, least recently used first (their
+        cache entries are dropped)."""
         if not self.can_allocate(n):
             return None
-        blocks = [self._free.popleft() for _ in range(n)]
+        blocks = [self._free.popleft() for _ in range(min(n, len(self._free)))]
+        while len(blocks) < n:
+            b, _ = self._idle.popitem(last=False)
+            del self._block_of[self._hash_of.pop(b)]
+            blocks.append(b)
         for b in blocks:
             self._refs[b] = 1
         return blocks
+
+    def cache(self, block: int, prefix_hash: bytes) -> None:
+        """Records a held block whose KV is complete under its prefix hash (a hash already cached
+        elsewhere, or a block already cached, leaves things as they are)."""
+        if self._refs[block] <= 0:
+            raise ValueError(f"block {block} is free and cannot be cached")
+        if prefix_hash not in self._block_of and block not in self._hash_of:
+            self._block_of[prefix_hash] = block
+            self._hash_of[block] = prefix_hash
+
+    def lookup(self, hashes: Iterable[bytes]) -> list[int]:
+        """The cached blocks of the longest prefix of ``hashes`` (no side effects)."""
+        blocks = []
+        for h in hashes:
+            b = self._block_of.get(h)
+            if b is None:
+                break
+            blocks.append(b)
+        return blocks
+
+    def acquire(self, blocks: Iterable[int]) -> None:
+        """Takes a reference to cached blocks from ``lookup``, held or not."""
+        for b in blocks:
+            if b not in self._hash_of:
+                raise ValueError(f"block {b} is not cached")
+            if self._refs[b] == 0:
+                del self._idle[b]
+            self._refs[b] += 1
 
     def share(self, blocks: Iterable[int]) -> None:
         """Adds a reference to blocks that are already held."""
@@ -52,13 +119,17 @@ class BlockPool:
             self._refs[b] += 1
 
     def free(self, blocks: Iterable[int]) -> None:
-        """Drops one reference from each block; a block with none left returns to the free list."""
+        """Drops one reference from each block; a block with none left returns to the free list, or,
+        if cached, waits for reuse as the most recently used."""
         for b in blocks:
             if self._refs[b] <= 0:
                 raise ValueError(f"block {b} freed more often than allocated")
             self._refs[b] -= 1
             if self._refs[b] == 0:
-                self._free.append(b)
+                if b in self._hash_of:
+                    self._idle[b] = None
+                else:
+                    self._free.append(b)
 
     def ref_count(self, block: int) -> int:
         return self._refs[block]
@@ -97,6 +168,12 @@ class BlockTables:
         table = self._tables.setdefault(seq_id, [])
         table.extend(new)
         return table
+
+    def attach(self, seq_id: Hashable, blocks: list[int]) -> None:
+        """Starts a sequence's table with blocks it already holds a reference to (a cached prefix)."""
+        if seq_id in self._tables:
+            raise ValueError(f"sequence {seq_id!r} already has a table")
+        self._tables[seq_id] = list(blocks)
 
     def detach(self, seq_id: Hashable) -> list[int]:
         """Forgets the sequence's table without freeing its blocks; the caller frees them later."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from pdfabric.engine.block_pool import BlockTables, blocks_for
+from pdfabric.engine.block_pool import BlockTables, blocks_for, chain_hashes
 from pdfabric.engine.sequence import SeqState, Sequence
 from pdfabric.profile import StepShape
 
@@ -23,6 +23,7 @@ class SchedulerConfig:
     max_running: int = 64  # sequences decoding at once
     max_model_len: int = 4096
     on_prefilled: str = "decode"  # or "handoff"
+    prefix_salt: bytes | None = None  # prefix caching on, hashes salted by the model (None: off)
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens < 1 or self.max_running < 1:
@@ -53,6 +54,8 @@ class Scheduler:
         self.awaiting_kv: dict[str, Sequence] = {}
         self.handoff: dict[str, Sequence] = {}
         self._by_id: dict[str, Sequence] = {}
+        self.prompt_tokens = 0  # prompt tokens scheduled for the first time (prefix cache queries)
+        self.prefix_hit_tokens = 0  # of those, found in the prefix cache
 
     # --- admission ------------------------------------------------------------------------------
 
@@ -85,6 +88,7 @@ class Scheduler:
         if seq is None:
             return None
         seq.num_cached = len(seq.prompt_ids)
+        self._record(seq)
         self._append(seq, first_token, logprob)
         if seq.state is not SeqState.FINISHED:
             seq.state = SeqState.RUNNING
@@ -121,6 +125,8 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget == 0 or len(self.running) + prefills >= self.config.max_running:
                 break
+            if seq.request_id not in self.tables:
+                self._attach_prefix(seq)
             stop = min(seq.num_tokens, seq.num_cached + budget)
             if not self.tables.can_grow(seq.request_id, stop):
                 self._reclaim_partial(keep={c.seq for c in chunks} | {seq})
@@ -135,6 +141,44 @@ class Scheduler:
                 break  # a partly prefilled prompt stays at the head of the queue
         return chunks
 
+    def _attach_prefix(self, seq: Sequence) -> None:
+        """A waiting sequence without blocks starts from the cached blocks of its longest cached
+        prefix; never its last token, which the step that computes it samples from."""
+        if seq.prefix_hit is None:
+            self.prompt_tokens += len(seq.prompt_ids)
+        if self.config.prefix_salt is None:
+            seq.prefix_hit = 0
+            return
+        pool = self.tables.pool
+        blocks = pool.lookup(self._hashes(seq, (seq.num_tokens - 1) // pool.block_size))
+        if seq.prefix_hit is None:
+            seq.prefix_hit = min(len(blocks) * pool.block_size, len(seq.prompt_ids))
+            self.prefix_hit_tokens += seq.prefix_hit
+        if blocks:
+            pool.acquire(blocks)
+            self.tables.attach(seq.request_id, blocks)
+        seq.num_cached, seq.recorded = len(blocks) * pool.block_size, len(blocks)
+
+    def _hashes(self, seq: Sequence, n: int) -> list[bytes]:
+        """The prefix hashes of the sequence's first ``n`` full blocks."""
+        have, bs = len(seq.block_hashes), self.tables.pool.block_size
+        if n > have:
+            assert self.config.prefix_salt is not None
+            more = seq.token_slice(have * bs, n * bs)
+            seq.block_hashes = chain_hashes(more, bs, self.config.prefix_salt, seq.block_hashes)
+        return seq.block_hashes[:n]
+
+    def _record(self, seq: Sequence) -> None:
+        """Puts the sequence's newly completed blocks into the prefix cache."""
+        bs = self.tables.pool.block_size
+        full = seq.num_cached // bs
+        if self.config.prefix_salt is None or full <= seq.recorded:
+            return
+        table, hashes = self.tables.table(seq.request_id), self._hashes(seq, full)
+        for i in range(seq.recorded, full):
+            self.tables.pool.cache(table[i], hashes[i])
+        seq.recorded = full
+
     def _room(self, seq: Sequence) -> int:
         """Tokens the sequence could hold with its own blocks plus every free one."""
         held = len(self.tables.table(seq.request_id)) if seq.request_id in self.tables else 0
@@ -147,7 +191,7 @@ class Scheduler:
         for seq in self.waiting:
             if seq not in keep and seq.request_id in self.tables:
                 self.tables.release(seq.request_id)
-                seq.num_cached = 0
+                seq.num_cached = seq.recorded = 0
                 freed = True
         return freed
 
@@ -155,7 +199,7 @@ class Scheduler:
         """Frees a running sequence's blocks; it will be recomputed from its tokens later."""
         self.running.remove(seq)
         self.tables.release(seq.request_id)
-        seq.num_cached = 0
+        seq.num_cached = seq.recorded = 0
         seq.state = SeqState.WAITING
         self.waiting.appendleft(seq)
 
@@ -167,6 +211,7 @@ class Scheduler:
         for chunk in chunks:
             seq = chunk.seq
             seq.num_cached = chunk.stop
+            self._record(seq)
             if not chunk.sample:
                 continue
             token, logprob = next(got)

@@ -25,6 +25,9 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     num_cached: int = 0  # leading tokens of all_ids whose KV is in the cache
+    prefix_hit: int | None = None  # prompt tokens found in the prefix cache when first scheduled
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix hashes of its full blocks so far
+    recorded: int = 0  # leading blocks of its table that are in the prefix cache
     state: SeqState = SeqState.WAITING
     finish_reason: str | None = None
 

@@ -4,7 +4,8 @@ The decode worker backs this with its block pool: it reserves blocks for a reque
 prefill worker), registers them here, and passes ``release`` = "return these ids to the pool". The
 receiver checks every arriving frame against the registered ids and, when a transfer fails or is
 aborted, releases them. On success the receiver hands them over (the running sequence now owns them,
-nothing is freed). The prefill side uses the same class for the local blocks it ships from.
+nothing is freed). The prefill side uses the same class for the local blocks it ships from; there
+transfers only read their blocks, and two may share one (a cached prefix), so it is not ``exclusive``.
 """
 
 from __future__ import annotations
@@ -17,23 +18,27 @@ ReleaseFn = Callable[[str, tuple[int, ...]], None]
 class BlockReservations:
     """request id -> block ids held for its transfer; ``release`` is called once per failed request."""
 
-    def __init__(self, release: ReleaseFn | None = None) -> None:
+    def __init__(self, release: ReleaseFn | None = None, exclusive: bool = True) -> None:
         self._release = release
+        self.exclusive = exclusive  # a block is held by one request at most
         self._held: dict[str, tuple[int, ...]] = {}
-        self._owner: dict[int, str] = {}
+        self._owner: dict[int, str] = {}  # block -> the (first) request holding it
+        self._holders: dict[int, int] = {}  # block -> how many requests hold it
 
     def reserve(self, request_id: str, blocks: tuple[int, ...]) -> None:
-        """Registers ``blocks`` for ``request_id``; ``ValueError`` if the id or a block is already held."""
+        """Registers ``blocks`` for ``request_id``; ``ValueError`` if the id is already held, or, when
+        ``exclusive``, a block is."""
         if request_id in self._held:
             raise ValueError(f"request {request_id!r} already holds blocks")
         if len(set(blocks)) != len(blocks):
             raise ValueError(f"request {request_id!r}: duplicate block ids")
         taken = [b for b in blocks if b in self._owner]
-        if taken:
+        if taken and self.exclusive:
             raise ValueError(f"blocks {taken[:8]} already held by {self._owner[taken[0]]!r}")
         self._held[request_id] = tuple(blocks)
         for b in blocks:
-            self._owner[b] = request_id
+            self._owner.setdefault(b, request_id)
+            self._holders[b] = self._holders.get(b, 0) + 1
 
     def blocks_of(self, request_id: str) -> tuple[int, ...] | None:
         return self._held.get(request_id)
@@ -45,7 +50,11 @@ class BlockReservations:
     def _drop(self, request_id: str) -> tuple[int, ...]:
         blocks = self._held.pop(request_id, ())
         for b in blocks:
-            del self._owner[b]
+            self._holders[b] -= 1
+            if self._holders[b] == 0:
+                del self._holders[b], self._owner[b]
+            elif self._owner[b] == request_id:
+                self._owner[b] = next(r for r, held in self._held.items() if b in held)
         return blocks
 
     def release(self, request_id: str) -> tuple[int, ...]:

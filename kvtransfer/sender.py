@@ -61,7 +61,7 @@ class KVSender:
         self.caches = kv_caches
         self.layout = layout_of(kv_caches)
         self.config = config
-        self.held = held if held is not None else BlockReservations()
+        self.held = held if held is not None else BlockReservations(exclusive=False)  # reads share blocks
         self.metrics = metrics
         self.ctx = zmq.Context.instance()
         self.poller = zmq.Poller()

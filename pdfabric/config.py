@@ -43,6 +43,7 @@ class WorkerConfig:
     kv_transport: str = (
         "auto"  # auto (per pair: shm on one host, zmq across, dist when set up) | zmq | shm | dist
     )
+    prefix_caching: bool = True  # keep computed full blocks for prompts that share their prefix
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -82,7 +83,7 @@ class WorkerConfig:
 WORKER_KEYS = frozenset(f.name for f in fields(WorkerConfig)) - _PER_PROCESS  # [worker] table keys
 # The Python types a WorkerConfig field accepts, by its annotation (bool is refused where int is asked).
 _TYPES: dict[str, tuple[type, ...]] = {
-    "int": (int,), "float": (int, float), "str": (str,), "str | None": (str, type(None)),
+    "int": (int,), "float": (int, float), "str": (str,), "str | None": (str, type(None)), "bool": (bool,),
 }  # fmt: skip
 
 
@@ -107,7 +108,7 @@ def worker_config(
     annotations = {f.name: str(f.type) for f in fields(WorkerConfig)}
     for key, value in table.items():
         types = _TYPES[annotations[key]]
-        if isinstance(value, bool) or not isinstance(value, types):
+        if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
             want = " or ".join("null" if t is type(None) else t.__name__ for t in types)
             raise ValueError(f"{where}: {key} must be {want}, got {value!r}")
     return replace(base, **table)

@@ -55,6 +55,8 @@ class Heartbeat:
     profile: WorkerProfile  # refined online from real steps
     kv_rates: dict[str, float] = field(default_factory=dict)  # the same, per transport ("shm", "zmq")
     draining: bool = False  # it takes no new requests and exits once those it holds are done
+    prompt_tokens: int = 0  # prompt tokens it has scheduled, since it started (prefix cache queries)
+    prefix_hit_tokens: int = 0  # of those, found in its prefix cache
 
 
 @message(3)
@@ -68,6 +70,7 @@ class TokenDelta:
     logprobs: tuple[float, ...]
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     error: str = ""
+    cached_tokens: int = 0  # on a request's first delta: prompt tokens found in the prefix cache
 
 
 @message(4)

@@ -24,6 +24,7 @@ driver hands to the kvtransfer state machines (or to the simulator's link model)
 
 from __future__ import annotations
 
+import hashlib
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -120,6 +121,7 @@ class CoreSpec:
     model: str = ""
     pid: int = 0
     host: str = ""  # kvtransfer.transport.host_id() of the worker's machine ("": unknown)
+    prefix_caching: bool = False  # keep computed full blocks for prompts that share their prefix
 
 
 class ProfileSource(Protocol):
@@ -182,8 +184,10 @@ class KVRates:
 def delta_of(seq: Sequence) -> TokenDelta:
     """The delta for a sequence that just got one token (and maybe finished)."""
     index = len(seq.output_ids) - 1
+    cached = seq.prefix_hit or 0 if index == 0 else 0
     return TokenDelta(
-        seq.request_id, index, (seq.output_ids[-1],), (seq.output_logprobs[-1],), seq.finish_reason
+        seq.request_id, index, (seq.output_ids[-1],), (seq.output_logprobs[-1],), seq.finish_reason,
+        cached_tokens=cached,
     )
 
 
@@ -198,8 +202,9 @@ class WorkerCore:
         self.kv_endpoint = kv_endpoint
         self.profile = profile
         self.tables = BlockTables(BlockPool(spec.num_blocks, spec.block_size))
+        salt = hashlib.blake2b(spec.model.encode(), digest_size=16).digest() if spec.prefix_caching else None
         sched = SchedulerConfig(
-            spec.max_batch_tokens, spec.max_running, spec.max_model_len, self.on_prefilled
+            spec.max_batch_tokens, spec.max_running, spec.max_model_len, self.on_prefilled, salt
         )
         self.scheduler = Scheduler(self.tables, sched)
         self.kv_rates = KVRates()
@@ -300,6 +305,8 @@ class WorkerCore:
             self.profile.profile(),
             self.kv_rates.per_transport(),
             self.draining,
+            s.prompt_tokens,
+            s.prefix_hit_tokens,
         )
 
     @property

@@ -41,9 +41,11 @@ OVERRIDES: tuple[tuple[str, type, str], ...] = (
     ("device", str, "auto (cuda when available), cpu, cuda or cuda:N"),
     ("profile_seconds", float, "start-up profiling budget in seconds, 0: none"),
     ("kv_transport", str, "how KV moves to decode workers (auto: shm on one host, zmq across hosts)"),
+    ("prefix_caching", bool, "on or off: reuse the KV of prompt prefixes computed before"),
 )
 _QUOTED = ("model", "pool", "block_size", "kv_memory_mb", "max_batch_tokens", "max_running", "kv_host",
-           "heartbeat_s", "drain_timeout_s", "device", "profile_seconds", "kv_transport")  # fmt: skip
+           "heartbeat_s", "drain_timeout_s", "device", "profile_seconds", "kv_transport",
+           "prefix_caching")  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,10 +61,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default = f" (default {worker_default(name)})" if name in _QUOTED else ""
         flag = "--" + name.replace("_", "-")
         choices = {"kind": KINDS, "dtype": DTYPES, "kv_transport": KV_TRANSPORTS}.get(name)
-        o.add_argument(flag, type=type_, choices=choices, help=text + default)
+        parse = _on_off if type_ is bool else type_
+        o.add_argument(flag, type=parse, choices=choices, help=text + default)
     p = parser.add_argument_group("process")
     p.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone (0: never)")
     p.add_argument("--log-level", default="INFO", help="log level (default INFO)")
+
+
+def _on_off(text: str) -> bool:
+    words = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False}
+    if text.lower() not in words:
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+    return words[text.lower()]
 
 
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:

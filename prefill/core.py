@@ -16,6 +16,8 @@ A request's life here:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pdfabric.control import HandedOff, Prefill, TokenDelta
 from pdfabric.core import (
     CancelKV,
@@ -71,7 +73,7 @@ class PrefillCore(WorkerCore):
                 continue
             endpoint, remote = self._targets.pop(seq.request_id)
             first = delta_of(seq)
-            deltas.append(TokenDelta(first.request_id, 0, first.token_ids, first.logprobs))  # never a finish
+            deltas.append(replace(first, finish_reason=None))  # never a finish: decoding goes on elsewhere
             local = tuple(self.tables.table(seq.request_id))
             pushes.append(
                 PushKV(seq.request_id, endpoint, local, remote, seq.output_ids[0], seq.output_logprobs[0])

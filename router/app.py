@@ -236,10 +236,10 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
 
             # Clients that speak the ``slo`` extension also get the latency breakdown in their usage.
             response, outcome = await _stream_sse(
-                request, parsed, request_id, len(prompt_ids), events, report if "slo" in body else None
+                request, parsed, request_id, stream, events, report if "slo" in body else None
             )
         else:
-            response, outcome = await _collect(parsed, request_id, len(prompt_ids), events)
+            response, outcome = await _collect(parsed, request_id, stream, events)
         return response
     finally:
         app[DISPATCHER].release(request_id, "request ended")
@@ -338,7 +338,7 @@ async def _stream_sse(
     request: web.Request,
     parsed: api.ParsedRequest,
     request_id: str,
-    prompt_len: int,
+    stream: RequestStream,
     events: AsyncIterator[Event],
     report: Callable[[], dict[str, Any]] | None = None,
 ) -> tuple[web.StreamResponse, str]:
@@ -369,7 +369,12 @@ async def _stream_sse(
             "created": created,
             "model": parsed.model,
             "choices": [],
-            "usage": api.usage(prompt_len, completion_tokens, {"pdfabric": report()} if report else None),
+            "usage": api.usage(
+                stream.prompt_len,
+                completion_tokens,
+                stream.cached_tokens,
+                {"pdfabric": report()} if report else None,
+            ),
         }
         await _send(response, usage_chunk)
     await response.write(b"data: [DONE]\n\n")
@@ -382,7 +387,7 @@ async def _send(response: web.StreamResponse, obj: dict) -> None:
 
 
 async def _collect(
-    parsed: api.ParsedRequest, request_id: str, prompt_len: int, events: AsyncIterator[Event]
+    parsed: api.ParsedRequest, request_id: str, stream: RequestStream, events: AsyncIterator[Event]
 ) -> tuple[web.Response, str]:
     parts: list[str] = []
     token_ids: list[int] = []
@@ -399,7 +404,7 @@ async def _collect(
                 api.now(),
                 "".join(parts),
                 event.finish_reason,
-                api.usage(prompt_len, len(token_ids)),
+                api.usage(stream.prompt_len, len(token_ids), stream.cached_tokens),
                 token_ids,
             )
             return web.json_response(body), event.finish_reason

@@ -378,7 +378,8 @@ class RouterCore:
             self._failover(req, ERROR, worker_id, delta.error or f"worker {worker_id} reported an error", out)
             self._poll(out)
             return
-        delta = replace(delta, request_id=req.request_id, index=delta.index + req.base)
+        cached = delta.cached_tokens if req.failovers == 0 else 0  # the client's prompt's, not a resume's
+        delta = replace(delta, request_id=req.request_id, index=delta.index + req.base, cached_tokens=cached)
         if delta.finish_reason is not None:
             self.holders.done(req.wire_id, worker_id)
             self._deliver(req, delta, out)

@@ -48,6 +48,7 @@ class RequestStream:
     choice: Choice | None = None  # the route taken, with its predicted latencies
     waited_ms: float = 0.0  # time spent waiting for admission in the router
     transfer_s: float | None = None  # KV push, start to acknowledgement (0 colocated; None: not yet told)
+    cached_tokens: int = 0  # prompt tokens whose KV came from a worker's prefix cache
     started: asyncio.Future[None] | None = None  # set while ``submit`` waits for the start
 
 
@@ -176,6 +177,7 @@ class Dispatcher:
             if stream is None:
                 continue
             if isinstance(effect, Deliver):
+                stream.cached_tokens = max(stream.cached_tokens, effect.delta.cached_tokens)
                 stream.queue.put_nowait(effect.delta)
             elif isinstance(effect, Started):
                 stream.route, stream.choice, stream.waited_ms = effect.route, effect.choice, effect.waited_ms

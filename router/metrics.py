@@ -20,7 +20,7 @@ class _WorkerGauges(Collector):
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         labels = ["worker", "pool", "kind"]
         free = GaugeMetricFamily("pdfabric_kv_blocks_free", "Free KV blocks per worker", labels=labels)
         total = GaugeMetricFamily("pdfabric_kv_blocks_total", "KV blocks per worker", labels=labels)
@@ -31,6 +31,12 @@ class _WorkerGauges(Collector):
             "pdfabric_queued_tokens", "Prompt tokens waiting per worker", labels=labels
         )
         count = GaugeMetricFamily("pdfabric_workers", "Registered workers", labels=["pool", "kind"])
+        prompt = CounterMetricFamily(
+            "pdfabric_prefix_cache_queries", "Prompt tokens looked up in its prefix cache", labels=labels
+        )
+        hits = CounterMetricFamily(
+            "pdfabric_prefix_cache_hits", "Of those, tokens whose KV the prefix cache held", labels=labels
+        )
         per_pool: dict[tuple[str, str], int] = {}
         for w in self.registry.workers.values():
             key = [w.worker_id, w.reg.pool, w.reg.kind]
@@ -39,12 +45,14 @@ class _WorkerGauges(Collector):
             if w.load is not None:
                 running.add_metric(key, w.load.running)
                 queued.add_metric(key, w.load.queued_tokens)
+                prompt.add_metric(key, w.load.prompt_tokens)
+                hits.add_metric(key, w.load.prefix_hit_tokens)
             per_pool[(w.reg.pool, w.reg.kind)] = per_pool.get((w.reg.pool, w.reg.kind), 0) + 1
         for kind in KINDS:
             per_pool.setdefault(("default", kind), 0)
         for (pool, kind), n in sorted(per_pool.items()):
             count.add_metric([pool, kind], n)
-        yield from (free, total, running, queued, count)
+        yield from (free, total, running, queued, count, prompt, hits)
 
 
 class _Waiting(Collector):

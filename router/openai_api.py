@@ -278,11 +278,15 @@ def chunk(
     return {"id": request_id, "object": obj, "created": created, "model": req.model, "choices": [choice]}
 
 
-def usage(prompt_tokens: int, completion_tokens: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens whose KV came from the prefix cache."""
     out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
     if extra:
         out.update(extra)

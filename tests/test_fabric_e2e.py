@@ -138,6 +138,7 @@ def test_text_prompt_usage_and_stop_string(fabric: str, reference: ReferenceEngi
         "prompt_tokens": len(prompt_ids),
         "completion_tokens": len(ids),
         "total_tokens": len(prompt_ids) + len(ids),
+        "prompt_tokens_details": {"cached_tokens": 0},  # this prompt is new to the workers
     }
     stop = text[5:7]
     if stop:  # stop at the first occurrence of a substring the model is known to produce
@@ -302,6 +303,35 @@ def test_an_idempotency_key_replays_a_sampled_completion_computed_once(fabric: s
     # A stream ignores the header: it is computed, under a key held by another body.
     ids, _, finish, _ = asyncio.run(_stream(fabric, {**body, "max_tokens": 3}, {"Idempotency-Key": key}))
     assert len(ids) == 3 and finish == "length"
+
+
+def test_a_conversations_next_turn_reuses_cached_kv_token_exact(
+    fabric: str, reference: ReferenceEngine
+) -> None:
+    """Turn 2 re-sends turn 1 (prompt and answer) plus a new message: its prefix comes from the prefix
+    cache (``usage.prompt_tokens_details.cached_tokens``), and the answer is the reference's."""
+
+    async def complete(prompt: list[int]) -> tuple[list[int], dict]:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}  # fmt: skip
+        async with aiohttp.ClientSession() as s, s.post(fabric + "/v1/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+            data = await r.json()
+        return data["choices"][0]["token_ids"], data["usage"]
+
+    turn1 = [(5 * i) % 250 + 3 for i in range(70)]
+    out1, usage1 = asyncio.run(complete(turn1))
+    turn2 = turn1 + out1 + [4, 5, 6]
+    out2, usage2 = asyncio.run(complete(turn2))
+    assert usage1["prompt_tokens_details"]["cached_tokens"] == 0
+    assert 64 <= usage2["prompt_tokens_details"]["cached_tokens"] < len(turn2)
+    params = SamplingParams(24, ignore_eos=True)
+    assert out1 == reference.generate(turn1, params).token_ids
+    assert out2 == reference.generate(turn2, params).token_ids
+    deadline = time.monotonic() + 10  # the workers' counts come with their next heartbeats
+    while sum(metric_values(fabric, "pdfabric_prefix_cache_hits_total").values()) < 64:
+        assert time.monotonic() < deadline, metric_values(fabric, "pdfabric_prefix_cache_hits_total")
+        time.sleep(0.1)
 
 
 def test_client_disconnect_frees_blocks(fabric: str) -> None:

@@ -132,6 +132,21 @@ def test_reservations_without_callback() -> None:
     assert "x" in res and res.release("x") == (1, 2)
 
 
+def test_reading_reservations_share_blocks_writing_ones_do_not() -> None:
+    """A prefill worker may ship one cached prefix block to two decode workers at once; a decode
+    worker's blocks each receive one transfer."""
+    reads = BlockReservations(exclusive=False)
+    reads.reserve("a", (1, 2, 3))
+    reads.reserve("b", (1, 2, 9))
+    assert reads.held_blocks == 4
+    assert reads.release("a") == (1, 2, 3) and reads.held_blocks == 3 and reads.owns("b", (1, 2, 9))
+    assert reads.hand_over("b") == (1, 2, 9) and reads.held_blocks == 0
+    writes = BlockReservations()
+    writes.reserve("a", (1, 2))
+    with pytest.raises(ValueError, match="already held by 'a'"):
+        writes.reserve("b", (2, 3))
+
+
 def test_bookkeeping_modules_do_not_import_torch() -> None:
     """Block managers and schedulers may use these without pulling in torch."""
     import subprocess

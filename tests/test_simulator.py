@@ -250,3 +250,23 @@ def test_cli_writes_the_bench_report(tmp_path: Path) -> None:
     other = [*argv[:-3], "--num-requests", "29", "--mode", "validate", "--measured", str(gout),
              "--out", str(vout)]  # fmt: skip
     assert cli.main(other) == 2  # another workload than the measured one
+
+
+def test_prompts_that_share_hash_ids_hit_the_simulated_prefix_cache() -> None:
+    """Simulated prompts share tokens exactly as their Mooncake ``hash_ids`` say (and otherwise not at
+    all), so the workers' prefix caches save the prefill time they would save for real."""
+    per_token = WorkerProfile(prefill=(0.001, 1e-4, 0.0), decode=(0.005, 0.0, 0.0))
+    shared = [Request(i, i * 1.0, 1024 + 100, 4, hash_ids=(7, 8, 100 + i)) for i in range(6)]
+    unshared = [Request(i, i * 1.0, 1024 + 100, 4) for i in range(6)]
+    ttft: dict[tuple[str, bool], list[float]] = {}
+    for name, reqs in (("shared", shared), ("unshared", unshared)):
+        for caching in (True, False):
+            worker = SimWorker(CoreSpec("c", COLOCATED, 4096, prefix_caching=caching), per_token, 1e9)
+            records = simulate(SimConfig((worker,), LOOSE), Workload(name, tuple(reqs)))
+            assert [r.status for r in records] == [OK] * 6
+            ttft[(name, caching)] = [r.ttft_ms for r in records]
+    # The first request computes everything; each later one only its last 100 tokens.
+    assert ttft[("shared", True)][0] == pytest.approx(ttft[("shared", False)][0])
+    hit, miss = ttft[("shared", True)][1:], ttft[("shared", False)][1:]
+    assert all(a < b / 5 for a, b in zip(hit, miss, strict=True)), (hit, miss)
+    assert ttft[("unshared", True)] == pytest.approx(ttft[("unshared", False)])  # nothing to share
