@@ -45,10 +45,12 @@ class DecodeCore(WorkerCore):
         rid = msg.request_id
         seq = Sequence(rid, msg.prompt_ids, msg.params, frozenset(msg.eos_token_ids))
         reason = self.too_long(rid, len(msg.prompt_ids))
-        blocks = None if reason else self.scheduler.reserve(seq)
-        if blocks is None:
+        reserved = None if reason else self.scheduler.reserve(seq)
+        if reserved is None:
             return [Reserved(self.worker_id, rid, (), reason or "no free KV blocks")]
-        return [ExpectKV(rid, tuple(blocks)), Reserved(self.worker_id, rid, tuple(blocks))]
+        table, cached = reserved
+        sent = tuple(table[cached:])  # the cached prefix's KV is here already
+        return [ExpectKV(rid, sent), Reserved(self.worker_id, rid, sent, cached_blocks=cached)]
 
     def transfer_ended(self, result: TransferResult) -> Out:
         rid = result.request_id

@@ -65,19 +65,22 @@ class Scheduler:
         seq.state = SeqState.WAITING
         self.waiting.append(seq)
 
-    def reserve(self, seq: Sequence) -> list[int] | None:
-        """Reserves blocks for a prompt whose KV arrives from elsewhere; ``None`` when short."""
-        table = (
-            self.tables.grow(seq.request_id, len(seq.prompt_ids))
-            if seq.request_id not in self._by_id
-            else None
-        )
+    def reserve(self, seq: Sequence) -> tuple[list[int], int] | None:
+        """Reserves blocks for a prompt whose KV arrives from elsewhere: (its whole block table, how
+        many leading blocks came from the prefix cache and need no KV sent); ``None`` when short."""
+        if seq.request_id in self._by_id or seq.request_id in self.tables:
+            return None
+        self._attach_prefix(seq)
+        cached = seq.recorded
+        table = self.tables.grow(seq.request_id, len(seq.prompt_ids))
         if table is None:
+            self.tables.release(seq.request_id)  # the cached prefix goes back as it was
+            seq.num_cached = seq.recorded = 0
             return None
         self._admit(seq)
         seq.state = SeqState.WAITING_FOR_KV
         self.awaiting_kv[seq.request_id] = seq
-        return list(table)
+        return list(table), cached
 
     def kv_arrived(self, request_id: str, first_token: int, logprob: float) -> Sequence | None:
         """The prompt's KV is in the reserved blocks: start decoding after ``first_token``.

@@ -89,8 +89,9 @@ class Reserved:
 
     worker_id: str
     request_id: str
-    block_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]  # the blocks the prompt's KV goes into (after those it had cached)
     reason: str = ""
+    cached_blocks: int = 0  # the prompt's leading blocks already in its prefix cache: not to be sent
 
 
 @message(6)
@@ -133,14 +134,16 @@ class Reserve:
 @message(22)
 @dataclass(frozen=True)
 class Prefill:
-    """Prefill worker: compute the prompt, push its KV into ``block_ids`` at ``kv_endpoint``."""
+    """Prefill worker: compute the prompt, push its KV into ``block_ids`` at ``kv_endpoint``, all but
+    the first ``skip_blocks`` blocks, which the decode worker has cached."""
 
     request_id: str
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     eos_token_ids: tuple[int, ...]
     kv_endpoint: str
-    block_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]  # the decode worker's blocks for the prompt's blocks after the skipped
+    skip_blocks: int = 0  # leading blocks the decode worker holds already (its prefix cache): not sent
 
 
 @message(23)

@@ -40,7 +40,8 @@ class PrefillCore(WorkerCore):
 
     def __init__(self, spec: CoreSpec, profile: ProfileSource, kv_endpoint: str = "") -> None:
         super().__init__(spec, profile, kv_endpoint)
-        self._targets: dict[str, tuple[str, tuple[int, ...]]] = {}  # request -> (endpoint, remote blocks)
+        # request -> (endpoint, remote blocks, leading local blocks the decode worker has cached)
+        self._targets: dict[str, tuple[str, tuple[int, ...], int]] = {}
 
     def on_message(self, msg: object) -> Out:
         if not isinstance(msg, Prefill):
@@ -48,7 +49,7 @@ class PrefillCore(WorkerCore):
         reason = self.too_long(msg.request_id, len(msg.prompt_ids))
         if reason:
             return self.error(msg.request_id, 0, reason)
-        self._targets[msg.request_id] = (msg.kv_endpoint, msg.block_ids)
+        self._targets[msg.request_id] = (msg.kv_endpoint, msg.block_ids, msg.skip_blocks)
         self.scheduler.add(Sequence(msg.request_id, msg.prompt_ids, msg.params, frozenset(msg.eos_token_ids)))
         return []
 
@@ -62,8 +63,8 @@ class PrefillCore(WorkerCore):
         return Step(step.chunks, step.shape, opens)
 
     def _open(self, request_id: str) -> OpenPush:
-        endpoint, remote = self._targets[request_id]
-        return OpenPush(request_id, endpoint, tuple(self.tables.table(request_id)), remote)
+        endpoint, remote, skip = self._targets[request_id]
+        return OpenPush(request_id, endpoint, tuple(self.tables.table(request_id)[skip:]), remote)
 
     def stepped(self, changed: list[Sequence]) -> Out:
         deltas: list[TokenDelta] = []
@@ -71,10 +72,10 @@ class PrefillCore(WorkerCore):
         for seq in changed:
             if seq.state is not SeqState.HANDOFF:
                 continue
-            endpoint, remote = self._targets.pop(seq.request_id)
+            endpoint, remote, skip = self._targets.pop(seq.request_id)
             first = delta_of(seq)
             deltas.append(replace(first, finish_reason=None))  # never a finish: decoding goes on elsewhere
-            local = tuple(self.tables.table(seq.request_id))
+            local = tuple(self.tables.table(seq.request_id)[skip:])
             pushes.append(
                 PushKV(seq.request_id, endpoint, local, remote, seq.output_ids[0], seq.output_logprobs[0])
             )

@@ -354,7 +354,9 @@ class RouterCore:
             return
         self.holders.hold(rid, choice.prefill)  # the decode worker holds it since `reserving`
         kv_endpoint = self.registry.workers[decode_id].reg.kv_endpoint
-        prefill = Prefill(rid, req.run_prompt, req.run_params, req.eos, kv_endpoint, reply.block_ids)
+        prefill = Prefill(
+            rid, req.run_prompt, req.run_params, req.eos, kv_endpoint, reply.block_ids, reply.cached_blocks
+        )
         out.append(Send(choice.prefill, prefill))
         self._started(req, choice, f"{choice.prefill}->{decode_id}", out)
 

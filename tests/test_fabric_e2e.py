@@ -319,10 +319,17 @@ def test_a_conversations_next_turn_reuses_cached_kv_token_exact(
             data = await r.json()
         return data["choices"][0]["token_ids"], data["usage"]
 
+    def kv_bytes_sent() -> float:  # 0 when colocated: KV never moves
+        return sum(metric_values(fabric, "pdfabric_kv_transfer_bytes_sum").values())
+
     turn1 = [(5 * i) % 250 + 3 for i in range(70)]
     out1, usage1 = asyncio.run(complete(turn1))
+    sent1 = kv_bytes_sent()
     turn2 = turn1 + out1 + [4, 5, 6]
     out2, usage2 = asyncio.run(complete(turn2))
+    sent2 = kv_bytes_sent() - sent1
+    # Disaggregated, the decode worker still holds turn 1's KV: only the blocks after it travel.
+    assert sent2 < sent1 or sent1 == sent2 == 0, (sent1, sent2)
     assert usage1["prompt_tokens_details"]["cached_tokens"] == 0
     assert 64 <= usage2["prompt_tokens_details"]["cached_tokens"] < len(turn2)
     params = SamplingParams(24, ignore_eos=True)

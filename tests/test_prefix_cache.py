@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from pdfabric.control import Generate, StepOutputs, TokenDelta
-from pdfabric.core import CoreSpec, FixedProfile, WorkerCore
-from pdfabric.decode.core import ColocatedCore
+from pdfabric.control import Generate, Prefill, Reserve, Reserved, StepOutputs, TokenDelta
+from pdfabric.core import CoreSpec, ExpectKV, FixedProfile, PushKV, WorkerCore
+from pdfabric.decode.core import ColocatedCore, DecodeCore
 from pdfabric.engine.block_pool import BlockPool, BlockTables, chain_hashes
 from pdfabric.engine.sampling_params import SamplingParams
+from pdfabric.kvtransfer.state import TransferResult, TransferState
+from pdfabric.prefill.core import PrefillCore
 from pdfabric.profile import WorkerProfile
 from tests.test_worker_core import _run_step, _tokens
 
@@ -155,3 +157,50 @@ def test_tables_attach_a_cached_prefix_once() -> None:
     tables.attach("s", [0, 1])
     with pytest.raises(ValueError, match="already has a table"):
         tables.attach("s", [2])
+
+
+def _disaggregated(pre: WorkerCore, dec: WorkerCore, rid: str, prompt: tuple[int, ...], n: int) -> tuple:
+    """One request through a prefill and a decode core wired by hand (the transfer succeeds at
+    once); returns (its tokens, the decode worker's Reserved, the prefill worker's PushKV)."""
+    params = SamplingParams(max_tokens=n, ignore_eos=True)
+    expect, reserved = dec.handle(Reserve(rid, prompt, params, ()))
+    assert isinstance(expect, ExpectKV) and isinstance(reserved, Reserved)
+    assert expect.blocks == reserved.block_ids
+    pre.handle(Prefill(rid, prompt, params, (), "kv://d", reserved.block_ids, reserved.cached_blocks))
+    deltas: list[TokenDelta] = []
+    pushes: list[PushKV] = []
+    while pre.has_work:
+        out = _run_step(pre)
+        deltas += [d for m in out if isinstance(m, StepOutputs) for d in m.deltas]
+        pushes += [m for m in out if isinstance(m, PushKV)]
+    [push] = pushes
+    assert len(push.local_blocks) == len(push.remote_blocks) == len(reserved.block_ids)
+    meta = {"first_token": push.first_token, "first_logprob": push.first_logprob}
+    done = TransferResult(rid, TransferState.DONE, nbytes=1, seconds=0.001, meta=meta)
+    dec.transfer_ended(done)
+    pre.transfer_ended(done)
+    while dec.has_work:
+        deltas += [d for m in _run_step(dec) if isinstance(m, StepOutputs) for d in m.deltas]
+    return _tokens(deltas, rid), reserved, push
+
+
+def test_a_decode_worker_that_holds_a_prefix_receives_only_the_rest() -> None:
+    """Turn 2 of a conversation on the decode worker that served turn 1: it reserves only the blocks
+    it lacks and the prefill worker ships only those; the tokens are what colocated gives."""
+    def spec(kind: str) -> CoreSpec:
+        return CoreSpec(f"{kind}-0", kind, 64, block_size=4, max_model_len=256, max_batch_tokens=16,
+                        model="m", prefix_caching=True)  # fmt: skip
+
+    pre, dec = PrefillCore(spec("prefill"), FixedProfile(WorkerProfile())), DecodeCore(
+        spec("decode"), FixedProfile(WorkerProfile()), "kv://d"
+    )
+    turn1 = tuple(range(3, 33))  # 30 tokens
+    out1, first, _ = _disaggregated(pre, dec, "t1", turn1, 10)
+    assert first.cached_blocks == 0 and len(first.block_ids) == 8
+    turn2 = turn1 + tuple(out1) + (60, 61)  # 42 tokens; turn 1's 40 have their KV on the decode worker
+    out2, second, push = _disaggregated(pre, dec, "t2", turn2, 5)
+    assert second.cached_blocks == 9 and len(second.block_ids) == 2  # blocks 9 and 10 travel
+    plain = ColocatedCore(_spec(caching=False), FixedProfile(WorkerProfile()))
+    assert out2 == _tokens(_serve(plain, {"t2": turn2}, 5), "t2")
+    for core in (pre, dec):
+        assert core.tables.pool.num_free == core.tables.pool.num_blocks

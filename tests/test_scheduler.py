@@ -116,8 +116,8 @@ def test_handoff_reserve_and_abort() -> None:
     assert tables.pool.num_free == 10
 
     decode = Scheduler(tables, SchedulerConfig())
-    blocks = decode.reserve(Sequence("d", tuple(range(9)), SamplingParams(max_tokens=4)))
-    assert blocks is not None and len(blocks) == 3
+    reserved = decode.reserve(Sequence("d", tuple(range(9)), SamplingParams(max_tokens=4)))
+    assert reserved is not None and len(reserved[0]) == 3 and reserved[1] == 0  # no prefix cache here
     assert decode.reserve(Sequence("e", tuple(range(40)), SamplingParams())) is None  # 10 blocks, 3 taken
     assert tables.pool.num_free == 7
     got = decode.kv_arrived("d", 11, -0.1)
