@@ -25,6 +25,11 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def prefix_salt(model: str) -> bytes:
+    """What the prefix hashes of a worker serving ``model`` start from (the router's view uses it)."""
+    return hashlib.blake2b(model.encode(), digest_size=16).digest()
+
+
 def chain_hashes(
     tokens: Sequence[int], block_size: int, salt: bytes, prev: Sequence[bytes] = ()
 ) -> list[bytes]:
@@ -54,6 +59,8 @@ class BlockPool:
         self._hash_of: dict[int, bytes] = {}  # cached block -> its prefix hash
         self._block_of: dict[bytes, int] = {}  # prefix hash -> the block holding that KV
         self._idle: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody holds, oldest first
+        self._stored: list[bytes] = []  # hashes cached since ``take_events``
+        self._evicted: list[bytes] = []  # hashes dropped since ``take_events``
 
     @property
     def num_free(self) -> int:
@@ -77,7 +84,9 @@ class BlockPool:
         blocks = [self._free.popleft() for _ in range(min(n, len(self._free)))]
         while len(blocks) < n:
             b, _ = self._idle.popitem(last=False)
-            del self._block_of[self._hash_of.pop(b)]
+            h = self._hash_of.pop(b)
+            del self._block_of[h]
+            self._evicted.append(h)
             blocks.append(b)
         for b in blocks:
             self._refs[b] = 1
@@ -91,6 +100,15 @@ class BlockPool:
         if prefix_hash not in self._block_of and block not in self._hash_of:
             self._block_of[prefix_hash] = block
             self._hash_of[block] = prefix_hash
+            self._stored.append(prefix_hash)
+
+    def take_events(self) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
+        """The hashes cached and the hashes dropped since the last call (for the router's view of
+        this cache); at most ``num_blocks`` of each, the latest (a view that misses some is stale,
+        never wrong about the tokens)."""
+        stored, evicted = self._stored[-self.num_blocks :], self._evicted[-self.num_blocks :]
+        self._stored, self._evicted = [], []
+        return tuple(stored), tuple(evicted)
 
     def lookup(self, hashes: Iterable[bytes]) -> list[int]:
         """The cached blocks of the longest prefix of ``hashes`` (no side effects)."""

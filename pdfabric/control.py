@@ -57,6 +57,8 @@ class Heartbeat:
     draining: bool = False  # it takes no new requests and exits once those it holds are done
     prompt_tokens: int = 0  # prompt tokens it has scheduled, since it started (prefix cache queries)
     prefix_hit_tokens: int = 0  # of those, found in its prefix cache
+    cached: tuple[bytes, ...] = ()  # prefix hashes of the blocks it cached since its last heartbeat
+    evicted: tuple[bytes, ...] = ()  # prefix hashes it dropped from its cache since then
 
 
 @message(3)

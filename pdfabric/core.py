@@ -24,7 +24,6 @@ driver hands to the kvtransfer state machines (or to the simulator's link model)
 
 from __future__ import annotations
 
-import hashlib
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -42,7 +41,7 @@ from pdfabric.control import (
     StepOutputs,
     TokenDelta,
 )
-from pdfabric.engine.block_pool import BlockPool, BlockTables
+from pdfabric.engine.block_pool import BlockPool, BlockTables, prefix_salt
 from pdfabric.engine.scheduler import Chunk, Scheduler, SchedulerConfig, step_shape
 from pdfabric.engine.sequence import Sequence
 from pdfabric.kvtransfer.state import TransferResult
@@ -202,7 +201,7 @@ class WorkerCore:
         self.kv_endpoint = kv_endpoint
         self.profile = profile
         self.tables = BlockTables(BlockPool(spec.num_blocks, spec.block_size))
-        salt = hashlib.blake2b(spec.model.encode(), digest_size=16).digest() if spec.prefix_caching else None
+        salt = prefix_salt(spec.model) if spec.prefix_caching else None
         sched = SchedulerConfig(
             spec.max_batch_tokens, spec.max_running, spec.max_model_len, self.on_prefilled, salt
         )
@@ -292,6 +291,7 @@ class WorkerCore:
             return None
         self.next_heartbeat = now + self.spec.heartbeat_s
         s, pool = self.scheduler, self.tables.pool
+        cached, evicted = pool.take_events()
         return Heartbeat(
             self.worker_id,
             s.queued_tokens,
@@ -307,6 +307,8 @@ class WorkerCore:
             self.draining,
             s.prompt_tokens,
             s.prefix_hit_tokens,
+            cached,
+            evicted,
         )
 
     @property

@@ -45,6 +45,8 @@ class Ticket:
     prompt_len: int
     arrived: float
     cost: float = 1.0
+    prefix: tuple[bytes, ...] = ()  # its prompt's prefix hashes (``prefix_index.prompt_hashes``)
+    prefix_key: tuple[int, str] = (0, "")  # the (block size, model) they were computed for
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or not (math.isfinite(self.cost) and self.cost > 0):

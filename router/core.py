@@ -183,7 +183,10 @@ class RouterCore:
         now = self.clock()
         if deadline is not None:
             budgets = replace(budgets, ttft_ms=max(1e-3, min(budgets.ttft_ms, (deadline - now) * 1e3)))
-        ticket = Ticket(request_id, tenant, slo_class, budgets, len(prompt_ids), now)
+        key, prefix = self.routing.prefix_of(prompt_ids)
+        ticket = Ticket(
+            request_id, tenant, slo_class, budgets, len(prompt_ids), now, prefix=prefix, prefix_key=key
+        )
         req = RouterRequest(ticket, prompt_ids, params, eos_token_ids, deadline)
         self._requests[request_id] = self._wire[request_id] = req
         out: list[Effect] = []
@@ -431,7 +434,10 @@ class RouterCore:
             return
         self._wire[req.wire_id] = req
         out.append(FailedOver(req.request_id, cause, worker_id, message, req.base))
-        ticket = replace(req.ticket, request_id=req.wire_id, prompt_len=len(req.run_prompt))
+        key, prefix = self.routing.prefix_of(req.run_prompt)
+        ticket = replace(
+            req.ticket, request_id=req.wire_id, prompt_len=len(req.run_prompt), prefix=prefix, prefix_key=key
+        )
         ranking = self.routing.fit(ticket, replace(_ANY, ttft_ms=min(_ANY.ttft_ms, left_s * 1e3)))
         req.choices = ranking.choices
         req.reasons = [message] if ranking.fits else [message, f"no route fits it ({ranking.reason})"]

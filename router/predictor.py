@@ -83,7 +83,8 @@ def rank(
     for p in prefills:
         for d in decodes:
             rate = _link_rate(p.worker, d.worker, config)
-            transfer_ms = prompt_len * p.worker.kv_bytes_per_token / rate * 1e3 * margin
+            sent = prompt_len - d.worker.cached_tokens  # the decode worker's cached prefix stays put
+            transfer_ms = sent * p.worker.kv_bytes_per_token / rate * 1e3 * margin
             own = p.compute_ms + transfer_ms
             miss = _judge(p.queue_ms, own, own, budgets.ttft_ms, config.max_queue_share, d)
             if miss is not None:
@@ -162,6 +163,7 @@ def _choice(
         transfer_ms,
         cost,
         load,
+        prefill.cached_tokens + (0 if colocated else decode.cached_tokens),
     )
 
 
@@ -170,7 +172,7 @@ def _prefill_side(c: Candidate, prompt_len: int, margin: float) -> _Side:
     load = c.load
     attention = queued_attention(load.queued_tokens, load.waiting)
     queued = c.profile.prefill_seconds(load.queued_tokens, c.chunk_tokens, attention)
-    own = c.profile.prefill_seconds(prompt_len, c.chunk_tokens)
+    own = c.profile.prefill_seconds(prompt_len - c.cached_tokens, c.chunk_tokens)  # its cached prefix is free
     return _Side(c, queue_ms=queued * 1e3 * margin, compute_ms=own * 1e3 * margin)
 
 
@@ -200,7 +202,8 @@ def _colocated_side(
     attention = queued_attention(load.queued_tokens, load.waiting)
     queue_s = profile.prefill_seconds(load.queued_tokens, spare, attention)
     queue_s += math.ceil(load.queued_tokens / spare) * decode_s
-    own_s = profile.prefill_seconds(prompt_len, spare) + math.ceil(prompt_len / spare) * decode_s
+    new = prompt_len - c.cached_tokens  # its cached prefix is not computed again
+    own_s = profile.prefill_seconds(new, spare) + math.ceil(new / spare) * decode_s
 
     def itl(batch: int, context: float) -> float:
         decode = profile.decode_step_seconds(batch, round(context))
@@ -210,7 +213,7 @@ def _colocated_side(
         return (decode + min(share, config.colocated_prefill_share) * mixed) * 1e3 * margin
 
     side = _Side(c, queue_ms=queue_s * 1e3 * margin, compute_ms=own_s * 1e3 * margin)
-    idle_ms = profile.prefill_seconds(prompt_len, c.chunk_tokens) * 1e3 * margin
+    idle_ms = profile.prefill_seconds(new, c.chunk_tokens) * 1e3 * margin
     return _batch_side(c, prompt_len, budgets, config, itl, side), idle_ms
 
 
@@ -277,10 +280,12 @@ def _link_rate(p: Candidate, d: Candidate, config: PredictorConfig) -> float:
 
 
 def _order(fits: list[Choice], config: PredictorConfig, turn: int) -> tuple[Choice, ...]:
-    """Cheapest first, then least loaded; the equals of the best are shuffled by (seed, turn)."""
+    """Cheapest first, then least loaded; among the equals of the best, those whose workers hold
+    more of the prompt in their prefix caches first, the rest shuffled by (seed, turn)."""
     fits.sort(key=lambda ch: (ch.cost, ch.load, ch.decode, ch.prefill))
     best = fits[0]
     equal = [ch for ch in fits if ch.cost == best.cost and ch.load <= best.load + config.tie_tolerance]
     rest = fits[len(equal) :]
     random.Random(config.seed * 1_000_003 + turn).shuffle(equal)
+    equal.sort(key=lambda ch: -ch.cached_tokens)  # stable: the shuffle stays among equal hits
     return tuple(equal + rest)

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 from pdfabric.control import COLOCATED, DECODE, PREFILL, Heartbeat, Register
+from pdfabric.router.prefix_index import PrefixIndex
 
 
 @dataclass
@@ -33,10 +34,12 @@ class WorkerInfo:
 class Registry:
     def __init__(self) -> None:
         self.workers: dict[str, WorkerInfo] = {}
+        self.prefixes = PrefixIndex()  # which prefixes each worker reported in its cache
 
     def register(self, reg: Register) -> WorkerInfo:
         info = WorkerInfo(reg, time.monotonic())
         self.workers[reg.worker_id] = info
+        self.prefixes.forget(reg.worker_id)  # a new process: its cache starts empty
         return info
 
     def heartbeat(self, hb: Heartbeat) -> bool:
@@ -45,9 +48,11 @@ class Registry:
             return False
         info.load = hb
         info.last_seen = time.monotonic()
+        self.prefixes.update(hb.worker_id, hb.cached, hb.evicted, info.reg.num_blocks)
         return True
 
     def remove(self, worker_id: str) -> WorkerInfo | None:
+        self.prefixes.forget(worker_id)
         return self.workers.pop(worker_id, None)
 
     def expired(self, timeout_s: float) -> list[str]:

@@ -75,6 +75,7 @@ class Candidate:
     cost: float = 1.0  # the pool's relative cost; cheaper routes are preferred
     host: str = ""  # its machine ("": unknown): a pair on one host moves KV over shared memory
     kv_rates: Mapping[str, float] = field(default_factory=dict)  # measured KV rate per transport
+    cached_tokens: int = 0  # of the prompt being ranked, tokens in its prefix cache (as last reported)
 
     def __post_init__(self) -> None:
         if self.kind not in (PREFILL, DECODE, COLOCATED):
@@ -119,6 +120,7 @@ class Choice:
     transfer_ms: float
     cost: float
     load: float  # max(ttft / ttft budget, itl / itl budget), in [0, 1]
+    cached_tokens: int = 0  # prompt tokens its workers hold in their prefix caches (each side's)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from pdfabric.router.admission import AdmissionQueue, Outcome, Ticket
 from pdfabric.router.holders import Holders
 from pdfabric.router.openai_api import ApiError
 from pdfabric.router.policies import rank_routes
+from pdfabric.router.prefix_index import prompt_hashes
 from pdfabric.router.registry import Registry, Route, WorkerInfo
 from pdfabric.router.routes import Budgets, Candidate, Choice, PredictorConfig, Ranking, WorkerLoad
 from pdfabric.router.slo import AdmissionConfig
@@ -84,11 +85,16 @@ def with_pending(load: WorkerLoad, kind: str, prompt_len: int, requests: int = 1
 
 
 def candidate(
-    info: WorkerInfo, config: AdmissionConfig, pending: Iterable[int] = (), prompt_rate: float = 0.0
+    info: WorkerInfo,
+    config: AdmissionConfig,
+    pending: Iterable[int] = (),
+    prompt_rate: float = 0.0,
+    cached_tokens: int = 0,
 ) -> Candidate:
     """The predictor's view of one worker: its latest profile and load plus ``pending`` prompts (token
     counts) sent since its last heartbeat and the ``prompt_rate`` (tokens/s) recently sent to it,
-    under the lower of its own and its pool's limits."""
+    under the lower of its own and its pool's limits; ``cached_tokens`` of the prompt being ranked
+    are in its prefix cache."""
     reg = info.reg
     pool = config.pool(reg.kind, reg.pool)
     max_batch, chunk_tokens = pool.limits(reg.max_running, reg.max_batch_tokens)
@@ -100,7 +106,7 @@ def candidate(
     rates = info.load.kv_rates if info.load is not None else {}
     return Candidate(
         reg.worker_id, reg.kind, reg.pool, profile, load, max_batch, chunk_tokens, reg.kv_bytes_per_token,
-        pool.cost, reg.host, rates,
+        pool.cost, reg.host, rates, cached_tokens,
     )  # fmt: skip
 
 
@@ -139,13 +145,30 @@ class Routing:
 
     # --- predictions ----------------------------------------------------------------------------
 
-    def candidates(self) -> list[Candidate]:
+    def candidates(self, ticket: Ticket | None = None) -> list[Candidate]:
+        """Every worker that takes requests, as the predictor sees it; with a ``ticket``, each with
+        the prompt tokens of that request it holds in its prefix cache (as far as the router knows)."""
         now = self.clock()
         return [
-            candidate(w, self.config, self.holders.pending(wid), self.prompt_rate(wid, now))
+            candidate(
+                w, self.config, self.holders.pending(wid), self.prompt_rate(wid, now), self._cached(w, ticket)
+            )
             for wid, w in self.registry.workers.items()
             if not w.draining  # a draining worker takes no new requests
         ]
+
+    def prefix_of(self, prompt_ids: tuple[int, ...]) -> tuple[tuple[int, str], tuple[bytes, ...]]:
+        """(block size, model) of the workers and the prompt's prefix hashes for them (none when no
+        worker is registered)."""
+        for w in self.registry.workers.values():
+            key = (w.reg.block_size, w.reg.model)
+            return key, prompt_hashes(prompt_ids, *key)
+        return (0, ""), ()
+
+    def _cached(self, info: WorkerInfo, ticket: Ticket | None) -> int:
+        if ticket is None or not ticket.prefix or ticket.prefix_key != (info.reg.block_size, info.reg.model):
+            return 0
+        return self.registry.prefixes.cached_blocks(info.worker_id, ticket.prefix) * info.reg.block_size
 
     def prompt_rate(self, worker_id: str, now: float) -> float:
         """Prompt tokens per second sent to the worker over the last ``RATE_WINDOW_S`` (or since its
@@ -162,7 +185,7 @@ class Routing:
         """``FitFn`` for the admission queue: ranks the routes under the configured policy; an admitted
         ticket becomes pending load on its first choice at once, so the next prediction sees it."""
         ranking = rank_routes(
-            self.config.policy, ticket.prompt_len, budgets, self.candidates(), self.predictor, self.turn
+            self.config.policy, ticket.prompt_len, budgets, self.candidates(ticket), self.predictor, self.turn
         )
         if ranking.fits:
             self.turn += 1

@@ -341,6 +341,30 @@ def test_a_conversations_next_turn_reuses_cached_kv_token_exact(
         time.sleep(0.1)
 
 
+def test_each_turn_of_a_conversation_goes_where_its_history_is_cached(reference: ReferenceEngine) -> None:
+    """Two colocated workers: the router's view of their prefix caches sends every turn to the worker
+    that served the turn before, so each turn finds all of its history cached."""
+    with running_fabric("--model", "tiny", "--num-blocks", "256", "--colocated", "2") as url:
+
+        async def complete(prompt: list[int]) -> tuple[list[int], int]:
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 20, "temperature": 0,
+                    "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+            async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+                data = await r.json()
+            return data["choices"][0]["token_ids"], data["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        history, known = [(7 * i) % 200 + 5 for i in range(60)], 0  # known: tokens a worker has seen
+        for turn in range(4):
+            out, cached = asyncio.run(complete(history))
+            assert out == reference.generate(history, SamplingParams(20, ignore_eos=True)).token_ids
+            if turn:  # all of the last turn's prompt and answer, but its last token, in full blocks
+                assert cached == (known - 1) // 16 * 16, (turn, cached, known)
+            known = len(history) + len(out)
+            history = history + out + [3, 4]
+            time.sleep(0.6)  # the worker's next heartbeat tells the router what it cached
+
+
 def test_client_disconnect_frees_blocks(fabric: str) -> None:
     async def read_a_little() -> None:
         body = {"model": "tiny", "prompt": [3] * 100, "max_tokens": 3000, "ignore_eos": True, "stream": True}

@@ -204,3 +204,17 @@ def test_a_decode_worker_that_holds_a_prefix_receives_only_the_rest() -> None:
     assert out2 == _tokens(_serve(plain, {"t2": turn2}, 5), "t2")
     for core in (pre, dec):
         assert core.tables.pool.num_free == core.tables.pool.num_blocks
+
+
+def test_the_routers_view_follows_reports_and_stays_bounded() -> None:
+    from pdfabric.router.prefix_index import PrefixIndex
+
+    view = PrefixIndex()
+    view.update("w", [b"a", b"b", b"c"], [], limit=3)
+    assert view.cached_blocks("w", [b"a", b"b", b"x"]) == 2 and view.cached_blocks("v", [b"a"]) == 0
+    view.update("w", [b"d"], [b"b"], limit=3)
+    assert view.cached_blocks("w", [b"a", b"b"]) == 1
+    view.update("w", [b"e", b"f"], [], limit=3)  # past the worker's block count: the oldest go
+    assert view.cached_blocks("w", [b"a"]) == 0 and view.cached_blocks("w", [b"d"]) == 1
+    view.forget("w")
+    assert view.cached_blocks("w", [b"d"]) == 0

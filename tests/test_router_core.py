@@ -266,3 +266,26 @@ def test_a_deadline_bounds_admission_and_failover() -> None:
     clock.now = 10.5  # past its deadline: a failure ends it instead of moving it
     [failed] = [e.delta for e in core.worker_gone(first, "killed") if isinstance(e, Deliver)]
     assert failed.finish_reason == "error" and "deadline has passed" in failed.error
+
+
+def test_routing_prefers_the_worker_that_holds_the_prompts_prefix_and_survives_a_stale_view() -> None:
+    from dataclasses import replace
+
+    from pdfabric.router.prefix_index import prompt_hashes
+
+    core, _ = core_with(("c0", "colocated"), ("c1", "colocated"), ("c2", "colocated"))
+    prompt = tuple(range(3, 103))  # 100 tokens: 6 cacheable 16-token blocks
+    hashes = prompt_hashes(prompt, 16, "tiny")
+    assert len(hashes) == 6
+    core.on_message(replace(heartbeat("c2"), cached=hashes[:4]))
+    core.on_message(replace(heartbeat("c1"), cached=hashes))  # c1 holds the most
+    for i in range(5):  # whatever the shuffle among equals, the longest cached prefix wins
+        out = core.submit(f"r{i}", prompt, PARAMS, (0,), "default", "interactive", LOOSE)
+        assert sends(out) == [("c1", Generate)] and out[1].choice.cached_tokens == 96
+        core.end(f"r{i}")
+    core.on_message(replace(heartbeat("c1"), evicted=hashes[2:]))  # c1 dropped the tail: c2 now leads
+    out = core.submit("s", prompt, PARAMS, (0,), "default", "interactive", LOOSE)
+    assert sends(out) == [("c2", Generate)] and out[1].choice.cached_tokens == 64
+    core.worker_gone("c2", "killed")  # its view goes with it; a stale view is only a worse guess
+    out = core.submit("t", prompt, PARAMS, (0,), "default", "interactive", LOOSE)
+    assert sends(out)[0][0] == "c1" and out[1].choice.cached_tokens == 32
