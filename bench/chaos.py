@@ -186,7 +186,8 @@ class LocalFabric:
             raise ProcessLookupError(f"no process {pid}") from None
         except OSError:
             cmdline = []  # no /proc here: trust the router's record
-        if cmdline and not (b"pdfabric.cli" in cmdline and b"worker" in cmdline):
+        ours = any(arg.endswith((b"pdfabric", b"pdfabric.cli")) for arg in cmdline)  # -m or the script
+        if cmdline and not (ours and b"worker" in cmdline):
             raise ValueError(f"pid {pid} is not a pdfabric worker: {b' '.join(cmdline)[:120]!r}")
         os.kill(pid, signum)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from pdfabric.bench.chaos import (
     NOT_BACK,
     KillEvent,
     KillPlan,
+    LocalFabric,
     counter,
     delta,
     pick_victim,
@@ -108,6 +110,14 @@ def test_counters_are_read_from_a_prometheus_scrape() -> None:
     assert counter(text, "pdfabric_requests_lost_total") == {"": 2.0}
     assert counter(text, "pdfabric_nothing_total") == {}
     assert delta({"worker_gone": 1.0}, fo) == {"error": 1.0, "worker_gone": 2.0}
+
+
+def test_only_a_pdfabric_worker_process_is_signalled() -> None:
+    fabric = LocalFabric(None, "http://127.0.0.1:9")  # type: ignore[arg-type]  # no HTTP here
+    with pytest.raises(ValueError, match="not a pdfabric worker"):
+        fabric.signal(os.getpid(), 0)  # this test process: a pid the router could list after reuse
+    with pytest.raises(ProcessLookupError):
+        fabric.signal(2**22 + 1, 0)  # above the kernel's pid limit: no such process
 
 
 class FakeFabric:
