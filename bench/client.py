@@ -6,7 +6,9 @@ A request's life in the client:
    (token ids, or text of the exact token count) off the event loop;
 2. waiting: it sleeps until its arrival time, then is sent (the send lateness is recorded);
 3. streaming: token events are timed as they arrive (see ``pdfabric.bench.sse`` for the token rule);
-4. finished: one ``RequestRecord`` with status ok, rejected, error, timeout or cancelled.
+4. finished: one ``RequestRecord`` with status ok, rejected, error, timeout or cancelled. A stream is
+   ok only when it ended with a finish reason; one that broke off without a finish reason or an error
+   event (no terminal event) is an error, and its record says ``terminal=False``.
 
 The run stops when every request has finished, when ``max_run_s`` has passed, or when ``stop`` is set
 (Ctrl-C): requests not yet sent are counted as not sent, requests in flight are cancelled and recorded.
@@ -47,6 +49,7 @@ class ClientConfig:
     api_key: str | None = None
     lookahead_s: float = 1.0
     lateness_warn_ms: float = 20.0
+    keep_output: bool = False  # records carry the output text (and token ids, when the server sends them)
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -143,16 +146,24 @@ class _Run:
             async for chunk in iter_events(resp.content):
                 now_ms = (time.perf_counter() - sent) * 1000.0
                 if "error" in chunk:
+                    st.terminal = True
                     return ERROR, f"error event: {str(chunk['error'])[:300]}"
-                if chunk_text(chunk):
+                if text := chunk_text(chunk):
                     st.events.append(now_ms)
+                    if self.cfg.keep_output:
+                        st.text.append(text)
                 usage = chunk.get("usage") or {}
                 if usage.get("completion_tokens") is not None:
                     st.usage = int(usage["completion_tokens"])
                 for choice in chunk.get("choices") or []:
                     st.finish = choice.get("finish_reason") or st.finish
+                    if self.cfg.keep_output and choice.get("token_ids") is not None:
+                        st.token_ids.extend(choice["token_ids"])
+        st.terminal = st.finish is not None
         if not st.events:
             return ERROR, "stream ended without any token"
+        if st.finish is None:
+            return ERROR, "stream ended without a finish reason"
         if st.finish in ("error", "abort"):
             return ERROR, f"finish_reason {st.finish}"
         return OK, None
@@ -165,7 +176,9 @@ class _Run:
             output_len=req.output_len, status=status, http_status=st.http_status,
             ttft_ms=st.events[0] if st.events else None, e2e_ms=end_ms, output_tokens=n,
             token_count_source="usage" if st.usage is not None else "chunks", chunk_ms=list(st.events),
-            itl_ms=gaps, finish_reason=st.finish, error=err,
+            itl_ms=gaps, finish_reason=st.finish, error=err, terminal=st.terminal,
+            text="".join(st.text) if self.cfg.keep_output else None,
+            token_ids=list(st.token_ids) if self.cfg.keep_output and st.token_ids else None,
         ))
 
 
@@ -175,6 +188,9 @@ class _Stream:
     usage: int | None = None
     finish: str | None = None
     http_status: int | None = None
+    terminal: bool = False  # a finish reason or an error event arrived
+    text: list[str] = field(default_factory=list)  # kept only with ClientConfig.keep_output
+    token_ids: list[int] = field(default_factory=list)
 
 
 async def replay(
@@ -183,8 +199,11 @@ async def replay(
     prompts: PromptBuilder,
     stop: asyncio.Event | None = None,
     progress: Progress | None = None,
+    start_at: float | None = None,
 ) -> ReplayResult:
-    """Replay ``workload`` open-loop against ``cfg.url``; returns when done, bounded or stopped."""
+    """Replay ``workload`` open-loop against ``cfg.url``; returns when done, bounded or stopped.
+    ``start_at`` is the run's time zero on ``time.perf_counter()`` (default: 50 ms from now), for a
+    caller that acts on the same clock while the run goes on."""
     stop = stop or asyncio.Event()
     run = _Run(workload, cfg, prompts)
     reqs = workload.requests
@@ -194,7 +213,7 @@ async def replay(
     connector = aiohttp.TCPConnector(limit=0)  # open loop: never queue requests in the client
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as s:
         run.session = s
-        run.t0 = time.perf_counter() + 0.05
+        run.t0 = time.perf_counter() + 0.05 if start_at is None else start_at
         deadline = run.t0 + max_run
 
         async def dispatch() -> None:

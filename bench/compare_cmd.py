@@ -22,15 +22,12 @@ A started deployment's folder also holds ``server.log``, the server's and its wo
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pdfabric.bench.deploy import DeployError, Deployment, parse_deployments
+from pdfabric.bench.deploy import DeployError, client_for, parse_deployments
 from pdfabric.bench.goodput_cmd import add_search_arguments
 from pdfabric.bench.options import add_client_arguments, add_slo_arguments, add_workload_arguments
 
@@ -91,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     failed: dict[str, str] = {}
     for dep in deployments:
         try:
-            with _target(args, dep, out / dep.name) as (client, described):
+            with client_for(args, dep, out / dep.name) as (client, described):
                 results[dep.name], ok_records[dep.name], interrupted = _run_one(
                     args, plan, dep.name, client, described, out / dep.name)
         except DeployError as exc:
@@ -108,29 +105,6 @@ def run(args: argparse.Namespace) -> int:
     _write_comparison(out, report, results, ok_records, slo, args.target)
     print((out / "summary.md").read_text())
     return 130 if interrupted else 1 if failed else 0
-
-
-@contextmanager
-def _target(
-    args: argparse.Namespace, dep: Deployment, out: Path
-) -> Iterator[tuple[ClientConfig, dict[str, Any]]]:
-    """The client config for ``dep`` and what the report says about it; a started deployment runs
-    for exactly as long as the ``with`` block."""
-    from pdfabric.bench.deploy import save_health, started
-    from pdfabric.bench.options import client_from_args
-
-    if dep.server is None:
-        assert dep.url is not None  # parse_deployments gives a deployment a URL or a server
-        yield client_from_args(args, dep.url, dep.model), dep.describe()
-        return
-    print(f"{dep.name}: starting pdfabric {shlex.join(dep.server.command()[3:])}", file=sys.stderr)
-    with started(dep.server, out / "server.log", args.start_timeout, args.stop_grace) as server:
-        print(f"{dep.name}: serving {server.model!r} on {server.url} after {server.startup_s:.1f}s",
-              file=sys.stderr)
-        yield client_from_args(args, server.url, dep.model or server.model), {
-            **dep.describe(), **server.describe()}
-        save_health(server.url, out / "health.json")
-    print(f"{dep.name}: stopped", file=sys.stderr)
 
 
 @dataclass(frozen=True)

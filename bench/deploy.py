@@ -17,6 +17,7 @@ A server that exits or does not become ready in time raises ``DeployError`` with
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import re
@@ -33,7 +34,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pdfabric.bench.client import ClientConfig
 
 READY_LINE = re.compile(r"pdfabric: serving '(?P<model>.*)' on (?P<url>https?://\S+)")
 SERVE_PREFIX = "serve:"
@@ -226,6 +230,28 @@ def save_health(url: str, path: Path) -> None:
             path.write_bytes(r.read())
     except (OSError, urllib.error.URLError) as exc:
         print(f"warning: could not save {url}/health: {exc}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def client_for(
+    args: argparse.Namespace, dep: Deployment, out: Path
+) -> Iterator[tuple[ClientConfig, dict[str, Any]]]:
+    """The client config for ``dep`` (from the bench's client flags) and what the report says about
+    it; a started deployment runs for exactly as long as the ``with`` block, with its log in ``out``."""
+    from pdfabric.bench.options import client_from_args
+
+    if dep.server is None:
+        assert dep.url is not None  # a deployment has a URL or a server
+        yield client_from_args(args, dep.url, dep.model), dep.describe()
+        return
+    print(f"{dep.name}: starting pdfabric {shlex.join(dep.server.command()[3:])}", file=sys.stderr)
+    with started(dep.server, out / "server.log", args.start_timeout, args.stop_grace) as server:
+        print(f"{dep.name}: serving {server.model!r} on {server.url} after {server.startup_s:.1f}s",
+              file=sys.stderr)
+        yield client_from_args(args, server.url, dep.model or server.model), {
+            **dep.describe(), **server.describe()}
+        save_health(server.url, out / "health.json")
+    print(f"{dep.name}: stopped", file=sys.stderr)
 
 
 def _healthy(url: str) -> bool:

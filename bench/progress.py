@@ -38,6 +38,15 @@ class Progress:
         self.stream.flush()
         self._drawn = True
 
+    def note(self, line: str) -> None:
+        """A line about an event during the run (shown even when the bar is off); on a terminal it goes
+        above the bar, which is redrawn at the next update."""
+        if self.tty and self._drawn:
+            self.stream.write("\r\x1b[2K")
+            self._drawn = False
+        self.stream.write(line + "\n")
+        self.stream.flush()
+
     def close(self) -> None:
         if self.enabled and self.tty and self._drawn:
             self.stream.write("\n")

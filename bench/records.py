@@ -38,6 +38,9 @@ class RequestRecord:
     itl_ms: list[float] = field(default_factory=list)  # inter-token gaps, output_tokens - 1 of them
     finish_reason: str | None = None
     error: str | None = None
+    terminal: bool | None = None  # a finish reason or an error event arrived (None: not recorded)
+    text: str | None = None  # the output, when the client was asked to keep it
+    token_ids: list[int] | None = None  # the output's token ids, when kept and the server sent them
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -62,6 +65,9 @@ class RequestRecord:
                 d[key] = round(d[key], 3)
         d["chunk_ms"] = [round(x, 3) for x in self.chunk_ms]
         d["itl_ms"] = [round(x, 3) for x in self.itl_ms]
+        for key in ("text", "token_ids"):
+            if d[key] is None:
+                del d[key]
         return d
 
     @staticmethod

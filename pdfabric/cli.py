@@ -31,6 +31,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "replay"), "pdfabric.bench.replay_cmd", "replay a trace open-loop: TTFT, ITL, SLO attainment"),
     (("bench", "goodput"), "pdfabric.bench.goodput_cmd", "highest rate meeting both SLOs (rate search)"),
     (("bench", "compare"), "pdfabric.bench.compare_cmd", "one workload against several servers side by side"),
+    (("bench", "chaos"), "pdfabric.bench.chaos_cmd", "kill workers mid-replay: failovers, losses, delay"),
     (("bench", "rescore"), "pdfabric.bench.rescore_cmd", "goodput of saved rate searches under another SLO"),
     (("bench", "simulate"), "pdfabric.bench.simulate_cmd", "replay a workload on a simulated deployment"),
 ]

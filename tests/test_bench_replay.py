@@ -24,7 +24,7 @@ from pdfabric import cli
 from pdfabric.bench.client import ClientConfig, replay
 from pdfabric.bench.metrics import SLO
 from pdfabric.bench.prompts import PromptBuilder, PromptConfig
-from pdfabric.bench.records import CANCELLED, OK, REJECTED, TIMEOUT, read_jsonl
+from pdfabric.bench.records import CANCELLED, ERROR, OK, REJECTED, TIMEOUT, read_jsonl
 from pdfabric.bench.report import build_report
 from pdfabric.bench.synthetic import LengthSpec, SyntheticConfig, generate
 
@@ -33,7 +33,9 @@ from pdfabric.bench.synthetic import LengthSpec, SyntheticConfig, generate
 class FakeServer:
     """Streams ``max_tokens`` tokens: the first after ``ttft_s``, then ``tokens_per_chunk`` per chunk
     every ``tokens_per_chunk * itl_s``; every ``reject_every``-th request gets a 429; at most
-    ``concurrency`` requests are served at once (others queue, which makes TTFT grow with load)."""
+    ``concurrency`` requests are served at once (others queue, which makes TTFT grow with load); with
+    ``cut_after`` the stream breaks off after that many tokens, with no finish reason. Token ids (when
+    asked for with ``return_token_ids``) are the tokens' output indices."""
 
     ttft_s: float = 0.03
     itl_s: float = 0.01
@@ -41,6 +43,7 @@ class FakeServer:
     reject_every: int = 0
     usage: bool = True
     concurrency: int = 1000
+    cut_after: int = 0
     models: tuple[str, ...] = ("fake",)  # what GET /v1/models lists
     seen: list[dict[str, Any]] = field(default_factory=list)
 
@@ -68,11 +71,17 @@ class FakeServer:
         await asyncio.sleep(self.ttft_s)
         total, sent = int(body["max_tokens"]), 0
         while sent < total:
+            if self.cut_after and sent >= self.cut_after:
+                await resp.write_eof()
+                return resp
             k = 1 if sent == 0 else min(self.tokens_per_chunk, total - sent)
             if sent:
                 await asyncio.sleep(self.itl_s * k)
             sent += k
-            choice = {"index": 0, "text": "ab" * k, "finish_reason": "length" if sent == total else None}
+            choice: dict[str, Any] = {"index": 0, "text": "ab" * k,
+                                      "finish_reason": "length" if sent == total else None}
+            if body.get("return_token_ids"):
+                choice["token_ids"] = list(range(sent - k, sent))
             chunk = {"object": "text_completion", "choices": [choice]}
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
         if self.usage:
@@ -169,6 +178,24 @@ def test_timeouts_and_stop_give_partial_results() -> None:
     report = build_report(res.records, SLO(1000, 100), target=0.9, not_sent=res.not_sent, meta={},
                           stopped=res.stopped)
     assert report["partial"] is True and report["attainment"] is None
+
+
+def test_kept_output_and_a_stream_cut_without_a_finish_reason() -> None:
+    wl = _workload(2, rate=50.0)
+    with serving(FakeServer(itl_s=0.001, tokens_per_chunk=3)) as url:
+        cfg = ClientConfig(url=url, model="fake", max_run_s=10, keep_output=True,
+                           extra_body={"return_token_ids": True})
+        res = asyncio.run(replay(wl, cfg, PromptBuilder(PromptConfig())))
+    for r in res.records:
+        assert r.status == OK and r.terminal is True
+        assert r.text == "ab" * 8 and r.token_ids == list(range(8))
+    with serving(FakeServer(itl_s=0.001, cut_after=3)) as url:
+        cfg = ClientConfig(url=url, model="fake", max_run_s=10)
+        res = asyncio.run(replay(wl, cfg, PromptBuilder(PromptConfig())))
+    for r in res.records:
+        assert r.status == ERROR and r.terminal is False and r.output_tokens == 3
+        assert r.error == "stream ended without a finish reason" and r.text is None
+        assert "text" not in r.to_json() and r.to_json()["terminal"] is False
 
 
 def test_replay_command_writes_report(tmp_path: Path) -> None:
