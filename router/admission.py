@@ -47,6 +47,7 @@ class Ticket:
     cost: float = 1.0
     prefix: tuple[bytes, ...] = ()  # its prompt's prefix hashes (``prefix_index.prompt_hashes``)
     prefix_key: tuple[int, str] = (0, "")  # the (block size, model) they were computed for
+    max_wait_ms: float | None = None  # how long it may wait for a route (None: its class's max_wait_ms)
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or not (math.isfinite(self.cost) and self.cost > 0):
@@ -118,8 +119,9 @@ class AdmissionQueue:
             start, _ = self._tags(ticket)
             self._vtime = max(self._vtime, start)
             return [*outcomes, Outcome(ticket, ADMIT, ranking=ranking, waited_ms=_ms(now - ticket.arrived))]
-        deadline = ticket.arrived + min(cls.max_wait_ms, ticket.budgets.ttft_ms) / 1e3
-        if ranking.unreachable or cls.max_wait_ms == 0 or ranking.wait_ms > (deadline - now) * 1e3:
+        max_wait = cls.max_wait_ms if ticket.max_wait_ms is None else ticket.max_wait_ms
+        deadline = ticket.arrived + min(max_wait, ticket.budgets.ttft_ms) / 1e3
+        if ranking.unreachable or max_wait == 0 or ranking.wait_ms > (deadline - now) * 1e3:
             return [*outcomes, self._reject(ticket, now, ranking.reason, ranking)]
         if len(self._waiting) >= self.config.queue_capacity:
             victim = self._victim(ticket, cls.priority)

@@ -377,8 +377,11 @@ async def _stream_sse(
             ),
         }
         await _send(response, usage_chunk)
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
+    try:
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except ConnectionResetError:  # the client left after its last event: the request ended as it did
+        pass
     return response, outcome
 
 

@@ -200,7 +200,7 @@ class RouterCore:
         if req is None:
             return []
         out: list[Effect] = []
-        self.routing.queue.cancel(request_id)
+        self.routing.queue.cancel(req.wire_id)
         self._forget(req)
         self._drop_attempt(req, abort_reason, out)
         self._poll(out)
@@ -296,13 +296,18 @@ class RouterCore:
 
     def _settle(self, outcomes: list[Outcome], out: list[Effect]) -> None:
         for outcome in outcomes:
-            req = self._requests.get(outcome.ticket.request_id)
+            req = self._current(outcome.ticket.request_id)  # a request's first attempt, or a failover's
             if req is None:  # ended while waiting (the queue forgets it then; never in practice)
                 self.routing.forget(outcome.ticket.request_id)
             elif outcome.action == ADMIT:
                 assert outcome.ranking is not None
-                req.choices, req.waited_ms = outcome.ranking.choices, outcome.waited_ms
+                req.choices, req.tried = outcome.ranking.choices, 0
+                if not req.started:
+                    req.waited_ms = outcome.waited_ms
                 self._try_next(req, out)
+            elif req.started and outcome.action == REJECT:  # a failover that found no room in time
+                self.routing.forget(req.wire_id)
+                self._fail(req, "; ".join([*req.reasons, f"no worker could take it ({outcome.reason})"]), out)
             elif outcome.action == REJECT:
                 self._forget(req)
                 out.append(Refused(req.request_id, 429, outcome.reason, outcome))
@@ -434,14 +439,20 @@ class RouterCore:
             return
         self._wire[req.wire_id] = req
         out.append(FailedOver(req.request_id, cause, worker_id, message, req.base))
+        # The new attempt asks admission like a new request, so with every worker full it waits for
+        # room (until its deadline, or until the client's handler gives up on it) instead of failing.
         key, prefix = self.routing.prefix_of(req.run_prompt)
+        ttft_ms = min(_ANY.ttft_ms, left_s * 1e3)
         ticket = replace(
-            req.ticket, request_id=req.wire_id, prompt_len=len(req.run_prompt), prefix=prefix, prefix_key=key
-        )
-        ranking = self.routing.fit(ticket, replace(_ANY, ttft_ms=min(_ANY.ttft_ms, left_s * 1e3)))
-        req.choices = ranking.choices
-        req.reasons = [message] if ranking.fits else [message, f"no route fits it ({ranking.reason})"]
-        self._try_next(req, out)
+            req.ticket, request_id=req.wire_id, prompt_len=len(req.run_prompt), prefix=prefix,
+            prefix_key=key, budgets=replace(_ANY, ttft_ms=ttft_ms), arrived=self.clock(), max_wait_ms=ttft_ms,
+        )  # fmt: skip
+        req.choices, req.tried, req.reasons = (), 0, [message]
+        if not has_route(self.registry):  # nothing to wait for: no worker pair or colocated worker left
+            req.reasons.append("no route fits it (no_workers)")
+            self._try_next(req, out)  # fails it, naming the reasons
+            return
+        self._settle(self.routing.queue.arrive(ticket, ticket.arrived, self.routing.fit), out)
 
     def _fail(self, req: RouterRequest, message: str, out: list[Effect]) -> None:
         self._deliver(req, TokenDelta(req.request_id, req.next_index, (), (), "error", message), out)

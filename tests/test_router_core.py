@@ -289,3 +289,22 @@ def test_routing_prefers_the_worker_that_holds_the_prompts_prefix_and_survives_a
     core.worker_gone("c2", "killed")  # its view goes with it; a stale view is only a worse guess
     out = core.submit("t", prompt, PARAMS, (0,), "default", "interactive", LOOSE)
     assert sends(out)[0][0] == "c1" and out[1].choice.cached_tokens == 32
+
+
+def test_a_failover_with_every_worker_full_waits_for_room_instead_of_failing() -> None:
+    core, _ = core_with(("c0", "colocated"), ("c1", "colocated"), max_running=1)
+    [(w0, _)] = sends(submit(core, "a"))
+    [(w1, _)] = sends(submit(core, "b"))
+    assert {w0, w1} == {"c0", "c1"}
+    core.on_message(heartbeat(w0, running=1))
+    core.on_message(heartbeat(w1, running=1))
+    core.on_message(delta(w0, "a", 0, 2))
+    out = core.worker_gone(w0, "killed")
+    assert [type(e) for e in out] == [FailedOver] and sends(out) == []  # the survivor is full: "a" waits
+    assert len(core.routing.queue) == 1 and core.next_deadline() is not None
+    core.on_message(delta(w1, "b", 0, 4, "length"))
+    out = core.on_message(heartbeat(w1, running=0))  # room on the survivor
+    assert sends(out) == [(w1, Generate)] and len(core.routing.queue) == 0
+    [resumed] = [e.msg for e in out if isinstance(e, Send)]
+    assert resumed.request_id == "a~1" and len(resumed.prompt_ids) == 20 + 2
+    assert core.end("a") == [Send(w1, Abort("a~1", "request ended"))]
