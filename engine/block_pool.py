@@ -25,6 +25,12 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def cacheable_blocks(num_tokens: int, block_size: int) -> int:
+    """How many leading full blocks of a sequence may come from the prefix cache: never the block of
+    its last token, which the step that computes it samples the next token from."""
+    return (num_tokens - 1) // block_size
+
+
 def prefix_salt(model: str) -> bytes:
     """What the prefix hashes of a worker serving ``model`` start from (the router's view uses it)."""
     return hashlib.blake2b(model.encode(), digest_size=16).digest()

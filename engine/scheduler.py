@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from pdfabric.engine.block_pool import BlockTables, blocks_for, chain_hashes
+from pdfabric.engine.block_pool import BlockTables, blocks_for, cacheable_blocks, chain_hashes
 from pdfabric.engine.sequence import SeqState, Sequence
 from pdfabric.profile import StepShape
 
@@ -153,7 +153,7 @@ class Scheduler:
             seq.prefix_hit = 0
             return
         pool = self.tables.pool
-        blocks = pool.lookup(self._hashes(seq, (seq.num_tokens - 1) // pool.block_size))
+        blocks = pool.lookup(self._hashes(seq, cacheable_blocks(seq.num_tokens, pool.block_size)))
         if seq.prefix_hit is None:
             seq.prefix_hit = min(len(blocks) * pool.block_size, len(seq.prompt_ids))
             self.prefix_hit_tokens += seq.prefix_hit

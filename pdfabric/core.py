@@ -183,7 +183,7 @@ class KVRates:
 def delta_of(seq: Sequence) -> TokenDelta:
     """The delta for a sequence that just got one token (and maybe finished)."""
     index = len(seq.output_ids) - 1
-    cached = seq.prefix_hit or 0 if index == 0 else 0
+    cached = (seq.prefix_hit or 0) if index == 0 else 0
     return TokenDelta(
         seq.request_id, index, (seq.output_ids[-1],), (seq.output_logprobs[-1],), seq.finish_reason,
         cached_tokens=cached,

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from pdfabric.router.dispatcher import Dispatcher
+from pdfabric.router.openai_api import ApiError
 
 
 class Lifecycle:
@@ -54,8 +55,7 @@ def authorized(request: web.Request) -> bool:
 
 
 def _error(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> web.Response:
-    body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
-    return web.json_response(body, status=status, headers=headers)
+    return web.json_response(ApiError(status, message, kind=kind).body(), status=status, headers=headers)
 
 
 async def drain_worker(request: web.Request) -> web.Response:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from pdfabric.engine.block_pool import chain_hashes, prefix_salt
+from pdfabric.engine.block_pool import cacheable_blocks, chain_hashes, prefix_salt
 
 
 class PrefixIndex:
@@ -51,5 +51,5 @@ class PrefixIndex:
 def prompt_hashes(prompt_ids: Sequence[int], block_size: int, model: str) -> tuple[bytes, ...]:
     """The prefix hashes a worker computes for this prompt's blocks that may come from its cache
     (every full block before the last token)."""
-    usable = (len(prompt_ids) - 1) // block_size * block_size
+    usable = cacheable_blocks(len(prompt_ids), block_size) * block_size
     return tuple(chain_hashes(prompt_ids[:usable], block_size, prefix_salt(model)))
