@@ -59,6 +59,7 @@ class Heartbeat:
     prefix_hit_tokens: int = 0  # of those, found in its prefix cache
     cached: tuple[bytes, ...] = ()  # prefix hashes of the blocks it cached since its last heartbeat
     evicted: tuple[bytes, ...] = ()  # prefix hashes it dropped from its cache since then
+    received: int = 0  # work messages (Generate, Reserve, Prefill) taken in since it registered
 
 
 @message(3)

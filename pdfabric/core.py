@@ -210,6 +210,7 @@ class WorkerCore:
         self._recent_ms: deque[float] = deque(maxlen=32)
         self.next_heartbeat = 0.0
         self.draining = False  # ``drain()``: no new requests; the loop exits once ``idle``
+        self.received = 0  # work messages taken in since it registered: what its load counts
 
     # --- inputs ---------------------------------------------------------------------------------
 
@@ -228,6 +229,8 @@ class WorkerCore:
             return self.abort(msg.request_id, msg.reason)
         if isinstance(msg, Reregister):
             return self.rejoin(msg.reason)
+        if isinstance(msg, Generate | Reserve | Prefill):
+            self.received += 1
         if self.draining and isinstance(msg, Reserve):
             return [Reserved(self.worker_id, msg.request_id, (), f"{self.worker_id} is draining")]
         if self.draining and isinstance(msg, Generate | Prefill):
@@ -241,7 +244,7 @@ class WorkerCore:
         out: Out = []
         for request_id in self.scheduler.request_ids():
             out += self.abort(request_id, f"router lost the request: {reason}")
-        self.next_heartbeat = 0.0
+        self.next_heartbeat, self.received = 0.0, 0
         return [*out, self.registration()]
 
     def drain(self) -> None:
@@ -309,6 +312,7 @@ class WorkerCore:
             s.prefix_hit_tokens,
             cached,
             evicted,
+            self.received,
         )
 
     @property

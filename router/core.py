@@ -249,7 +249,7 @@ class RouterCore:
             if not self.registry.heartbeat(msg):  # this router restarted, or gave the worker up
                 out.append(Send(msg.worker_id, Reregister("the router does not know this worker")))
             else:
-                self.routing.on_heartbeat(msg.worker_id)
+                self.routing.on_heartbeat(msg.worker_id, msg.received)
                 self._poll(out)
         elif isinstance(msg, Reserved):
             self._on_reserved(msg, out)
@@ -325,13 +325,13 @@ class RouterCore:
                 continue
             if route.colocated is not None:
                 self.holders.hold(rid, choice.decode)
-                out.append(Send(choice.decode, Generate(rid, prompt, params, req.eos)))
+                self._send_work(choice.decode, Generate(rid, prompt, params, req.eos), out)
                 self._started(req, choice, choice.decode, out)
                 return
             deadline = self.clock() + self.reserve_timeout_s
             self.holders.reserving(rid, choice.decode, deadline)  # an end from here on aborts it there
             heapq.heappush(self._timeouts, (deadline, rid, choice.decode))
-            out.append(Send(choice.decode, Reserve(rid, prompt, params, req.eos)))
+            self._send_work(choice.decode, Reserve(rid, prompt, params, req.eos), out)
             return
         self.routing.forget(rid)
         self.holders.end(rid)  # every route let go of it already
@@ -365,8 +365,12 @@ class RouterCore:
         prefill = Prefill(
             rid, req.run_prompt, req.run_params, req.eos, kv_endpoint, reply.block_ids, reply.cached_blocks
         )
-        out.append(Send(choice.prefill, prefill))
+        self._send_work(choice.prefill, prefill, out)
         self._started(req, choice, f"{choice.prefill}->{decode_id}", out)
+
+    def _send_work(self, worker_id: str, msg: Generate | Reserve | Prefill, out: list[Effect]) -> None:
+        self.holders.sent(msg.request_id, worker_id)  # numbered, for the heartbeat that counts it
+        out.append(Send(worker_id, msg))
 
     def _started(self, req: RouterRequest, choice: Choice, route: str, out: list[Effect]) -> None:
         self.routing.routed(req.wire_id, len(req.run_prompt), choice)

@@ -3,10 +3,12 @@ the one place that lets go of them.
 
 A request's life here (no sockets, no clock, no torch; ``core.RouterCore`` owns it and acts on
 what it returns):
-1. ``routed`` counts it as *pending* load on its route's workers: sent, but not yet in their
-   heartbeats (``pending`` is what the routing adds to their last reported load). Each worker's next
-   heartbeat spends it (``heartbeat``); ``routed`` again moves it to another route, ``unrouted``
-   drops it when no route took it.
+1. ``routed`` counts it as *pending* load on its route's workers: routed, but not yet in their
+   heartbeats (``pending`` is what the routing adds to their last reported load). ``sent`` numbers
+   each work message (``Generate``, ``Reserve``, ``Prefill``) sent to a worker; a heartbeat that says
+   how many of them the worker had taken in (``heartbeat``) spends the pending load of those, and
+   only those: a report written before the work arrived leaves it pending. ``routed`` again moves it
+   to another route, ``unrouted`` drops it when no route took it.
 2. ``reserving`` records a decode worker asked to reserve KV blocks for it, with what waits for the
    reply; ``replied`` hands that back once (``awaiting`` peeks at it). A worker asked to reserve
    holds the request: its blocks may already be taken when the request ends before the reply.
@@ -43,26 +45,40 @@ class Holders(Generic[W]):
         self._requests: dict[str, _Held[W]] = {}
         self._by_worker: dict[str, set[str]] = {}
         self._pending: dict[str, dict[str, int]] = {}  # worker id -> {request id: prompt tokens}
+        self._sent: dict[str, int] = {}  # worker id -> work messages sent to it since it registered
+        self._seq: dict[str, dict[str, int]] = {}  # worker id -> {request id: its message's number}
+        self._seen: dict[str, int] = {}  # worker id -> work messages its last heartbeat counted
 
     # --- pending load ---------------------------------------------------------------------------
 
     def routed(self, request_id: str, prompt_len: int, workers: Iterable[str]) -> None:
-        """Counts the request as pending on ``workers`` (and nowhere else)."""
+        """Counts the request as pending on ``workers`` (and nowhere else), unless a heartbeat from one
+        of them already counts it."""
         self.unrouted(request_id)
         for worker_id in workers:
-            self._pending.setdefault(worker_id, {})[request_id] = prompt_len
+            seq = self._seq.get(worker_id, {}).get(request_id)
+            if seq is None or seq > self._seen.get(worker_id, 0):
+                self._pending.setdefault(worker_id, {})[request_id] = prompt_len
 
     def unrouted(self, request_id: str) -> None:
         for pending in self._pending.values():
             pending.pop(request_id, None)
 
+    def sent(self, request_id: str, worker_id: str) -> None:
+        """A work message for the request went to the worker: the next that it numbers."""
+        self._sent[worker_id] = seq = self._sent.get(worker_id, 0) + 1
+        self._seq.setdefault(worker_id, {})[request_id] = seq
+
     def pending(self, worker_id: str) -> Iterable[int]:
-        """Prompt lengths sent to the worker since its last heartbeat."""
+        """Prompt lengths routed to the worker that its last heartbeat did not count yet."""
         return self._pending.get(worker_id, {}).values()
 
-    def heartbeat(self, worker_id: str) -> None:
-        """The worker's report now includes what was sent to it."""
-        self._pending.pop(worker_id, None)
+    def heartbeat(self, worker_id: str, received: int) -> None:
+        """The worker's report counts the first ``received`` work messages sent to it."""
+        self._seen[worker_id] = received
+        seqs, pending = self._seq.get(worker_id, {}), self._pending.get(worker_id, {})
+        for request_id in [r for r in pending if seqs.get(r, received + 1) <= received]:
+            del pending[request_id]
 
     # --- holding --------------------------------------------------------------------------------
 
@@ -98,6 +114,8 @@ class Holders(Generic[W]):
     def end(self, request_id: str) -> tuple[str, ...]:
         """Forgets the request; the workers that still held it (sorted), each owed an ``Abort``."""
         self.unrouted(request_id)
+        for seqs in self._seq.values():
+            seqs.pop(request_id, None)
         held = self._requests.pop(request_id, None)
         if held is None:
             return ()
@@ -108,7 +126,8 @@ class Holders(Generic[W]):
     def worker_gone(self, worker_id: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """Forgets the worker: the requests it held (sorted; they fail with it) and those awaiting a
         reservation reply it will never send (sorted; they try their next route instead)."""
-        self._pending.pop(worker_id, None)
+        for table in (self._pending, self._sent, self._seq, self._seen):
+            table.pop(worker_id, None)  # a process registering again under this id numbers from 1
         failed, waiting = [], []
         for rid in sorted(self._by_worker.pop(worker_id, ())):
             held = self._requests[rid]

@@ -204,6 +204,7 @@ class Routing:
         """No route took ``request_id``: it is pending nowhere."""
         self.holders.unrouted(request_id)
 
-    def on_heartbeat(self, worker_id: str) -> None:
-        """The worker's report now includes what was sent to it: its pending load is spent."""
-        self.holders.heartbeat(worker_id)
+    def on_heartbeat(self, worker_id: str, received: int) -> None:
+        """The worker's report counts the first ``received`` work messages sent to it: their pending
+        load is spent."""
+        self.holders.heartbeat(worker_id, received)

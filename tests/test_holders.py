@@ -82,10 +82,40 @@ def test_pending_load_moves_with_the_route_and_is_spent_by_heartbeats() -> None:
     h.routed("r", 20, ["p1", "d0"])  # tried a second route: pending only there
     assert sorted(h.pending("p0")) == [30] and sorted(h.pending("d0")) == [20, 30]
     assert list(h.pending("p1")) == [20]
-    h.heartbeat("d0")
+    h.sent("r", "d0")
+    h.sent("s", "d0")
+    h.heartbeat("d0", 2)
     assert list(h.pending("d0")) == [] and list(h.pending("p1")) == [20]
     h.unrouted("r")
     assert list(h.pending("p1")) == []
+
+
+def test_a_heartbeat_spends_only_the_work_it_had_taken_in() -> None:
+    """Heartbeats and work cross on the wire: a report written before a message arrived at the worker
+    leaves that message's load pending, also when the route is confirmed after the report."""
+    h: Holders[str] = Holders()
+    h.routed("a", 10, ["c"])
+    h.routed("b", 20, ["c"])
+    h.routed("z", 40, ["c"])  # admitted, not sent yet (a reservation elsewhere comes first)
+    h.sent("a", "c")
+    h.sent("b", "c")
+    h.heartbeat("c", 0)  # written before either arrived
+    assert sorted(h.pending("c")) == [10, 20, 40]
+    h.heartbeat("c", 1)
+    assert sorted(h.pending("c")) == [20, 40]
+    h.sent("y", "w")
+    h.heartbeat("w", 1)
+    h.routed("y", 5, ["w"])  # routed once its report counted it: no pending load
+    assert list(h.pending("w")) == []
+    h.heartbeat("c", 2)
+    assert list(h.pending("c")) == [40]  # never sent: pending until it is, or until it ends
+    h.end("z")
+    assert list(h.pending("c")) == []
+    h.worker_gone("c")  # a new process under the id numbers its messages from 1 again
+    h.routed("n", 7, ["c"])
+    h.sent("n", "c")
+    h.heartbeat("c", 0)
+    assert list(h.pending("c")) == [7]
 
 
 # --- the dispatcher over Holders, with scripted workers ------------------------------------------

@@ -49,8 +49,9 @@ def core_with(*workers: tuple[str, str], max_running: int = 64, **kw: object) ->
     return core, clock
 
 
-def heartbeat(wid: str, running: int = 0) -> Heartbeat:
-    return Heartbeat(wid, 0, running, 0, 100, 100, 1.0, 0, 2e9, PROFILE)
+def heartbeat(wid: str, running: int = 0, received: int = 1 << 30) -> Heartbeat:
+    """A report that counts every work message sent so far, unless ``received`` says otherwise."""
+    return Heartbeat(wid, 0, running, 0, 100, 100, 1.0, 0, 2e9, PROFILE, received=received)
 
 
 def submit(core: RouterCore, rid: str, budgets: Budgets = LOOSE, prompt: int = 20) -> list[object]:

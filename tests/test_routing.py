@@ -84,7 +84,9 @@ def test_admitted_requests_count_as_pending_until_the_next_heartbeat() -> None:
     assert ranking.fits and route_of(registry, ranking.choices[0]) is not None
     loads = {c.worker_id: c.load for c in routing.candidates()}
     assert loads["p"].queued_tokens == 20 and loads["d"].waiting == 1 and loads["d"].context_tokens == 20
-    routing.on_heartbeat("p")  # the prefill worker's report now counts it; the decode worker's not yet
+    routing.holders.sent("r1", "p")
+    routing.holders.sent("r1", "d")
+    routing.on_heartbeat("p", 1)  # the prefill worker's report now counts it; the decode worker's not yet
     loads = {c.worker_id: c.load for c in routing.candidates()}
     assert loads["p"].queued_tokens == 0 and loads["d"].waiting == 1
     routing.forget("r1")
@@ -166,7 +168,9 @@ def test_prompt_rate_sent_to_a_worker_feeds_the_colocated_itl() -> None:
     routing.fit(_ticket("r1", prompt_len=300), loose)
     assert routing.prompt_rate("c", now[0]) == pytest.approx(500 / 10)
     registry.heartbeat(heartbeat("c"))  # the worker's report includes what was sent: pending is spent
-    routing.on_heartbeat("c")
+    routing.holders.sent("r0", "c")
+    routing.holders.sent("r1", "c")
+    routing.on_heartbeat("c", 2)
     now[0] = 20.0
     busy_itl = routing.fit(_ticket("r2", prompt_len=200), loose).choices[0].itl_ms
     assert busy_itl > idle_itl

@@ -36,8 +36,15 @@ async def _post(url: str, body: dict, headers: dict | None = None) -> tuple[int,
         return r.status, dict(r.headers), await r.json()
 
 
-async def _usage(session: aiohttp.ClientSession, url: str, body: dict, headers: dict | None = None) -> dict:
-    """The ``usage`` of one streamed completion (which asks for it)."""
+async def _usage(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict,
+    headers: dict | None = None,
+    started: asyncio.Event | None = None,
+) -> dict:
+    """The ``usage`` of one streamed completion (which asks for it); ``started`` is set at its first
+    token."""
     body = {"model": "tiny", "stream": True, "stream_options": {"include_usage": True}, **body}
     usage = None
     async with session.post(url + "/v1/completions", json=body, headers=headers or {}) as r:
@@ -47,13 +54,15 @@ async def _usage(session: aiohttp.ClientSession, url: str, body: dict, headers: 
                 data = json.loads(line[6:])
                 assert "error" not in data, data
                 usage = data.get("usage") or usage
+                if started is not None:
+                    started.set()
     assert usage is not None
     return usage
 
 
 # One colocated worker that decodes two sequences at once, so that a burst waits in the router's queue.
 # The budgets are loose enough that no deadline passes even when a busy machine slows every step (and
-# the worker's profile with it) tenfold: the test is about order. Each request makes 8 tokens.
+# the worker's profile with it) tenfold: the test is about order.
 FAIR_CONFIG = """
 [serve]
 model = "tiny"
@@ -77,14 +86,14 @@ name = "interactive"
 priority = 10
 max_wait_ms = 120000
 """
-BURST, LATE = 10, 3  # requests from tenant A, then from tenant B
+BURST, LATE = 8, 3  # requests from tenant A, then from tenant B
 
 
 def test_a_late_tenant_is_served_ahead_of_a_burst(tmp_path: Path) -> None:
-    """Tenant A sends a burst that the worker cannot take at once; tenant B sends a few requests once
-    A's backlog waits in the router. Weighted fair queuing admits B's requests among A's first ones,
-    not behind A's whole backlog: B waits less than most of A's requests and finishes before many of
-    them. Only the order is asserted, never a duration."""
+    """Tenant A sends a burst that the worker cannot take at once (two long requests hold both of its
+    places); tenant B sends a few requests once A's backlog waits in the router. Weighted fair queuing
+    admits B's requests among A's first ones, not behind A's whole backlog: B waits less than most of
+    A's requests and finishes before many of them. Only the order is asserted, never a duration."""
     path = tmp_path / "fair.toml"
     path.write_text(FAIR_CONFIG)
     body = {"max_tokens": 8, "ignore_eos": True, "slo": {}}
@@ -92,34 +101,50 @@ def test_a_late_tenant_is_served_ahead_of_a_burst(tmp_path: Path) -> None:
     async def scenario(url: str) -> tuple[list[tuple[dict, float]], list[tuple[dict, float]]]:
         async with aiohttp.ClientSession() as session:
 
-            async def one(tenant: str, i: int) -> tuple[dict, float]:
-                prompt = [5 + i] * 16
-                usage = await _usage(session, url, {**body, "prompt": prompt}, {"X-Tenant": tenant})
+            async def one(
+                tenant: str, i: int, max_tokens: int = 8, started: asyncio.Event | None = None
+            ) -> tuple[dict, float]:
+                request = {**body, "prompt": [5 + i] * 16, "max_tokens": max_tokens}
+                usage = await _usage(session, url, request, {"X-Tenant": tenant}, started)
                 return usage, time.monotonic()
 
+            async def backlog(tasks: list[asyncio.Task], n: int) -> None:
+                """Until ``n`` requests wait in the router (any task that fails fails the test)."""
+                while True:
+                    waiting = await asyncio.to_thread(metric_values, url, "pdfabric_admission_waiting")
+                    if waiting.get("", 0) >= n:
+                        return
+                    for task in tasks:
+                        if task.done():
+                            task.result()
+                    assert not holding[0].done(), "A's first request ended before the queue was set up"
+                    await asyncio.sleep(0.01)
+
+            # A's first two requests take both of the worker's places and keep them until the queue is
+            # set up: then they are cancelled, so the order of admission alone decides, however fast or
+            # slow the machine runs.
+            started = [asyncio.Event(), asyncio.Event()]
+            holding = [asyncio.create_task(one("A", 100 + i, 3000, e)) for i, e in enumerate(started)]
+            await asyncio.gather(*(e.wait() for e in started))
             burst = [asyncio.create_task(one("A", i)) for i in range(BURST)]
-            # Until A's burst waits in the router, all but the two running requests and at most one
-            # admitted since: B's requests then take three of the next five admissions (A's requests
-            # are spaced by one in virtual time from where A's last admitted one started, B's from
-            # there too), so they come before the sixth of A's and all later ones; first come, first
-            # served would put them behind all of A's.
-            while True:
-                waiting = await asyncio.to_thread(metric_values, url, "pdfabric_admission_waiting")
-                if waiting.get("", 0) >= BURST - 3:
-                    break
-                for task in burst:
-                    if task.done():
-                        task.result()  # a failed request fails the test now
-                await asyncio.sleep(0.01)
+            await backlog(burst, BURST)
             late = [asyncio.create_task(one("B", i)) for i in range(LATE)]
+            await backlog(burst + late, BURST + LATE)
+            # A's requests are spaced by one in virtual time from where its first one started (0), B's
+            # from the virtual time of the latest admission (A's second, 1): the next admissions go
+            # B, A, B, A, B, then the six other A's; first come, first served would put B's three
+            # behind all of A's.
+            for task in holding:
+                task.cancel()
+            await asyncio.gather(*holding, return_exceptions=True)
             return list(await asyncio.gather(*burst)), list(await asyncio.gather(*late))
 
-    with running_fabric("--config", str(path), timeout=25) as url:  # start, run and check in under 60 s
-        a, b = asyncio.run(asyncio.wait_for(scenario(url), 30))
+    with running_fabric("--config", str(path), timeout=25) as url:  # start, run and check in under 90 s
+        a, b = asyncio.run(asyncio.wait_for(scenario(url), 60))
         wait_blocks_free(url, timeout=5)
     a_waits = [u["pdfabric"]["measured"]["router_wait_ms"] for u, _ in a]
     b_waits = [u["pdfabric"]["measured"]["router_wait_ms"] for u, _ in b]
-    # A's last five were admitted after all of B's, and arrived before them: they waited longer.
+    # A's last six were admitted after all of B's, and arrived before them: they waited longer.
     assert max(b_waits) < sorted(a_waits)[-5], (b_waits, sorted(a_waits))
     b_done = max(t for _, t in b)
     assert sum(t > b_done for _, t in a) >= 2, "B finished behind A's burst"
@@ -214,7 +239,8 @@ def test_tight_itl_lands_in_the_small_batch_pool(fabric: str) -> None:
                 p_loaded = loaded["pdfabric"]["predicted"]["itl_ms"]
                 assert p_loaded > 3 * p_idle, (p_idle, p_loaded)
                 budget = p_loaded / 2  # far below the bulk batch, far above a batch of one
-                body = {"prompt": [7] * 32, "max_tokens": 4, "slo": {"itl_ms": budget}}
+                # sampled, not greedy: without ignore_eos an early end of sequence leaves no gap to measure
+                body = {"prompt": [7] * 32, "max_tokens": 4, "ignore_eos": True, "slo": {"itl_ms": budget}}
                 tight = await _usage(session, fabric, body)
                 workers = get_json(fabric + "/health")[1]["workers"]
             finally:

@@ -256,11 +256,12 @@ def test_reregister_drops_everything_held_and_registers_again() -> None:
     col.handle(Generate("a", (5, 6, 7), params, ()))
     col.handle(Generate("b", (1, 2), params, ()))
     _run_step(col)
-    col.heartbeat(0.0)
+    assert col.heartbeat(0.0).received == 2  # the work it took in, for the router's pending load
     out = col.handle(Reregister("router restarted"))
     assert [type(m) for m in out] == [Register] and out[0].worker_id == "colocated-0"
     assert col.idle and col.scheduler.request_ids() == []
-    assert col.heartbeat(0.01) is not None  # due at once: the router hears the load right away
+    hb = col.heartbeat(0.01)  # due at once: the router hears the load right away
+    assert hb is not None and hb.received == 0  # counted anew, as the router numbers its messages
     dec = DecodeCore(_spec("decode"), PROFILE, "kv://d")
     dec.handle(Reserve("r", tuple(range(10)), params, ()))
     out = dec.handle(Reregister("router restarted"))
