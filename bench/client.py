@@ -155,6 +155,9 @@ class _Run:
                 usage = chunk.get("usage") or {}
                 if usage.get("completion_tokens") is not None:
                     st.usage = int(usage["completion_tokens"])
+                details = usage.get("prompt_tokens_details") or {}
+                if details.get("cached_tokens") is not None:
+                    st.cached_tokens = int(details["cached_tokens"])
                 for choice in chunk.get("choices") or []:
                     st.finish = choice.get("finish_reason") or st.finish
                     if self.cfg.keep_output and choice.get("token_ids") is not None:
@@ -179,6 +182,7 @@ class _Run:
             itl_ms=gaps, finish_reason=st.finish, error=err, terminal=st.terminal,
             text="".join(st.text) if self.cfg.keep_output else None,
             token_ids=list(st.token_ids) if self.cfg.keep_output and st.token_ids else None,
+            cached_tokens=st.cached_tokens,
         ))
 
 
@@ -186,6 +190,7 @@ class _Run:
 class _Stream:
     events: list[float] = field(default_factory=list)
     usage: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when the server sends it
     finish: str | None = None
     http_status: int | None = None
     terminal: bool = False  # a finish reason or an error event arrived

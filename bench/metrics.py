@@ -12,6 +12,9 @@ Definitions (all latencies as the client saw them, in ms):
   and is judged on TTFT alone. Rejected, failed and timed-out requests count as misses.
 - Attainment: the fraction of requests that meet the SLO, out of every request the run finished
   (cancelled requests, stopped by Ctrl-C or the run's time bound, are left out; so are unsent ones).
+- Prefix-cache hit rate: the prompt tokens the server reported as cached
+  (``usage.prompt_tokens_details.cached_tokens``) over the prompt tokens of the ok requests it
+  reported them for.
 
 Percentiles interpolate linearly between order statistics (numpy's default).
 """
@@ -154,4 +157,20 @@ def summarize(records: list[RequestRecord], slo: SLO, not_sent: int = 0) -> dict
         "attainment_itl_only": round(met_itl / len(pool), 4) if pool else None,
         "short_outputs": sum(r.output_tokens < r.output_len for r in ok),
         "token_counts_from_usage": sum(r.token_count_source == "usage" for r in ok),
+        "prefix_cache": prefix_cache(ok),
+    }
+
+
+def prefix_cache(ok: list[RequestRecord]) -> dict[str, Any] | None:
+    """Prompt tokens the server said came from its prefix cache (``usage.prompt_tokens_details``), over
+    the ok requests it said it for; ``None`` when it said it for none."""
+    said = [r for r in ok if r.cached_tokens is not None]
+    if not said:
+        return None
+    prompt, cached = sum(r.input_len for r in said), sum(r.cached_tokens or 0 for r in said)
+    return {
+        "requests": len(said),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "hit_rate": round(cached / prompt, 4) if prompt else None,
     }

@@ -41,6 +41,7 @@ class RequestRecord:
     terminal: bool | None = None  # a finish reason or an error event arrived (None: not recorded)
     text: str | None = None  # the output, when the client was asked to keep it
     token_ids: list[int] | None = None  # the output's token ids, when kept and the server sent them
+    cached_tokens: int | None = None  # prompt tokens the server found in its prefix cache (None: not said)
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -65,7 +66,7 @@ class RequestRecord:
                 d[key] = round(d[key], 3)
         d["chunk_ms"] = [round(x, 3) for x in self.chunk_ms]
         d["itl_ms"] = [round(x, 3) for x in self.itl_ms]
-        for key in ("text", "token_ids"):
+        for key in ("text", "token_ids", "cached_tokens"):
             if d[key] is None:
                 del d[key]
         return d

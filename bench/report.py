@@ -135,6 +135,12 @@ def summary_md(report: dict[str, Any], label: str) -> str:
         *latency_table(report),
         "",
     ]
+    if cache := report.get("prefix_cache"):  # the header's last item
+        rate = "-" if cache["hit_rate"] is None else f"{cache['hit_rate']:.1%}"
+        lines.insert(lines.index("", 2), (
+            f"- prefix cache (server-reported): {cache['cached_tokens']} of {cache['prompt_tokens']} prompt "
+            f"tokens cached, hit rate **{rate}** over {cache['requests']} requests"
+        ))
     lines += scaling_lines(report.get("workload", {}))
     if report.get("stopped"):
         lines += ["", f"**Partial run**: stopped early ({report['stopped']})."]
@@ -159,4 +165,8 @@ def scaling_lines(workload: dict[str, Any]) -> list[str]:
     lines.append(f"- replayed: {workload.get('requests')} requests over {workload.get('span_s')} s "
                  f"({workload.get('mean_rate')} req/s), {workload.get('input_tokens')} input / "
                  f"{workload.get('output_tokens')} output tokens")
+    if workload.get("shared_prefix_tokens") is not None and workload.get("input_tokens"):
+        share = workload["shared_prefix_tokens"] / workload["input_tokens"]
+        lines.append(f"- shared prefixes: {workload['shared_prefix_tokens']} input tokens ({share:.1%}) "
+                     "repeat an earlier prompt's start (what an unbounded prefix cache could reuse)")
     return lines

@@ -114,6 +114,28 @@ class Workload:
             "mean_rate": round(rate, 4) if 0 < rate < float("inf") else None,
             "input_tokens": sum(r.input_len for r in self.requests),
             "output_tokens": sum(r.output_len for r in self.requests),
+            "shared_prefix_tokens": shared_prefix_tokens(self.requests),
             "source": self.source,
             "scaling": self.scaling,
         }
+
+
+def shared_prefix_tokens(requests: tuple[Request, ...] | list[Request]) -> int | None:
+    """Prompt tokens that repeat the start of an earlier request's prompt (in arrival order), as the
+    prompt builder lays out ``hash_ids``: what a prefix cache of unbounded size could reuse at token
+    granularity, an upper bound on any server's hit. ``None`` when no request has hash ids."""
+    if not any(r.hash_ids for r in requests):
+        return None
+    seen: dict[tuple[int, ...], int] = {}  # a chain of leading block ids -> most tokens seen in its last
+    shared = 0
+    for r in sorted(requests, key=lambda r: (r.arrival_s, r.index)):
+        ids = r.hash_ids or ()
+        matching = True
+        for i in range(min(len(ids), -(-r.input_len // PREFIX_BLOCK_TOKENS))):
+            chain, own = ids[: i + 1], min(PREFIX_BLOCK_TOKENS, r.input_len - i * PREFIX_BLOCK_TOKENS)
+            if matching:
+                before = seen.get(chain, 0)
+                shared += min(before, own)
+                matching = before >= own
+            seen[chain] = max(seen.get(chain, 0), own)
+    return shared

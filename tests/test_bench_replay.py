@@ -44,6 +44,7 @@ class FakeServer:
     usage: bool = True
     concurrency: int = 1000
     cut_after: int = 0
+    cached: int | None = None  # prompt tokens it says came from its prefix cache (None: it does not say)
     models: tuple[str, ...] = ("fake",)  # what GET /v1/models lists
     seen: list[dict[str, Any]] = field(default_factory=list)
 
@@ -85,7 +86,9 @@ class FakeServer:
             chunk = {"object": "text_completion", "choices": [choice]}
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
         if self.usage:
-            usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": sent}
+            usage: dict[str, Any] = {"prompt_tokens": len(body["prompt"]), "completion_tokens": sent}
+            if self.cached is not None:
+                usage["prompt_tokens_details"] = {"cached_tokens": self.cached}
             await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
@@ -137,7 +140,7 @@ def _workload(n: int, rate: float, n_in: int = 40, n_out: int = 8):
 
 
 def test_replay_records_ttft_itl_and_statuses() -> None:
-    fake = FakeServer(ttft_s=0.05, itl_s=0.01, tokens_per_chunk=2, reject_every=4)
+    fake = FakeServer(ttft_s=0.05, itl_s=0.01, tokens_per_chunk=2, reject_every=4, cached=10)
     wl = _workload(12, rate=60.0)
     with serving(fake) as url:
         cfg = ClientConfig(url=url, model="fake", request_timeout_s=10, max_run_s=20)
@@ -146,7 +149,7 @@ def test_replay_records_ttft_itl_and_statuses() -> None:
     assert statuses.count(REJECTED) == 3 and statuses.count(OK) == 9
     assert res.not_sent == 0 and res.stopped is None
     for r in (r for r in res.records if r.status == OK):
-        assert r.output_tokens == 8 and r.token_count_source == "usage"
+        assert r.output_tokens == 8 and r.token_count_source == "usage" and r.cached_tokens == 10
         assert len(r.itl_ms) == 7  # 4 chunks (1 + 2 + 2 + 2 tokens + 1) spread over 7 gaps
         assert 30 < r.ttft_ms < 1000
         assert 3 < sorted(r.itl_ms)[3] < 200  # the server's 10 ms per token, generously
@@ -218,6 +221,29 @@ def test_replay_command_writes_report(tmp_path: Path) -> None:
     assert any("no usage" in w for w in report["warnings"])  # counted one token per chunk
     records = read_jsonl(out / "requests.jsonl")
     assert len(records) == 10 and all(r.output_tokens == 6 for r in records if r.status == OK)
+
+
+def test_replay_reports_the_servers_prefix_cache_hits(tmp_path: Path) -> None:
+    """A trace with hash ids: the report states how much of the input repeats (the most any cache
+    could reuse) and how much the server said it took from its cache."""
+    trace = tmp_path / "conversation.jsonl"
+    rows = [(0, 600, [0, 1]), (100, 700, [0, 1]), (200, 300, [2])]
+    trace.write_text("".join(
+        json.dumps({"timestamp": t, "input_length": n, "output_length": 3, "hash_ids": ids}) + "\n"
+        for t, n, ids in rows
+    ))
+    out = tmp_path / "run"
+    with serving(FakeServer(ttft_s=0.01, itl_s=0.002, cached=64)) as url:
+        rc = cli.main(["bench", "replay", "--url", url, "--model", "fake", "--trace", str(trace),
+                       "--no-progress", "--out", str(out)])
+    assert rc == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["workload"]["shared_prefix_tokens"] == 600
+    assert report["prefix_cache"] == {
+        "requests": 3, "prompt_tokens": 1600, "cached_tokens": 192, "hit_rate": round(192 / 1600, 4)
+    }
+    summary = (out / "summary.md").read_text()
+    assert "hit rate **12.0%** over 3 requests" in summary and "600 input tokens (37.5%)" in summary
 
 
 def test_goodput_command_finds_a_bracketed_rate(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from pdfabric.bench.prompts import PromptBuilder, PromptConfig
 from pdfabric.bench.scaling import Scaling
 from pdfabric.bench.synthetic import LengthSpec, SyntheticConfig, generate
 from pdfabric.bench.traces import load_trace
-from pdfabric.bench.workload import PREFIX_BLOCK_TOKENS, Request, Workload
+from pdfabric.bench.workload import PREFIX_BLOCK_TOKENS, Request, Workload, shared_prefix_tokens
 
 TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces"
 AZURE_CODE = TRACES / "AzureLLMInferenceTrace_code.csv"
@@ -164,3 +164,21 @@ def test_bad_trace_files_fail_clearly(tmp_path: Path) -> None:
     j.write_text('{"timestamp": 5, "input_length": 3}\n')
     with pytest.raises(ValueError, match="t.jsonl:1"):
         load_trace(j)
+
+
+def test_shared_prefix_tokens_count_what_repeats_an_earlier_prompt() -> None:
+    """Token-exact with the prompt builder: blocks named alike hold the same tokens, a prompt's last
+    block is cut to its length, and only a leading run of blocks can repeat."""
+    b = PREFIX_BLOCK_TOKENS
+    reqs = [
+        Request(0, 0.0, 2 * b + 100, 1, (1, 2, 3)),  # nothing before it
+        Request(1, 1.0, 3 * b, 1, (1, 2, 3)),  # repeats all of request 0: 2 full blocks + 100 of the third
+        Request(2, 2.0, b + 7, 1, (1, 9)),  # repeats block 1 only
+        Request(3, 3.0, b, 1, (9, 2)),  # block 9 alone has never led a prompt
+        Request(4, 0.5, 50, 1, (1,)),  # arrives second: the first 50 tokens of block 1
+    ]
+    assert shared_prefix_tokens(reqs) == (2 * b + 100) + b + 50
+    assert shared_prefix_tokens([Request(0, 0.0, 10, 1)]) is None
+    prompts = PromptBuilder(PromptConfig(vocab_size=1000, seed=1))
+    t0, t1, t4 = prompts.tokens(reqs[0]), prompts.tokens(reqs[1]), prompts.tokens(reqs[4])
+    assert t1[: 2 * b + 100] == t0 and t4 == t0[:50]
