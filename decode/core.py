@@ -2,8 +2,6 @@
 worker, ``ColocatedCore`` for a worker that also prefills.
 
 A request's life in a ``DecodeCore``:
-
-A request's life here:
 1. ``Reserve`` arrives: blocks for the prompt are reserved, ``ExpectKV`` tells the KV receiver to
    accept them, and their ids go back to the router (``Reserved``); the sequence waits for its KV
    (WAITING_FOR_KV). No room, or a prompt that cannot fit: an empty ``Reserved`` with the reason.
@@ -14,6 +12,8 @@ A request's life here:
    still in flight: on an ``Abort`` (``CancelKV``) or a failed transfer (an error delta). Then its
    blocks stay out of the pool (QUARANTINED) until the receiver says no sender can still write into
    them (``kv_released``).
+A decode worker that holds most of a prompt in its prefix cache may get it as ``Generate`` instead
+(the router's local prefill): it then lives as in a ``ColocatedCore``.
 
 A request's life in a ``ColocatedCore``:
 1. ``Generate`` arrives: the sequence waits in the queue (WAITING); a prompt that cannot fit ends at
@@ -33,13 +33,15 @@ from pdfabric.kvtransfer.state import TransferResult
 
 
 class DecodeCore(WorkerCore):
-    on_prefilled = "decode"  # only preempted sequences are prefilled (recomputed) here
+    on_prefilled = "decode"  # preempted sequences are recomputed here, and prompts sent with Generate
 
     def __init__(self, spec: CoreSpec, profile: ProfileSource, kv_endpoint: str = "") -> None:
         super().__init__(spec, profile, kv_endpoint)
         self.quarantined: dict[str, list[int]] = {}  # request -> blocks a sender might still write
 
     def on_message(self, msg: object) -> Out:
+        if isinstance(msg, Generate):  # its prefix is cached here: the router chose to prefill the rest here
+            return _queue_prompt(self, msg)
         if not isinstance(msg, Reserve):
             raise WrongMessage(f"a decode worker cannot handle {type(msg).__name__}")
         rid = msg.request_id
@@ -92,8 +94,13 @@ class ColocatedCore(WorkerCore):
     def on_message(self, msg: object) -> Out:
         if not isinstance(msg, Generate):
             raise WrongMessage(f"a colocated worker cannot handle {type(msg).__name__}")
-        reason = self.too_long(msg.request_id, len(msg.prompt_ids))
-        if reason:
-            return self.error(msg.request_id, 0, reason)
-        self.scheduler.add(Sequence(msg.request_id, msg.prompt_ids, msg.params, frozenset(msg.eos_token_ids)))
-        return []
+        return _queue_prompt(self, msg)
+
+
+def _queue_prompt(core: WorkerCore, msg: Generate) -> Out:
+    """Queues a prompt for prefill and decoding here; one that cannot fit ends at once with an error."""
+    reason = core.too_long(msg.request_id, len(msg.prompt_ids))
+    if reason:
+        return core.error(msg.request_id, 0, reason)
+    core.scheduler.add(Sequence(msg.request_id, msg.prompt_ids, msg.params, frozenset(msg.eos_token_ids)))
+    return []

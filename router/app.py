@@ -227,19 +227,17 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
         events = _events(
             stream, detok, app[CONFIG].request_timeout_s, deadline, metrics_, model, arrival, times
         )
+
+        def report() -> dict[str, Any]:
+            choice, transfer_s = stream.choice, stream.transfer_s
+            return breakdown(stream.route, resolved, choice, arrival, dispatched, times, transfer_s)
+
+        # Clients that speak the ``slo`` extension also get the latency breakdown in their usage.
+        reporting = report if "slo" in body else None
         if parsed.stream:
-
-            def report() -> dict[str, Any]:
-                return breakdown(
-                    stream.route, resolved, stream.choice, arrival, dispatched, times, stream.transfer_s
-                )
-
-            # Clients that speak the ``slo`` extension also get the latency breakdown in their usage.
-            response, outcome = await _stream_sse(
-                request, parsed, request_id, stream, events, report if "slo" in body else None
-            )
+            response, outcome = await _stream_sse(request, parsed, request_id, stream, events, reporting)
         else:
-            response, outcome = await _collect(parsed, request_id, stream, events)
+            response, outcome = await _collect(parsed, request_id, stream, events, reporting)
         return response
     finally:
         app[DISPATCHER].release(request_id, "request ended")
@@ -390,7 +388,11 @@ async def _send(response: web.StreamResponse, obj: dict) -> None:
 
 
 async def _collect(
-    parsed: api.ParsedRequest, request_id: str, stream: RequestStream, events: AsyncIterator[Event]
+    parsed: api.ParsedRequest,
+    request_id: str,
+    stream: RequestStream,
+    events: AsyncIterator[Event],
+    report: Callable[[], dict[str, Any]] | None = None,
 ) -> tuple[web.Response, str]:
     parts: list[str] = []
     token_ids: list[int] = []
@@ -407,7 +409,12 @@ async def _collect(
                 api.now(),
                 "".join(parts),
                 event.finish_reason,
-                api.usage(stream.prompt_len, len(token_ids), stream.cached_tokens),
+                api.usage(
+                    stream.prompt_len,
+                    len(token_ids),
+                    stream.cached_tokens,
+                    {"pdfabric": report()} if report else None,
+                ),
                 token_ids,
             )
             return web.json_response(body), event.finish_reason

@@ -18,10 +18,14 @@ P tokens, from each worker's fitted ``WorkerProfile`` and reported ``WorkerLoad`
    (``WorkerLoad.prompt_tokens_per_s``): prefill takes a share rho of the worker's time, the mean gap
    is decode / (1 - rho), and every step carries a chunk once rho reaches 1 (the worst case), capped
    by ``colocated_prefill_share``;
-4. the routes that fit both budgets are ranked by pool cost, then by load (the larger of TTFT/budget
+4. local prefill: a decode worker whose prefix cache holds all but at most ``local_prefill_tokens``
+   of the prompt is also a route on its own, predicted as a colocated worker (its decode batch shares
+   the steps that prefill the rest), with no KV to move; the ranking decides between it and the
+   disaggregated routes, and among equals it comes first;
+5. the routes that fit both budgets are ranked by pool cost, then by load (the larger of TTFT/budget
    and ITL/budget); routes within ``tie_tolerance`` of the best one are equals and are put in a
    seeded, per-call shuffled order, so load spreads deterministically;
-5. when none fits, the ranking says why (the failing constraint of the route that would fit soonest),
+6. when none fits, the ranking says why (the failing constraint of the route that would fit soonest),
    how long until a new request would fit (``drain_ms``, the ``Retry-After``) and how long this one
    would wait in the router for a fit (``wait_ms``; waiting eats its TTFT budget, so a route whose
    TTFT is over budget now never fits by waiting).
@@ -93,7 +97,7 @@ def rank(
                 cost = (p.worker.cost + d.worker.cost) / 2
                 fits.append(_choice(d.worker, p.worker, p, d.itl_ms, transfer_ms, cost, budgets))
     for c in candidates:
-        if c.kind == COLOCATED:
+        if c.kind == COLOCATED or _prefills_locally(c, prompt_len, config):
             side, idle_ms = _colocated_side(c, prompt_len, budgets, config)
             miss = _judge(
                 side.queue_ms, side.compute_ms, idle_ms, budgets.ttft_ms, config.max_queue_share, side
@@ -101,7 +105,8 @@ def rank(
             if miss is not None:
                 misses.append(miss)
             else:
-                fits.append(_choice(c, c, side, side.itl_ms, 0.0, c.cost, budgets))
+                choice = _choice(c, c, side, side.itl_ms, 0.0, c.cost, budgets)
+                fits.append(replace(choice, local_prefill=c.kind == DECODE))
     if fits:
         return Ranking(_order(fits, config, turn))
     counts = tuple(sorted(Counter(r for _, _, r in misses).items()))
@@ -110,6 +115,12 @@ def rank(
     drain, _, reason = min(misses)
     wait = min(w for _, w, _ in misses)
     return Ranking((), reason, drain, wait, math.isinf(drain), counts)
+
+
+def _prefills_locally(c: Candidate, prompt_len: int, config: PredictorConfig) -> bool:
+    """Whether a decode worker holds enough of the prompt to be ranked as prefilling the rest itself."""
+    rest = prompt_len - c.cached_tokens
+    return c.kind == DECODE and c.cached_tokens > 0 and rest <= config.local_prefill_tokens
 
 
 def _judge(
@@ -280,12 +291,14 @@ def _link_rate(p: Candidate, d: Candidate, config: PredictorConfig) -> float:
 
 
 def _order(fits: list[Choice], config: PredictorConfig, turn: int) -> tuple[Choice, ...]:
-    """Cheapest first, then least loaded; among the equals of the best, those whose workers hold
-    more of the prompt in their prefix caches first, the rest shuffled by (seed, turn)."""
+    """Cheapest first, then least loaded; among the equals of the best, a decode worker's local
+    prefill first (it computes only the rest of the prompt, moves no KV and holds one worker), then
+    those whose workers hold more of the prompt in their prefix caches, the rest shuffled by (seed,
+    turn)."""
     fits.sort(key=lambda ch: (ch.cost, ch.load, ch.decode, ch.prefill))
     best = fits[0]
     equal = [ch for ch in fits if ch.cost == best.cost and ch.load <= best.load + config.tie_tolerance]
     rest = fits[len(equal) :]
     random.Random(config.seed * 1_000_003 + turn).shuffle(equal)
-    equal.sort(key=lambda ch: -ch.cached_tokens)  # stable: the shuffle stays among equal hits
+    equal.sort(key=lambda ch: (not ch.local_prefill, -ch.cached_tokens))  # stable: shuffled among the same
     return tuple(equal + rest)

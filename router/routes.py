@@ -92,6 +92,9 @@ class PredictorConfig:
     colocated_prefill_share: float = 1.0  # most of the colocated steps predicted to carry a prompt chunk
     mean_remaining_tokens: int = 128  # assumed output still to come per running sequence (drain time)
     max_queue_share: float = 0.5  # queued work ahead may take at most this share of the TTFT budget
+    # A decode worker whose prefix cache holds all but at most this many of a prompt's tokens is also
+    # ranked as a route of its own: it prefills the rest itself, and no KV moves (0: never).
+    local_prefill_tokens: int = 256
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -103,12 +106,15 @@ class PredictorConfig:
             raise ValueError("default_kv_bytes_per_s must be > 0 and mean_remaining_tokens >= 1")
         if not 0 <= self.colocated_prefill_share <= 1:
             raise ValueError("colocated_prefill_share must be in [0, 1]")
+        if self.local_prefill_tokens < 0:
+            raise ValueError("local_prefill_tokens must be >= 0")
 
 
 @dataclass(frozen=True)
 class Choice:
     """A route that fits, with its predicted latencies (ms). ``prefill`` is the colocated worker's
-    id for a colocated route (and ``decode`` the same id)."""
+    id for a colocated route (and ``decode`` the same id); so is a decode worker's that prefills the
+    prompt's uncached rest itself (``colocated`` too: it gets the prompt as a colocated worker would)."""
 
     decode: str
     prefill: str
@@ -121,6 +127,7 @@ class Choice:
     cost: float
     load: float  # max(ttft / ttft budget, itl / itl budget), in [0, 1]
     cached_tokens: int = 0  # prompt tokens its workers hold in their prefix caches (each side's)
+    local_prefill: bool = False  # a decode worker that prefills the rest of a prompt it mostly caches
 
 
 @dataclass(frozen=True)

@@ -308,12 +308,15 @@ def test_an_idempotency_key_replays_a_sampled_completion_computed_once(fabric: s
 def test_a_conversations_next_turn_reuses_cached_kv_token_exact(
     fabric: str, reference: ReferenceEngine
 ) -> None:
-    """Turn 2 re-sends turn 1 (prompt and answer) plus a new message: its prefix comes from the prefix
-    cache (``usage.prompt_tokens_details.cached_tokens``), and the answer is the reference's."""
+    """Each turn re-sends the turns before it (prompt and answer) plus a new message: its prefix comes
+    from the prefix cache (``usage.prompt_tokens_details.cached_tokens``), and the answer is the
+    reference's. Disaggregated, the decode worker that served a turn holds its KV: a short new
+    message is prefilled there (no KV moves), a long one on the prefill worker, which ships only the
+    blocks after the cached prefix."""
 
     async def complete(prompt: list[int]) -> tuple[list[int], dict]:
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
-                "return_token_ids": True}  # fmt: skip
+                "return_token_ids": True, "slo": {}}  # fmt: skip
         async with aiohttp.ClientSession() as s, s.post(fabric + "/v1/completions", json=body) as r:
             assert r.status == 200, await r.text()
             data = await r.json()
@@ -322,19 +325,31 @@ def test_a_conversations_next_turn_reuses_cached_kv_token_exact(
     def kv_bytes_sent() -> float:  # 0 when colocated: KV never moves
         return sum(metric_values(fabric, "pdfabric_kv_transfer_bytes_sum").values())
 
+    params = SamplingParams(24, ignore_eos=True)
     turn1 = [(5 * i) % 250 + 3 for i in range(70)]
     out1, usage1 = asyncio.run(complete(turn1))
     sent1 = kv_bytes_sent()
-    turn2 = turn1 + out1 + [4, 5, 6]
+    time.sleep(0.6)  # the workers' next heartbeats tell the router what they cached
+    turn2 = turn1 + out1 + [4, 5, 6]  # a short new message
     out2, usage2 = asyncio.run(complete(turn2))
     sent2 = kv_bytes_sent() - sent1
-    # Disaggregated, the decode worker still holds turn 1's KV: only the blocks after it travel.
-    assert sent2 < sent1 or sent1 == sent2 == 0, (sent1, sent2)
-    assert usage1["prompt_tokens_details"]["cached_tokens"] == 0
-    assert 64 <= usage2["prompt_tokens_details"]["cached_tokens"] < len(turn2)
-    params = SamplingParams(24, ignore_eos=True)
+    time.sleep(0.6)
+    turn3 = turn2 + out2 + [(3 * i) % 240 + 7 for i in range(300)]  # a long one
+    out3, usage3 = asyncio.run(complete(turn3))
+    sent3 = kv_bytes_sent() - sent1 - sent2
+    routes = [u["pdfabric"]["route"] for u in (usage1, usage2, usage3)]
+    cached = [u["prompt_tokens_details"]["cached_tokens"] for u in (usage1, usage2, usage3)]
+    assert cached[0] == 0 and 64 <= cached[1] < len(turn2)
+    if routes[0] == "colocated-0":
+        assert routes == ["colocated-0"] * 3 and sent1 == sent2 == sent3 == 0
+        assert len(turn2) - 16 <= cached[2] < len(turn2) + len(out2)
+    else:
+        assert routes == ["prefill-0->decode-0", "decode-0", "prefill-0->decode-0"], routes
+        assert sent2 == 0 and 0 < sent3 < sent1 * len(turn3) / len(turn1), (sent1, sent3)
+        assert cached[2] == 64  # the prefill worker computes after its own cache: it saw turn 1 only
     assert out1 == reference.generate(turn1, params).token_ids
     assert out2 == reference.generate(turn2, params).token_ids
+    assert out3 == reference.generate(turn3, params).token_ids
     deadline = time.monotonic() + 10  # the workers' counts come with their next heartbeats
     while sum(metric_values(fabric, "pdfabric_prefix_cache_hits_total").values()) < 64:
         assert time.monotonic() < deadline, metric_values(fabric, "pdfabric_prefix_cache_hits_total")

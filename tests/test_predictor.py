@@ -209,3 +209,26 @@ def test_invalid_inputs() -> None:
         PredictorConfig(max_queue_share=0)
     with pytest.raises(ValueError, match="prompt_len"):
         rank(0, Budgets(10, 10), [], EXACT)
+
+
+def test_a_decode_worker_holding_most_of_the_prompt_may_prefill_the_rest_itself() -> None:
+    """A decode worker that caches all but a short rest of the prompt is also ranked as a route of its
+    own (a colocated choice: no KV moves); it wins when its TTFT is lower, and is not offered when the
+    rest is longer than ``local_prefill_tokens`` or the setting is 0."""
+    prefill = worker("p", "prefill", kv_bytes_per_s=1e8)  # a slow link: moving KV costs
+    holder = replace(worker("d", "decode", running=4, context_tokens=4000), cached_tokens=960)
+    budgets = Budgets(10_000, 100)
+    choices = rank(1000, budgets, [prefill, holder], EXACT).choices
+    assert [(c.decode, c.prefill, c.colocated) for c in choices] == [("d", "d", True), ("d", "p", False)]
+    local, remote = choices
+    assert local.local_prefill and not remote.local_prefill and local.cached_tokens == 960
+    assert local.transfer_ms == 0 and local.ttft_ms < remote.ttft_ms
+    assert remote.transfer_ms == pytest.approx(40 * KV_PER_TOKEN / 1e8 * 1e3)  # only the rest moves
+    short = PredictorConfig(safety_margin=0.0, local_prefill_tokens=39)
+    assert [c.colocated for c in rank(1000, budgets, [prefill, holder], short).choices] == [False]
+    never = PredictorConfig(safety_margin=0.0, local_prefill_tokens=0)
+    assert [c.colocated for c in rank(1000, budgets, [prefill, holder], never).choices] == [False]
+    cold = replace(holder, cached_tokens=0)  # nothing cached: a short prompt still goes through prefill
+    assert [c.colocated for c in rank(30, budgets, [prefill, cold], EXACT).choices] == [False]
+    with pytest.raises(ValueError, match="local_prefill_tokens"):
+        PredictorConfig(local_prefill_tokens=-1)

@@ -220,7 +220,9 @@ def test_tight_itl_lands_in_the_small_batch_pool(fabric: str) -> None:
 
     async def scenario() -> tuple[dict, dict, dict, list[dict]]:
         async with aiohttp.ClientSession() as session:
-            idle = await _usage(session, fabric, {"prompt": [7] * 32, "max_tokens": 4, "slo": {}})
+            # Prompts no worker has cached (this module's other tests use others): a decode worker
+            # holding most of one would prefill it itself.
+            idle = await _usage(session, fabric, {"prompt": [21] * 32, "max_tokens": 4, "slo": {}})
             # Long contexts: decode attention reads the cache in place, so a batch costs several times a
             # single sequence only through its context tokens, not through padding or copies.
             background_body = {
@@ -234,13 +236,13 @@ def test_tight_itl_lands_in_the_small_batch_pool(fabric: str) -> None:
                 await r.content.readline()
                 responses.append(r)
             try:
-                loaded = await _usage(session, fabric, {"prompt": [7] * 32, "max_tokens": 4, "slo": {}})
+                loaded = await _usage(session, fabric, {"prompt": [23] * 32, "max_tokens": 4, "slo": {}})
                 p_idle = idle["pdfabric"]["predicted"]["itl_ms"]
                 p_loaded = loaded["pdfabric"]["predicted"]["itl_ms"]
                 assert p_loaded > 3 * p_idle, (p_idle, p_loaded)
                 budget = p_loaded / 2  # far below the bulk batch, far above a batch of one
                 # sampled, not greedy: without ignore_eos an early end of sequence leaves no gap to measure
-                body = {"prompt": [7] * 32, "max_tokens": 4, "ignore_eos": True, "slo": {"itl_ms": budget}}
+                body = {"prompt": [25] * 32, "max_tokens": 4, "ignore_eos": True, "slo": {"itl_ms": budget}}
                 tight = await _usage(session, fabric, body)
                 workers = get_json(fabric + "/health")[1]["workers"]
             finally:

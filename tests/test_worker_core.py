@@ -274,3 +274,15 @@ def test_reregister_drops_everything_held_and_registers_again() -> None:
     _run_step(pre)  # its KV is being pushed
     assert [type(m) for m in pre.handle(Reregister("router restarted"))] == [CancelKV, Register]
     assert pre.idle
+
+
+def test_a_decode_worker_prefills_a_prompt_sent_as_generate() -> None:
+    """The router's local prefill: a decode worker given ``Generate`` prefills and decodes the prompt
+    itself, as a colocated worker would, from its first token on."""
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    dec = DecodeCore(_spec("decode"), PROFILE, "kv://d")
+    assert dec.handle(Generate("g", (5, 6, 7), params, ())) == []
+    indices = []
+    while not dec.idle:
+        indices += [d.index for d in _deltas(_run_step(dec))]
+    assert indices == [0, 1, 2] and dec.received == 1
