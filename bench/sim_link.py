@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pdfabric.control import DECODE
-from pdfabric.core import CancelKV, ExpectKV, PushKV
+from pdfabric.core import CancelKV, ExpectKV, PushKV, kv_meta
 from pdfabric.kvtransfer.state import TransferResult, TransferState
 
 if TYPE_CHECKING:
@@ -56,10 +56,7 @@ class SimLink:
             done = max(now, self._free[pid], self._free[did]) + nbytes / rate
             self._free[pid] = self._free[did] = done
             self._pushes[cmd.request_id] = (worker, now)
-            meta: dict[str, int | float | str] = {
-                "first_token": cmd.first_token,
-                "first_logprob": cmd.first_logprob,
-            }
+            meta = kv_meta(cmd)
             result = TransferResult(cmd.request_id, TransferState.DONE, "", nbytes, done - now,
                                     meta=meta, transport=SIM_TRANSPORT)  # fmt: skip
             self._at(done, decode.post_kv, result)

@@ -27,7 +27,16 @@ A request's life in a ``ColocatedCore``:
 from __future__ import annotations
 
 from pdfabric.control import Generate, Reserve, Reserved, TokenDelta
-from pdfabric.core import CancelKV, CoreSpec, ExpectKV, Out, ProfileSource, WorkerCore, WrongMessage
+from pdfabric.core import (
+    CancelKV,
+    CoreSpec,
+    ExpectKV,
+    Out,
+    ProfileSource,
+    WorkerCore,
+    WrongMessage,
+    first_token_of,
+)
 from pdfabric.engine.sequence import SeqState, Sequence
 from pdfabric.kvtransfer.state import TransferResult
 
@@ -62,8 +71,7 @@ class DecodeCore(WorkerCore):
         if not result.ok:
             self._quarantine(rid, "error")
             return self.error(rid, 1, f"KV transfer from the prefill worker failed: {result.reason}")
-        first, logprob = int(result.meta.get("first_token", -1)), float(result.meta.get("first_logprob", 0.0))
-        seq = self.scheduler.kv_arrived(rid, first, logprob)
+        seq = self.scheduler.kv_arrived(rid, *first_token_of(result.meta))
         if seq is not None and seq.finish_reason is not None:  # the first token ended it
             return self.outputs([TokenDelta(rid, 1, (), (), seq.finish_reason)])
         return []

@@ -58,7 +58,7 @@ class ReferenceEngine:
     def generate(self, prompt_ids: list[int], params: SamplingParams, chunk_size: int = 0) -> Generation:
         """Generates for ``prompt_ids``; ``chunk_size > 0`` prefills the prompt in chunks of that size."""
         from pdfabric.engine.runner import StepEntry
-        from pdfabric.engine.sampler import sample
+        from pdfabric.engine.sampler import History, sample
 
         if not prompt_ids:
             raise ValueError("the prompt must hold at least one token")
@@ -85,7 +85,8 @@ class ReferenceEngine:
                 pending = pending[len(chunk) :]
                 if not last:
                     continue
-                token = sample(logits, [params], [params.output_offset + len(out)])[0]
+                history = History(prompt_ids, out, frozenset(stop_ids))
+                token = sample(logits, [params], [params.output_offset + len(out)], [history])[0]
                 out.append(token.token_id)
                 logprobs.append(token.logprob)
                 if token.token_id in stop_ids:

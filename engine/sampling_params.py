@@ -15,6 +15,14 @@ class SamplingParams:
     request already produced elsewhere before it was resumed here (its prompt then ends with them):
     token ``i`` of this run is output token ``output_offset + i``, so a request moved to another worker
     mid-stream samples exactly what it would have sampled where it started.
+
+    Before a token is picked, its row of logits is changed, in this order: ``logit_bias`` is added
+    (token id, value); ``repetition_penalty`` divides the positive logits of tokens seen in the prompt
+    or output and multiplies the negative ones; ``frequency_penalty`` is subtracted once per earlier
+    output of a token and ``presence_penalty`` once for any; while fewer than ``min_tokens`` were
+    output (counted from the request's first output token, ``output_offset`` included),
+    end-of-sequence and ``stop_token_ids`` cannot be picked. Returned log-probabilities are the
+    model's own, before these changes.
     """
 
     max_tokens: int = 16
@@ -25,6 +33,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int = 0  # how many top log-probabilities to return per token (0: none)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1: none
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    min_tokens: int = 0
     output_offset: int = 0  # output tokens produced before this run (a resumed request)
 
     def __post_init__(self) -> None:
@@ -42,7 +55,27 @@ class SamplingParams:
             raise ValueError(f"output_offset must be >= 0, got {self.output_offset}")
         if not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        if any(not -100.0 <= bias <= 100.0 for _, bias in self.logit_bias):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether any bias, penalty or ``min_tokens`` changes the logits before a token is picked."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )

@@ -13,8 +13,11 @@ from collections import deque
 from dataclasses import dataclass
 
 from pdfabric.engine.block_pool import BlockTables, blocks_for, cacheable_blocks, chain_hashes
-from pdfabric.engine.sequence import SeqState, Sequence
+from pdfabric.engine.sequence import SeqState, Sequence, TopLogprobs
 from pdfabric.profile import StepShape
+
+# One sampled token: (token, logprob) or (token, logprob, top log-probabilities).
+Pick = tuple[int, float] | tuple[int, float, TopLogprobs]
 
 
 @dataclass(frozen=True)
@@ -82,7 +85,9 @@ class Scheduler:
         self.awaiting_kv[seq.request_id] = seq
         return list(table), cached
 
-    def kv_arrived(self, request_id: str, first_token: int, logprob: float) -> Sequence | None:
+    def kv_arrived(
+        self, request_id: str, first_token: int, logprob: float, top: TopLogprobs = ()
+    ) -> Sequence | None:
         """The prompt's KV is in the reserved blocks: start decoding after ``first_token``.
 
         Returns the sequence, finished already if its first token ended it.
@@ -92,7 +97,7 @@ class Scheduler:
             return None
         seq.num_cached = len(seq.prompt_ids)
         self._record(seq)
-        self._append(seq, first_token, logprob)
+        self._append(seq, first_token, logprob, top)
         if seq.state is not SeqState.FINISHED:
             seq.state = SeqState.RUNNING
             self.running.append(seq)
@@ -206,9 +211,10 @@ class Scheduler:
         seq.state = SeqState.WAITING
         self.waiting.appendleft(seq)
 
-    def complete(self, chunks: list[Chunk], sampled: list[tuple[int, float]]) -> list[Sequence]:
-        """Advances the step's sequences; ``sampled`` holds (token, logprob) for each chunk with
-        ``sample``, in order. Returns the sequences that got a new token (finished ones included)."""
+    def complete(self, chunks: list[Chunk], sampled: list[Pick]) -> list[Sequence]:
+        """Advances the step's sequences; ``sampled`` holds (token, logprob) or (token, logprob, top
+        log-probabilities) for each chunk with ``sample``, in order. Returns the sequences that got a
+        new token (finished ones included)."""
         got = iter(sampled)
         changed: list[Sequence] = []
         for chunk in chunks:
@@ -217,7 +223,7 @@ class Scheduler:
             self._record(seq)
             if not chunk.sample:
                 continue
-            token, logprob = next(got)
+            token, logprob, *top = next(got)
             if seq.state is SeqState.WAITING:
                 self.waiting.remove(seq)
                 if self.config.on_prefilled == "handoff":
@@ -226,13 +232,14 @@ class Scheduler:
                 else:
                     seq.state = SeqState.RUNNING
                     self.running.append(seq)
-            self._append(seq, token, logprob)
+            self._append(seq, token, logprob, top[0] if top else ())
             changed.append(seq)
         return changed
 
-    def _append(self, seq: Sequence, token: int, logprob: float) -> None:
+    def _append(self, seq: Sequence, token: int, logprob: float, top: TopLogprobs = ()) -> None:
         seq.output_ids.append(token)
         seq.output_logprobs.append(logprob)
+        seq.output_top.append(top)
         reason = seq.finish_reason_after(token, self.config.max_model_len)
         if reason is not None and seq.state is not SeqState.HANDOFF:
             self._finish(seq, reason)

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from pdfabric.engine.sampling_params import SamplingParams
 
+TopLogprobs = tuple[tuple[int, float], ...]  # the most likely (token id, log-probability) pairs, best first
+
 
 class SeqState(enum.Enum):
     WAITING = "waiting"  # has tokens without KV: a prompt to prefill, or a preempted sequence to recompute
@@ -24,6 +26,7 @@ class Sequence:
     eos_token_ids: frozenset[int] = frozenset()
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top: list[TopLogprobs] = field(default_factory=list)  # per output token, when params.logprobs
     num_cached: int = 0  # leading tokens of all_ids whose KV is in the cache
     prefix_hit: int | None = None  # prompt tokens found in the prefix cache when first scheduled
     block_hashes: list[bytes] = field(default_factory=list)  # prefix hashes of its full blocks so far

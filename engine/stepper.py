@@ -11,8 +11,9 @@ from collections.abc import Callable
 
 from pdfabric.engine.block_pool import BlockTables
 from pdfabric.engine.runner import ModelRunner, StepEntry
-from pdfabric.engine.sampler import sample
-from pdfabric.engine.scheduler import Chunk
+from pdfabric.engine.sampler import History, sample
+from pdfabric.engine.scheduler import Chunk, Pick
+from pdfabric.engine.sequence import Sequence
 
 
 class Stepper:
@@ -21,14 +22,22 @@ class Stepper:
 
     def run(
         self, chunks: list[Chunk], tables: BlockTables, after_layer: Callable[[int], None] | None = None
-    ) -> list[tuple[int, float]]:
-        """Runs the chunks (writing their KV into the cache); one (token, logprob) per chunk with
-        ``sample``, in order. ``after_layer(i)``: called as each layer finishes (layer-wise KV push)."""
+    ) -> list[Pick]:
+        """Runs the chunks (writing their KV into the cache); one (token, logprob, top log-probabilities)
+        per chunk with ``sample``, in order. ``after_layer(i)``: called as each layer finishes (layer-wise
+        KV push)."""
         logits = self.runner.step([_entry(c, tables) for c in chunks], after_layer)
         sampled = [c for c in chunks if c.sample]
         indices = [c.seq.params.output_offset + len(c.seq.output_ids) for c in sampled]
-        picks = sample(logits, [c.seq.params for c in sampled], indices)
-        return [(p.token_id, p.logprob) for p in picks]
+        histories = [history(c.seq) if c.seq.params.changes_logits else None for c in sampled]
+        picks = sample(logits, [c.seq.params for c in sampled], indices, histories)
+        return [(p.token_id, p.logprob, p.top_logprobs) for p in picks]
+
+
+def history(seq: Sequence) -> History:
+    """What the sampler's penalties and ``min_tokens`` look at for ``seq``'s next token."""
+    stop = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else set(seq.eos_token_ids))
+    return History(seq.prompt_ids, seq.output_ids, frozenset(stop))
 
 
 def _entry(chunk: Chunk, tables: BlockTables) -> StepEntry:

@@ -18,7 +18,8 @@ from typing import Any
 
 import msgpack
 
-Meta = dict[str, int | float | str]
+# What rides along with a transfer (the first token and its log-probabilities): msgpack-able values.
+Meta = dict[str, int | float | str | tuple[tuple[int, float], ...]]
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pdfabric.kvtransfer.messages import Meta
+
 
 class TransferState(enum.Enum):
     WAITING = "waiting"
@@ -37,7 +39,7 @@ class TransferResult:
     nbytes: int = 0
     seconds: float = 0.0
     layers: int = 0
-    meta: dict[str, int | float | str] = field(default_factory=dict)
+    meta: Meta = field(default_factory=dict)
     transport: str = ""  # how the bytes moved ("zmq", "shm", "dist"); "" before a path was chosen
 
     @property
@@ -63,7 +65,7 @@ class Transfer:
     nbytes: int = 0
     layers_done: int = 0
     last_progress: float = field(default_factory=time.monotonic)
-    meta: dict[str, int | float | str] = field(default_factory=dict)
+    meta: Meta = field(default_factory=dict)
     transport: str = ""
 
     def progress(self, nbytes: int, layers: int) -> None:

@@ -74,6 +74,8 @@ class TokenDelta:
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     error: str = ""
     cached_tokens: int = 0  # on a request's first delta: prompt tokens found in the prefix cache
+    # Per token, when the request asked for logprobs: the most likely (token id, logprob) pairs.
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
 
 
 @message(4)

@@ -42,8 +42,9 @@ from pdfabric.control import (
     TokenDelta,
 )
 from pdfabric.engine.block_pool import BlockPool, BlockTables, prefix_salt
-from pdfabric.engine.scheduler import Chunk, Scheduler, SchedulerConfig, step_shape
-from pdfabric.engine.sequence import Sequence
+from pdfabric.engine.scheduler import Chunk, Pick, Scheduler, SchedulerConfig, step_shape
+from pdfabric.engine.sequence import Sequence, TopLogprobs
+from pdfabric.kvtransfer.messages import Meta
 from pdfabric.kvtransfer.state import TransferResult
 from pdfabric.profile import StepShape, WorkerProfile
 
@@ -61,6 +62,19 @@ class PushKV:
     remote_blocks: tuple[int, ...]
     first_token: int
     first_logprob: float
+    first_top: TopLogprobs = ()  # its top log-probabilities, when the request asked for them
+
+
+def kv_meta(push: PushKV) -> Meta:
+    """What rides along with a push's KV: the first token, its logprob and top log-probabilities."""
+    return {"first_token": push.first_token, "first_logprob": push.first_logprob, "first_top": push.first_top}
+
+
+def first_token_of(meta: Meta) -> tuple[int, float, TopLogprobs]:
+    """The decode side's reading of ``kv_meta``."""
+    top = meta.get("first_top", ())
+    pairs = tuple((int(t), float(lp)) for t, lp in top) if isinstance(top, (tuple, list)) else ()
+    return int(meta.get("first_token", -1)), float(meta.get("first_logprob", 0.0)), pairs
 
 
 @dataclass(frozen=True)
@@ -184,9 +198,10 @@ def delta_of(seq: Sequence) -> TokenDelta:
     """The delta for a sequence that just got one token (and maybe finished)."""
     index = len(seq.output_ids) - 1
     cached = (seq.prefix_hit or 0) if index == 0 else 0
+    top = (seq.output_top[-1],) if seq.params.logprobs else ()
     return TokenDelta(
         seq.request_id, index, (seq.output_ids[-1],), (seq.output_logprobs[-1],), seq.finish_reason,
-        cached_tokens=cached,
+        cached_tokens=cached, top_logprobs=top,
     )
 
 
@@ -271,8 +286,8 @@ class WorkerCore:
         chunks = self.scheduler.schedule()
         return Step(chunks, step_shape(chunks)) if chunks else None
 
-    def complete(self, step: Step, sampled: list[tuple[int, float]], seconds: float) -> Out:
-        """The step ran for ``seconds``; ``sampled``: one (token, logprob) per chunk with ``sample``."""
+    def complete(self, step: Step, sampled: list[Pick], seconds: float) -> Out:
+        """The step ran for ``seconds``; ``sampled``: one pick per chunk with ``sample`` (``Pick``)."""
         self._recent_ms.append(seconds * 1e3)
         self.profile.observe(step.shape, seconds)
         changed = self.scheduler.complete(step.chunks, sampled)

@@ -77,7 +77,10 @@ class PrefillCore(WorkerCore):
             deltas.append(replace(first, finish_reason=None))  # never a finish: decoding goes on elsewhere
             local = tuple(self.tables.table(seq.request_id)[skip:])
             pushes.append(
-                PushKV(seq.request_id, endpoint, local, remote, seq.output_ids[0], seq.output_logprobs[0])
+                PushKV(
+                    seq.request_id, endpoint, local, remote,
+                    seq.output_ids[0], seq.output_logprobs[0], seq.output_top[0],
+                )  # fmt: skip
             )
         return self.outputs(deltas) + pushes
 

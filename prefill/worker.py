@@ -22,7 +22,7 @@ from dataclasses import replace
 import zmq
 
 from pdfabric.config import WorkerConfig
-from pdfabric.core import CancelKV, CoreSpec, ExpectKV, OpenPush, ProfileSource, PushKV, WorkerCore
+from pdfabric.core import CancelKV, CoreSpec, ExpectKV, OpenPush, ProfileSource, PushKV, WorkerCore, kv_meta
 from pdfabric.kvtransfer.config import TransferConfig
 from pdfabric.kvtransfer.sender import KVSender
 from pdfabric.kvtransfer.state import TransferResult
@@ -78,7 +78,7 @@ class SenderSide:
             if sent is None:
                 self.sender.start(cmd.request_id, cmd.endpoint, cmd.local_blocks, cmd.remote_blocks)
                 sent = 0
-            meta = {"first_token": cmd.first_token, "first_logprob": cmd.first_logprob}
+            meta = kv_meta(cmd)
             self.sender.send_layers(cmd.request_id, sent, self.num_layers, meta)
         elif isinstance(cmd, CancelKV):
             self._sent.pop(cmd.request_id, None)

@@ -1,7 +1,8 @@
 """The router's HTTP application: OpenAI-compatible endpoints over the dispatcher.
 
 Each handler validates (400 naming the field), tokenizes off the event loop, submits the request,
-then streams SSE chunks (or collects a JSON body) while detokenizing incrementally. Whatever ends the
+then streams SSE chunks (or collects a JSON body) while detokenizing incrementally
+(``router/responses.py``). Whatever ends the
 handler (finish, stop string, error, timeout, client disconnect), its ``finally`` releases the request
 so that every worker still holding it gets an ``Abort``.
 """
@@ -10,11 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 from aiohttp import web
@@ -26,10 +25,12 @@ from pdfabric.engine.detokenizer import IncrementalDetokenizer
 from pdfabric.engine.tokenizer import Tokenizer
 from pdfabric.router import idempotency as idem
 from pdfabric.router import openai_api as api
+from pdfabric.router import responses
 from pdfabric.router.admin import LIFECYCLE, add_admin
 from pdfabric.router.breakdown import TokenTimes, breakdown
-from pdfabric.router.dispatcher import Dispatcher, RequestStream
+from pdfabric.router.dispatcher import Dispatcher
 from pdfabric.router.metrics import RouterMetrics
+from pdfabric.router.openapi import openapi_document
 from pdfabric.router.registry import has_route
 from pdfabric.router.routing import Rejected
 from pdfabric.router.slo import BudgetError, resolve
@@ -39,15 +40,6 @@ DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 TOKENIZER = web.AppKey("tokenizer", Tokenizer)
 METRICS = web.AppKey("metrics", RouterMetrics)
 IDEMPOTENCY = web.AppKey("idempotency", idem.IdempotencyStore)
-
-
-@dataclass(frozen=True)
-class Event:
-    text: str
-    token_ids: tuple[int, ...]  # the tokens this event covers
-    finish_reason: str | None = None
-    error: str = ""
-    status: int = 503  # of an error: what a non-streaming client gets
 
 
 def build_app(cfg: ServeConfig, dispatcher: Dispatcher, tokenizer: Tokenizer) -> web.Application:
@@ -65,6 +57,7 @@ def build_app(cfg: ServeConfig, dispatcher: Dispatcher, tokenizer: Tokenizer) ->
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     add_admin(app, dispatcher, cfg.admin_key_sha256)
@@ -76,14 +69,6 @@ def _observe_transfer(metrics_: RouterMetrics, dispatcher: Dispatcher, msg: Hand
     pool = info.reg.pool if info is not None else "unknown"
     metrics_.kv_transfer_seconds.labels(pool).observe(msg.kv_seconds)
     metrics_.kv_transfer_bytes.labels(pool).observe(msg.kv_bytes)
-
-
-def error_response(err: api.ApiError) -> web.Response:
-    headers = {}
-    if err.retry_after_s is not None:
-        headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))
-        headers["retry-after-ms"] = str(max(1, round(err.retry_after_s * 1e3)))
-    return web.json_response(err.body(), status=err.status, headers=headers)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -119,7 +104,7 @@ async def _once(request: web.Request, chat: bool) -> web.StreamResponse:
         reply, replayed = await store.run(scope, idem.fingerprint(body), compute)
     except api.ApiError as err:
         request.app[METRICS].rejections.labels("invalid").inc()
-        return error_response(err)
+        return responses.error_response(err)
     headers = list(reply.headers)
     if replayed:
         request.app[METRICS].idempotent_replays.inc()
@@ -132,6 +117,10 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response(
         {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "pdfabric"}]}
     )
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi_document(request.app[CONFIG].model_name))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -187,7 +176,7 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError):
         metrics_.rejections.labels("invalid").inc()
-        return error_response(api.bad("the request body is not valid JSON"))
+        return responses.error_response(api.bad("the request body is not valid JSON"))
     try:
         parsed = api.parse_request(body, chat, (app[CONFIG].model_name,), app[TOKENIZER].vocab_size)
         try:
@@ -212,10 +201,10 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
         )
     except Rejected as err:
         metrics_.rejections.labels(err.reason).inc()
-        return error_response(err)
+        return responses.error_response(err)
     except api.ApiError as err:
         metrics_.rejections.labels("invalid" if err.status < 500 else "no_capacity").inc()
-        return error_response(err)
+        return responses.error_response(err)
     model = parsed.model
     dispatched = time.monotonic()
     metrics_.queue_wait.labels(model).observe(dispatched - arrival)
@@ -224,7 +213,8 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     try:
         detok = IncrementalDetokenizer(app[TOKENIZER], list(prompt_ids), stop=list(parsed.stop))
         times = TokenTimes()
-        events = _events(
+        logprobs = responses.logprobs_out(app[TOKENIZER], parsed)
+        events = responses.events(
             stream, detok, app[CONFIG].request_timeout_s, deadline, metrics_, model, arrival, times
         )
 
@@ -235,9 +225,13 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
         # Clients that speak the ``slo`` extension also get the latency breakdown in their usage.
         reporting = report if "slo" in body else None
         if parsed.stream:
-            response, outcome = await _stream_sse(request, parsed, request_id, stream, events, reporting)
+            response, outcome = await responses.stream_sse(
+                request, parsed, request_id, stream, events, logprobs, reporting
+            )
         else:
-            response, outcome = await _collect(parsed, request_id, stream, events, reporting)
+            response, outcome = await responses.collect(
+                parsed, request_id, stream, events, logprobs, reporting
+            )
         return response
     finally:
         app[DISPATCHER].release(request_id, "request ended")
@@ -278,144 +272,3 @@ def _max_tokens(parsed: api.ParsedRequest, prompt_len: int, max_model_len: int) 
             name,
         )
     return parsed.max_tokens
-
-
-async def _events(
-    stream: RequestStream,
-    detok: IncrementalDetokenizer,
-    timeout_s: float,
-    deadline: float | None,
-    metrics_: RouterMetrics,
-    model: str,
-    arrival: float,
-    times: TokenTimes,
-) -> AsyncIterator[Event]:
-    """The request's text in order, ending with exactly one event that carries a finish reason. It
-    ends with an error when no delta comes for ``timeout_s`` or at the request's ``deadline``
-    (``time.monotonic()``); each such end counts as a lost request, by cause."""
-    last = None
-    while True:
-        left = deadline - time.monotonic() if deadline is not None else math.inf
-        try:
-            delta = await asyncio.wait_for(stream.queue.get(), max(0.0, min(timeout_s, left)))
-        except TimeoutError:
-            if left < timeout_s:
-                metrics_.lost.labels("deadline").inc()
-                yield Event("", (), "error", f"the request's deadline ({deadline - arrival:g}s) passed", 504)
-            else:
-                metrics_.lost.labels("no_progress").inc()
-                yield Event("", (), "error", f"no progress for {timeout_s:.0f}s")
-            return
-        if delta.finish_reason in ("error", "abort"):
-            metrics_.lost.labels("worker_failed").inc()
-            yield Event("", (), delta.finish_reason, delta.error or "aborted by a worker")
-            return
-        if delta.token_ids:
-            now = time.monotonic()
-            if last is None:
-                metrics_.ttft.labels(model).observe(now - arrival)
-            else:
-                metrics_.itl.labels(model).observe(now - last)
-            last = now
-            times.seen(len(delta.token_ids))
-            metrics_.generation_tokens.labels(model).inc(len(delta.token_ids))
-        text, used = "", 0
-        for token in delta.token_ids:
-            used += 1
-            text += detok.step(token)
-            if detok.stopped:
-                yield Event(text, delta.token_ids[:used], "stop")
-                return
-        if delta.finish_reason is not None:
-            yield Event(text + detok.flush(), delta.token_ids, delta.finish_reason)
-            return
-        yield Event(text, delta.token_ids)
-
-
-async def _stream_sse(
-    request: web.Request,
-    parsed: api.ParsedRequest,
-    request_id: str,
-    stream: RequestStream,
-    events: AsyncIterator[Event],
-    report: Callable[[], dict[str, Any]] | None = None,
-) -> tuple[web.StreamResponse, str]:
-    response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": request_id}
-    )
-    await response.prepare(request)
-    held: tuple[int, ...] = ()
-    created, first, completion_tokens, outcome = api.now(), True, 0, "abort"
-    async for event in events:
-        completion_tokens += len(event.token_ids)
-        if event.finish_reason == "error" or event.finish_reason == "abort":
-            err = api.ApiError(503, event.error, kind="server_error")
-            await _send(response, err.body())
-            outcome = event.finish_reason
-            break
-        held += event.token_ids  # tokens whose text is not out yet (half a character, a possible stop)
-        if event.text or event.finish_reason or first:
-            text_chunk = api.chunk(parsed, request_id, created, event.text, event.finish_reason, first, held)
-            await _send(response, text_chunk)
-            first, held = False, ()
-        if event.finish_reason is not None:
-            outcome = event.finish_reason
-    if parsed.include_usage:
-        usage_chunk = {
-            "id": request_id,
-            "object": "chat.completion.chunk" if parsed.chat else "text_completion",
-            "created": created,
-            "model": parsed.model,
-            "choices": [],
-            "usage": api.usage(
-                stream.prompt_len,
-                completion_tokens,
-                stream.cached_tokens,
-                {"pdfabric": report()} if report else None,
-            ),
-        }
-        await _send(response, usage_chunk)
-    try:
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-    except ConnectionResetError:  # the client left after its last event: the request ended as it did
-        pass
-    return response, outcome
-
-
-async def _send(response: web.StreamResponse, obj: dict) -> None:
-    await response.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
-
-
-async def _collect(
-    parsed: api.ParsedRequest,
-    request_id: str,
-    stream: RequestStream,
-    events: AsyncIterator[Event],
-    report: Callable[[], dict[str, Any]] | None = None,
-) -> tuple[web.Response, str]:
-    parts: list[str] = []
-    token_ids: list[int] = []
-    async for event in events:
-        token_ids.extend(event.token_ids)
-        if event.finish_reason in ("error", "abort"):
-            failed = api.ApiError(event.status, event.error, kind="server_error")
-            return error_response(failed), event.finish_reason
-        parts.append(event.text)
-        if event.finish_reason is not None:
-            body = api.full_response(
-                parsed,
-                request_id,
-                api.now(),
-                "".join(parts),
-                event.finish_reason,
-                api.usage(
-                    stream.prompt_len,
-                    len(token_ids),
-                    stream.cached_tokens,
-                    {"pdfabric": report()} if report else None,
-                ),
-                token_ids,
-            )
-            return web.json_response(body), event.finish_reason
-    raise AssertionError("the event stream ended without a finish")

@@ -15,6 +15,22 @@ from pdfabric.engine.sampling_params import SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_TIMEOUT_S = 86_400.0  # a request's own deadline, at most a day
+MAX_LOGPROBS = 20  # top log-probabilities per token
+
+# Every field a request may carry (router/openapi.py describes each). Fields outside these sets are a
+# 400 naming the field: a field this server does not implement is never ignored, since it may change
+# the answer.
+_COMMON_FIELDS = frozenset(
+    {
+        "model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop",
+        "seed", "user", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
+        "logit_bias", "min_tokens", "stop_token_ids", "ignore_eos", "return_token_ids", "timeout", "slo",
+        # Accepted and without effect on the output: bookkeeping fields some clients always send.
+        "metadata", "store", "service_tier",
+    }
+)  # fmt: skip
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of"}
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "parallel_tool_calls"}
 
 
 class ApiError(Exception):
@@ -61,7 +77,14 @@ class ParsedRequest:
     ignore_eos: bool
     stream: bool
     include_usage: bool
-    logprobs: int
+    logprobs: int | None  # top log-probabilities per token (0: the chosen token's only); None: none
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    top_k: int = 0
+    user: str | None = None  # the end user, as the client names them (no effect on the output)
     return_token_ids: bool = False  # extension: each choice also carries the generated token ids
     timeout_s: float | None = None  # extension: the whole request's deadline, seconds from arrival
 
@@ -73,7 +96,13 @@ class ParsedRequest:
             seed=seed,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
-            logprobs=self.logprobs,
+            logprobs=self.logprobs or 0,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self.logit_bias,
+            min_tokens=self.min_tokens,
+            top_k=self.top_k,
         )
 
 
@@ -105,6 +134,9 @@ def _type_name(types: type | tuple[type, ...]) -> str:
 def parse_request(body: Any, chat: bool, served_models: tuple[str, ...], vocab_size: int) -> ParsedRequest:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
+    for name in body:
+        if name not in (CHAT_FIELDS if chat else COMPLETION_FIELDS):
+            raise bad(f"'{name}' is not supported by this server", name)
     model = _typed(body, "model", str, None)
     if model is None:
         raise bad("'model' is required", "model")
@@ -137,6 +169,17 @@ def parse_request(body: Any, chat: bool, served_models: tuple[str, ...], vocab_s
         raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
     include_usage = _typed(options, "include_usage", bool, False)
     logprobs = _logprobs(body, chat)
+    if not chat:
+        if _typed(body, "echo", bool, False):
+            raise bad("'echo' is not supported by this server", "echo")
+        if _typed(body, "best_of", int, 1) != 1:
+            raise bad("only best_of=1 is supported", "best_of")
+    min_tokens = _typed(body, "min_tokens", int, 0)
+    if not 0 <= min_tokens <= (max_tokens if max_tokens is not None else min_tokens):
+        raise bad(f"'min_tokens' must be in [0, {max_name}], got {min_tokens}", "min_tokens")
+    top_k = _typed(body, "top_k", int, 0)
+    if top_k < -1:
+        raise bad(f"'top_k' must be -1 or 0 (no limit) or positive, got {top_k}", "top_k")
     return ParsedRequest(
         chat=chat,
         model=model,
@@ -153,6 +196,13 @@ def parse_request(body: Any, chat: bool, served_models: tuple[str, ...], vocab_s
         stream=stream,
         include_usage=include_usage,
         logprobs=logprobs,
+        presence_penalty=_penalty(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_penalty(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_penalty(body, "repetition_penalty", 1.0, 0.0, 10.0, open_low=True),
+        logit_bias=_logit_bias(body, vocab_size),
+        min_tokens=min_tokens,
+        top_k=max(top_k, 0),
+        user=_typed(body, "user", str, None),
         return_token_ids=_typed(body, "return_token_ids", bool, False),
         timeout_s=timeout_seconds(_typed(body, "timeout", (int, float), None), "timeout"),
     )
@@ -238,11 +288,50 @@ def _stop_token_ids(body: dict[str, Any], vocab_size: int) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _logprobs(body: dict[str, Any], chat: bool) -> int:
-    for name in ("logprobs", "top_logprobs"):
-        if body.get(name) not in (None, False, 0):
-            raise bad(f"'{name}' is not supported by this server", name)
-    return 0
+def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """How many top log-probabilities per token (0: the chosen token's only), None when not asked.
+    Completions: ``logprobs`` is that number; chat: ``logprobs`` is a flag and ``top_logprobs`` the
+    number."""
+    if chat:
+        top = _typed(body, "top_logprobs", int, None)
+        if not _typed(body, "logprobs", bool, False):
+            if top:
+                raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+            return None
+        name, count = "top_logprobs", top or 0
+    else:
+        name, count = "logprobs", _typed(body, "logprobs", int, None)
+        if count is None:
+            return None
+    if not 0 <= count <= MAX_LOGPROBS:
+        raise bad(f"'{name}' must be in [0, {MAX_LOGPROBS}], got {count}", name)
+    return count
+
+
+def _penalty(
+    body: dict[str, Any], name: str, default: float, low: float, high: float, open_low: bool = False
+) -> float:
+    value = float(_typed(body, name, (int, float), default))
+    if not (low < value <= high if open_low else low <= value <= high):
+        raise bad(f"'{name}' must be in {'(' if open_low else '['}{low:g}, {high:g}], got {value:g}", name)
+    return value
+
+
+def _logit_bias(body: dict[str, Any], vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """``{"token id": bias}`` (JSON keys are strings) to sorted (id, bias) pairs."""
+    given = _typed(body, "logit_bias", dict, {})
+    pairs: list[tuple[int, float]] = []
+    for key, value in given.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias") from None
+        if not 0 <= token < vocab_size:
+            raise bad(f"'logit_bias' token id {token} is outside the vocabulary", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise bad(f"'logit_bias' values must be numbers in [-100, 100], got {value!r}", "logit_bias")
+        pairs.append((token, float(value)))
+    return tuple(sorted(pairs))
 
 
 def new_id(chat: bool) -> str:
@@ -257,8 +346,9 @@ def chunk(
     finish_reason: str | None,
     first: bool = False,
     token_ids: tuple[int, ...] = (),
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One streamed chunk."""
+    """One streamed chunk; ``logprobs``: its tokens' block (``router/logprobs.py``)."""
     if req.chat:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text:
@@ -266,12 +356,12 @@ def chunk(
         choice: dict[str, Any] = {
             "index": 0,
             "delta": delta,
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     if req.return_token_ids:
         choice["token_ids"] = list(token_ids)
@@ -301,18 +391,19 @@ def full_response(
     finish_reason: str,
     usage_: dict[str, Any],
     token_ids: list[int],
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The body of a non-streaming response."""
     if req.chat:
         choice: dict[str, Any] = {
             "index": 0,
             "message": {"role": "assistant", "content": text},
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     if req.return_token_ids:
         choice["token_ids"] = token_ids

@@ -54,6 +54,7 @@ def test_chat_answers_a_factual_question_like_the_reference(fabric: str, referen
         "max_tokens": 32,
         "temperature": 0,
         "return_token_ids": True,
+        "logprobs": True,
     }
     answer = _post(fabric + "/v1/chat/completions", body)
     choice = answer["choices"][0]
@@ -66,6 +67,10 @@ def test_chat_answers_a_factual_question_like_the_reference(fabric: str, referen
     expected = reference.generate(prompt, SamplingParams(max_tokens=32))
     assert choice["token_ids"] == expected.token_ids
     assert answer["usage"]["prompt_tokens"] == len(prompt)
+    # Each token's text, in order, spells the answer (English text: no token splits a character).
+    content = choice["logprobs"]["content"]
+    assert "".join(e["token"] for e in content[:-1]) == choice["message"]["content"]  # the last: <|im_end|>
+    assert [e["logprob"] for e in content] == pytest.approx(expected.logprobs, abs=2e-2)  # bfloat16
 
 
 def test_readme_run_command_streams_a_sensible_answer() -> None:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from pdfabric.core import CancelKV, ExpectKV, OpenPush, PushKV
+from pdfabric.core import CancelKV, ExpectKV, OpenPush, PushKV, first_token_of
 from pdfabric.decode.worker import ReceiverSide
 from pdfabric.kvtransfer.config import TransferConfig
 from pdfabric.kvtransfer.sender import KVSender
@@ -64,9 +64,10 @@ def test_push_lands_bit_identical_over_the_pair_transport(sides, transport: str,
     send, recv, src = sides(transport)
     local, remote = (5, 1, 9), (30, 31, 2)
     recv.command(ExpectKV("r", remote))
-    send.command(PushKV("r", recv.endpoint, local, remote, 42, -0.25))
+    top = ((42, -0.25), (7, -1.5))
+    send.command(PushKV("r", recv.endpoint, local, remote, 42, -0.25, top))
     (got,) = _until(lambda: _ended(recv), send)
-    assert got.ok and got.meta == {"first_token": 42, "first_logprob": -0.25} and got.transport == used
+    assert got.ok and first_token_of(got.meta) == (42, -0.25, top) and got.transport == used
     (sent,) = _until(lambda: _ended(send))
     assert sent.ok and sent.transport == used and sent.nbytes == 2 * LAYERS * 3 * BLOCK * HEADS * DIM * 4
     for layer in range(LAYERS):

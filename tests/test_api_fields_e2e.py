@@ -1,0 +1,194 @@
+"""The OpenAI request fields beyond the basics, colocated and disaggregated: penalties, logit_bias,
+min_tokens, top_k and logprobs give the single-process reference's tokens (and log-probabilities);
+fields the server does not implement are a 400 naming them, never ignored."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+
+import aiohttp
+import pytest
+
+from pdfabric.engine.generate import ReferenceEngine
+from pdfabric.engine.sampling_params import SamplingParams
+from tests.fabric import running_fabric
+
+DEPLOYMENTS = {
+    "colocated": ("--colocated", "1", "--prefill", "0", "--decode", "0"),
+    "disaggregated": ("--prefill", "1", "--decode", "1"),
+}
+PROMPT = [5, 17, 99, 3, 42, 42, 8, 150, 61, 7, 7, 7, 200, 33]
+LOGPROB_TOLERANCE = 1e-4  # float32 model; the same kernels in every deployment
+
+
+@pytest.fixture(scope="module", params=list(DEPLOYMENTS))
+def fabric(request: pytest.FixtureRequest) -> Iterator[str]:
+    with running_fabric("--model", "tiny", "--num-blocks", "128", *DEPLOYMENTS[request.param]) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def reference() -> ReferenceEngine:
+    return ReferenceEngine("tiny")
+
+
+async def _post(url: str, body: dict) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as s, s.post(url, json=body) as r:
+        return r.status, await r.json()
+
+
+def post(url: str, body: dict) -> tuple[int, dict]:
+    return asyncio.run(_post(url, body))
+
+
+async def _stream(url: str, body: dict) -> list[dict]:
+    chunks = []
+    async with aiohttp.ClientSession() as s, s.post(url, json={**body, "stream": True}) as r:
+        assert r.status == 200, await r.text()
+        async for line in r.content:
+            if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    return chunks
+
+
+def complete(url: str, **fields: object) -> dict:
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 24, "ignore_eos": True, "temperature": 0}
+    status, data = post(url + "/v1/completions", {**body, "return_token_ids": True, **fields})
+    assert status == 200, data
+    return data["choices"][0]
+
+
+SAMPLING_CASES = {
+    "penalties": {"presence_penalty": 1.5, "frequency_penalty": 0.7},
+    "repetition": {"repetition_penalty": 1.6},
+    "logit_bias": {"logit_bias": {"65": 6.0, "66": 4.0}},
+    "sampled": {"temperature": 0.9, "seed": 11, "top_k": 20, "presence_penalty": 0.5, "user": "u-1"},
+}
+
+
+@pytest.mark.parametrize("case", list(SAMPLING_CASES))
+def test_sampling_fields_match_the_reference(fabric: str, reference: ReferenceEngine, case: str) -> None:
+    fields = SAMPLING_CASES[case]
+    got = complete(fabric, **fields)["token_ids"]
+    params = {k: v for k, v in fields.items() if k != "user"}
+    if "logit_bias" in params:
+        params["logit_bias"] = tuple((int(k), float(v)) for k, v in params["logit_bias"].items())
+    expected = reference.generate(PROMPT, SamplingParams(max_tokens=24, ignore_eos=True, **params))
+    assert got == expected.token_ids
+    plain = {"temperature": fields.get("temperature", 0), "seed": fields.get("seed", 0)}
+    assert got != complete(fabric, **plain)["token_ids"], "the field changed nothing"
+
+
+def test_min_tokens_holds_back_stop_tokens(fabric: str, reference: ReferenceEngine) -> None:
+    first = complete(fabric)["token_ids"][0]
+    stopped = complete(fabric, stop_token_ids=[first])
+    assert stopped["token_ids"] == [first] and stopped["finish_reason"] == "stop"
+    held = complete(fabric, stop_token_ids=[first], min_tokens=6)["token_ids"]
+    assert len(held) >= 6 and first not in held[:6]
+    params = SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=(first,), min_tokens=6)
+    assert held == reference.generate(PROMPT, params).token_ids
+
+
+def test_completion_logprobs_streamed_and_not(fabric: str, reference: ReferenceEngine) -> None:
+    choice = complete(fabric, logprobs=3)
+    block = choice["logprobs"]
+    expected = reference.generate(PROMPT, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert choice["token_ids"] == expected.token_ids
+    assert block["token_logprobs"] == pytest.approx(expected.logprobs, abs=LOGPROB_TOLERANCE)
+    assert len(block["tokens"]) == len(block["top_logprobs"]) == len(block["text_offset"]) == 24
+    for token, value, top in zip(
+        block["tokens"], block["token_logprobs"], block["top_logprobs"], strict=True
+    ):
+        assert 1 <= len(top) <= 3  # distinct token texts may decode alike
+        assert max(top.values()) == pytest.approx(value, abs=LOGPROB_TOLERANCE)  # greedy: the best one
+        assert token in top
+    assert block["text_offset"] == sorted(block["text_offset"]) and block["text_offset"][0] == 0
+
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 24, "ignore_eos": True, "temperature": 0}
+    chunks = asyncio.run(_stream(fabric + "/v1/completions", {**body, "logprobs": 3}))
+    streamed = [
+        v
+        for c in chunks
+        if c["choices"][0]["logprobs"]
+        for v in c["choices"][0]["logprobs"]["token_logprobs"]
+    ]
+    assert streamed == pytest.approx(block["token_logprobs"], abs=LOGPROB_TOLERANCE)
+    offsets = [
+        o for c in chunks if c["choices"][0]["logprobs"] for o in c["choices"][0]["logprobs"]["text_offset"]
+    ]
+    assert offsets == block["text_offset"]
+
+
+def test_chat_logprobs_and_top_logprobs(fabric: str) -> None:
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 8,
+        "ignore_eos": True,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    status, data = post(fabric + "/v1/chat/completions", body)
+    assert status == 200, data
+    content = data["choices"][0]["logprobs"]["content"]
+    assert len(content) == data["usage"]["completion_tokens"] == 8
+    for entry in content:
+        assert len(entry["top_logprobs"]) == 2
+        assert entry["top_logprobs"][0]["logprob"] == pytest.approx(entry["logprob"], abs=LOGPROB_TOLERANCE)
+        assert entry["top_logprobs"][0]["logprob"] >= entry["top_logprobs"][1]["logprob"]
+        assert bytes(entry["bytes"]).decode() == entry["token"]
+    chunks = asyncio.run(_stream(fabric + "/v1/chat/completions", body))
+    streamed = [
+        e["logprob"]
+        for c in chunks
+        if c["choices"] and c["choices"][0]["logprobs"]
+        for e in c["choices"][0]["logprobs"]["content"]
+    ]
+    assert streamed == pytest.approx([e["logprob"] for e in content], abs=LOGPROB_TOLERANCE)
+    without = post(fabric + "/v1/chat/completions", {**body, "logprobs": False, "top_logprobs": None})[1]
+    assert without["choices"][0]["logprobs"] is None
+
+
+@pytest.mark.parametrize(
+    "path, fields, param",
+    [
+        ("/v1/completions", {"echo": True}, "echo"),
+        ("/v1/completions", {"best_of": 3}, "best_of"),
+        ("/v1/completions", {"suffix": "!"}, "suffix"),
+        ("/v1/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/completions", {"logprobs": 21}, "logprobs"),
+        ("/v1/completions", {"logprobs": True}, "logprobs"),
+        ("/v1/completions", {"presence_penalty": 2.5}, "presence_penalty"),
+        ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),
+        ("/v1/completions", {"logit_bias": {"x": 1}}, "logit_bias"),
+        ("/v1/completions", {"logit_bias": {"99999": 1}}, "logit_bias"),
+        ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
+        ("/v1/completions", {"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+        ("/v1/completions", {"top_k": -2}, "top_k"),
+        ("/v1/chat/completions", {"tools": []}, "tools"),
+        ("/v1/chat/completions", {"tool_choice": "none"}, "tool_choice"),
+        ("/v1/chat/completions", {"response_format": {"type": "text"}}, "response_format"),
+        ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 30}, "top_logprobs"),
+        ("/v1/chat/completions", {"echo": True}, "echo"),
+    ],
+)
+def test_fields_not_implemented_are_a_400_naming_them(
+    fabric: str, path: str, fields: dict, param: str
+) -> None:
+    base = {"model": "tiny", "max_tokens": 4}
+    base.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"})
+    status, data = post(fabric + path, {**base, **fields})
+    assert status == 400, data
+    assert data["error"]["param"] == param and param in data["error"]["message"]
+
+
+def test_fields_without_effect_on_the_output_are_accepted(fabric: str) -> None:
+    plain = complete(fabric)
+    same = complete(
+        fabric, user="u-7", metadata={"k": "v"}, store=False, echo=False, best_of=1, logprobs=None
+    )
+    assert same["token_ids"] == plain["token_ids"] and same["logprobs"] is None
