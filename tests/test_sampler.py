@@ -76,3 +76,50 @@ def test_top_logprobs() -> None:
 def test_bad_params_name_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_penalties_bias_and_min_tokens_change_the_scores_as_documented() -> None:
+    from pdfabric.engine.sampler import History, process_logits
+
+    logits = torch.tensor([2.0, -2.0, 1.0, 0.5, 3.0])
+    history = History(prompt_ids=(0, 1), output_ids=(2, 2, 3), stop_ids=frozenset({4}))
+
+    def scores(**fields: object) -> list[float]:
+        return process_logits(logits, SamplingParams(**fields), 3, history).tolist()  # type: ignore[arg-type]
+
+    # Frequency: once per earlier output (token 2 twice, token 3 once); presence: once for any.
+    assert scores(frequency_penalty=0.5) == pytest.approx([2.0, -2.0, 0.0, 0.0, 3.0])
+    assert scores(presence_penalty=0.5) == pytest.approx([2.0, -2.0, 0.5, 0.0, 3.0])
+    # Repetition: every token seen in prompt or output; positive scores divided, negative multiplied.
+    assert scores(repetition_penalty=2.0) == pytest.approx([1.0, -4.0, 0.5, 0.25, 3.0])
+    assert scores(logit_bias=((1, 5.0), (4, -100.0))) == pytest.approx([2.0, 3.0, 1.0, 0.5, -97.0])
+    # min_tokens: output index 3 < 4, so the stop token cannot be picked; at 4 it can.
+    assert scores(min_tokens=4)[4] == float("-inf")
+    assert process_logits(logits, SamplingParams(min_tokens=4), 4, history)[4] == 3.0
+    assert logits.tolist() == [2.0, -2.0, 1.0, 0.5, 3.0]  # the input is left alone
+
+
+def test_a_resumed_request_counts_its_earlier_output_for_penalties() -> None:
+    from pdfabric.engine.sampler import History, process_logits
+
+    logits = torch.zeros(4)
+    whole = History(prompt_ids=(0,), output_ids=(1, 1, 2))
+    resumed = History(prompt_ids=(0, 1, 1), output_ids=(2,))  # the first two outputs ran elsewhere
+    params = SamplingParams(frequency_penalty=1.0)
+    after_failover = SamplingParams(frequency_penalty=1.0, output_offset=2)
+    assert process_logits(logits, params, 3, whole).tolist() == [0.0, -2.0, -1.0, 0.0]
+    assert process_logits(logits, after_failover, 3, resumed).tolist() == [0.0, -2.0, -1.0, 0.0]
+
+
+def test_penalised_rows_need_their_history_and_logprobs_stay_the_models_own() -> None:
+    from pdfabric.engine.sampler import History
+
+    logits = torch.tensor([[0.0, 1.0, 0.5]])
+    biased = SamplingParams(logit_bias=((0, 50.0),), logprobs=2)
+    with pytest.raises(ValueError, match="history"):
+        sample(logits, [biased], [0])
+    (got,) = sample(logits, [biased], [0], [History((1,), ())])
+    assert got.token_id == 0  # the bias decided the pick
+    model = torch.log_softmax(logits[0], -1)
+    assert got.logprob == pytest.approx(float(model[0]))
+    assert [t for t, _ in got.top_logprobs] == [1, 2]  # the model's own ranking, before the bias
