@@ -1,4 +1,4 @@
-"""Parsing and validating OpenAI-style request bodies, and the shapes of responses and errors.
+"""Parsing and validating OpenAI-style request bodies, and the errors they are answered with.
 
 Everything a client can get wrong is caught here and reported as HTTP 400 with an OpenAI-style error
 body that names the field. The result is a ``ParsedRequest`` the dispatcher can run as it is.
@@ -7,7 +7,6 @@ body that names the field. The result is a ``ParsedRequest`` the dispatcher can 
 from __future__ import annotations
 
 import secrets
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -336,86 +335,3 @@ def _logit_bias(body: dict[str, Any], vocab_size: int) -> tuple[tuple[int, float
 
 def new_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-
-
-def chunk(
-    req: ParsedRequest,
-    request_id: str,
-    created: int,
-    text: str | None,
-    finish_reason: str | None,
-    first: bool = False,
-    token_ids: tuple[int, ...] = (),
-    logprobs: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """One streamed chunk; ``logprobs``: its tokens' block (``router/logprobs.py``)."""
-    if req.chat:
-        delta: dict[str, Any] = {"role": "assistant"} if first else {}
-        if text:
-            delta["content"] = text
-        choice: dict[str, Any] = {
-            "index": 0,
-            "delta": delta,
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-        }
-        obj = "chat.completion.chunk"
-    else:
-        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
-        obj = "text_completion"
-    if req.return_token_ids:
-        choice["token_ids"] = list(token_ids)
-    return {"id": request_id, "object": obj, "created": created, "model": req.model, "choices": [choice]}
-
-
-def usage(
-    prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, extra: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """OpenAI's usage object; ``cached_tokens``: prompt tokens whose KV came from the prefix cache."""
-    out: dict[str, Any] = {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
-    if extra:
-        out.update(extra)
-    return out
-
-
-def full_response(
-    req: ParsedRequest,
-    request_id: str,
-    created: int,
-    text: str,
-    finish_reason: str,
-    usage_: dict[str, Any],
-    token_ids: list[int],
-    logprobs: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The body of a non-streaming response."""
-    if req.chat:
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-        }
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        obj = "text_completion"
-    if req.return_token_ids:
-        choice["token_ids"] = token_ids
-    return {
-        "id": request_id,
-        "object": obj,
-        "created": created,
-        "model": req.model,
-        "choices": [choice],
-        "usage": usage_,
-    }
-
-
-def now() -> int:
-    return int(time.time())

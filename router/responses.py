@@ -1,6 +1,6 @@
 """What a client gets back: a request's worker deltas turned into text events (stop strings, timeouts,
-the request's deadline), written as a server-sent event stream or collected into one JSON body, with
-log-probabilities when asked for; and error responses."""
+the request's deadline), written as a server-sent event stream or collected into one JSON body in
+OpenAI's response shapes, with log-probabilities when asked for; and error responses."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ async def stream_sse(
     )
     await response.prepare(request)
     held: tuple[int, ...] = ()
-    created, first, completion_tokens, outcome = api.now(), True, 0, "abort"
+    created, first, completion_tokens, outcome = now(), True, 0, "abort"
     async for event in events:
         completion_tokens += len(event.token_ids)
         if event.finish_reason == "error" or event.finish_reason == "abort":
@@ -128,9 +128,7 @@ async def stream_sse(
             logprobs.add(event.token_ids, event.logprobs, event.top_logprobs)
         if event.text or event.finish_reason or first:
             lp = logprobs.take() if logprobs is not None and held else None
-            text_chunk = api.chunk(
-                parsed, request_id, created, event.text, event.finish_reason, first, held, lp
-            )
+            text_chunk = chunk(parsed, request_id, created, event.text, event.finish_reason, first, held, lp)
             await send(response, text_chunk)
             first, held = False, ()
         if event.finish_reason is not None:
@@ -142,7 +140,7 @@ async def stream_sse(
             "created": created,
             "model": parsed.model,
             "choices": [],
-            "usage": api.usage(
+            "usage": usage(
                 stream.prompt_len,
                 completion_tokens,
                 stream.cached_tokens,
@@ -189,13 +187,13 @@ async def collect(
             return error_response(failed), event.finish_reason
         parts.append(event.text)
         if event.finish_reason is not None:
-            body = api.full_response(
+            body = full_response(
                 parsed,
                 request_id,
-                api.now(),
+                now(),
                 "".join(parts),
                 event.finish_reason,
-                api.usage(
+                usage(
                     stream.prompt_len,
                     len(token_ids),
                     stream.cached_tokens,
@@ -206,3 +204,89 @@ async def collect(
             )
             return web.json_response(body), event.finish_reason
     raise AssertionError("the event stream ended without a finish")
+
+
+# --- OpenAI's response shapes ------------------------------------------------------------------------------
+
+
+def chunk(
+    req: api.ParsedRequest,
+    request_id: str,
+    created: int,
+    text: str | None,
+    finish_reason: str | None,
+    first: bool = False,
+    token_ids: tuple[int, ...] = (),
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One streamed chunk; ``logprobs``: its tokens' block (``router/logprobs.py``)."""
+    if req.chat:
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if text:
+            delta["content"] = text
+        choice: dict[str, Any] = {
+            "index": 0,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        obj = "text_completion"
+    if req.return_token_ids:
+        choice["token_ids"] = list(token_ids)
+    return {"id": request_id, "object": obj, "created": created, "model": req.model, "choices": [choice]}
+
+
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens whose KV came from the prefix cache."""
+    out: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+    if extra:
+        out.update(extra)
+    return out
+
+
+def full_response(
+    req: api.ParsedRequest,
+    request_id: str,
+    created: int,
+    text: str,
+    finish_reason: str,
+    usage_: dict[str, Any],
+    token_ids: list[int],
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The body of a non-streaming response."""
+    if req.chat:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        obj = "text_completion"
+    if req.return_token_ids:
+        choice["token_ids"] = token_ids
+    return {
+        "id": request_id,
+        "object": obj,
+        "created": created,
+        "model": req.model,
+        "choices": [choice],
+        "usage": usage_,
+    }
+
+
+def now() -> int:
+    return int(time.time())
