@@ -65,9 +65,8 @@ class ReferenceEngine:
         limit = self.config.max_position_embeddings
         if len(prompt_ids) >= limit:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in a context of {limit}")
-        stop_ids = set(params.stop_token_ids) | (
-            set() if params.ignore_eos else set(self.tokenizer.eos_token_ids)
-        )
+        # ignore_eos needs no tokenizer: checkpoints without tokenizer files still generate.
+        stop_ids = params.stop_ids(() if params.ignore_eos else self.tokenizer.eos_token_ids)
         seq = object()
         out: list[int] = []
         logprobs: list[float] = []
@@ -85,7 +84,7 @@ class ReferenceEngine:
                 pending = pending[len(chunk) :]
                 if not last:
                     continue
-                history = History(prompt_ids, out, frozenset(stop_ids))
+                history = History(prompt_ids, out, stop_ids)
                 token = sample(logits, [params], [params.output_offset + len(out)], [history])[0]
                 out.append(token.token_id)
                 logprobs.append(token.logprob)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -68,6 +69,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def stop_ids(self, eos_token_ids: Iterable[int]) -> frozenset[int]:
+        """Every token that ends the output: ``stop_token_ids``, and the model's eos unless ignored."""
+        return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else frozenset(eos_token_ids))
 
     @property
     def changes_logits(self) -> bool:

@@ -36,8 +36,7 @@ class Stepper:
 
 def history(seq: Sequence) -> History:
     """What the sampler's penalties and ``min_tokens`` look at for ``seq``'s next token."""
-    stop = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else set(seq.eos_token_ids))
-    return History(seq.prompt_ids, seq.output_ids, frozenset(stop))
+    return History(seq.prompt_ids, seq.output_ids, seq.params.stop_ids(seq.eos_token_ids))
 
 
 def _entry(chunk: Chunk, tables: BlockTables) -> StepEntry:
