@@ -54,8 +54,8 @@ class DecodeCore(WorkerCore):
         if not isinstance(msg, Reserve):
             raise WrongMessage(f"a decode worker cannot handle {type(msg).__name__}")
         rid = msg.request_id
-        seq = Sequence(rid, msg.prompt_ids, msg.params, frozenset(msg.eos_token_ids))
-        reason = self.too_long(rid, len(msg.prompt_ids))
+        seq = Sequence(rid, msg.prompt_ids, msg.params, frozenset(msg.eos_token_ids), branches=msg.branches)
+        reason = self.cannot_take(msg)
         reserved = None if reason else self.scheduler.reserve(seq)
         if reserved is None:
             return [Reserved(self.worker_id, rid, (), reason or "no free KV blocks")]
@@ -73,7 +73,7 @@ class DecodeCore(WorkerCore):
             return self.error(rid, 1, f"KV transfer from the prefill worker failed: {result.reason}")
         seq = self.scheduler.kv_arrived(rid, *first_token_of(result.meta))
         if seq is not None and seq.finish_reason is not None:  # the first token ended it
-            return self.outputs([TokenDelta(rid, 1, (), (), seq.finish_reason)])
+            return self.outputs([TokenDelta(rid, 1, (), (), seq.finish_reason, choice=seq.params.choice)])
         return []
 
     def abort(self, request_id: str, reason: str) -> Out:
@@ -107,8 +107,9 @@ class ColocatedCore(WorkerCore):
 
 def _queue_prompt(core: WorkerCore, msg: Generate) -> Out:
     """Queues a prompt for prefill and decoding here; one that cannot fit ends at once with an error."""
-    reason = core.too_long(msg.request_id, len(msg.prompt_ids))
+    reason = core.cannot_take(msg)
     if reason:
         return core.error(msg.request_id, 0, reason)
-    core.scheduler.add(Sequence(msg.request_id, msg.prompt_ids, msg.params, frozenset(msg.eos_token_ids)))
+    eos = frozenset(msg.eos_token_ids)
+    core.scheduler.add(Sequence(msg.request_id, msg.prompt_ids, msg.params, eos, branches=msg.branches))
     return []

@@ -21,6 +21,11 @@ def step_seed(seed: int, index: int) -> int:
     return x ^ (x >> 29)
 
 
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed of output ``choice`` of a request seeded with ``seed`` (choice 0: ``seed`` itself)."""
+    return seed if choice == 0 else step_seed(seed ^ 0x5EED, -1 - choice)
+
+
 @dataclass(frozen=True)
 class Sampled:
     token_id: int
@@ -107,7 +112,7 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, index: int) -> int:
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     # The noise is always drawn on the CPU, so a seed gives the same tokens on CPU and GPU workers.
-    gen = torch.Generator().manual_seed(step_seed(p.seed, index))
+    gen = torch.Generator().manual_seed(step_seed(choice_seed(p.seed, p.choice), index))
     # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p without a cumsum search.
     noise = torch.empty(probs.shape).exponential_(generator=gen).to(probs.device)
     return int((probs / noise).argmax())

@@ -15,7 +15,9 @@ class SamplingParams:
     batch, and across the prefill/decode hand-over. ``output_offset`` is how many output tokens a
     request already produced elsewhere before it was resumed here (its prompt then ends with them):
     token ``i`` of this run is output token ``output_offset + i``, so a request moved to another worker
-    mid-stream samples exactly what it would have sampled where it started.
+    mid-stream samples exactly what it would have sampled where it started. ``choice`` is which of a
+    request's ``n`` outputs this is: each choice samples from its own seed stream (choice 0 from
+    ``seed`` itself), so choice ``i`` of a request is the same wherever and beside whatever it runs.
 
     Before a token is picked, its row of logits is changed, in this order: ``logit_bias`` is added
     (token id, value); ``repetition_penalty`` divides the positive logits of tokens seen in the prompt
@@ -40,6 +42,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     min_tokens: int = 0
     output_offset: int = 0  # output tokens produced before this run (a resumed request)
+    choice: int = 0  # which of the request's outputs (its seed stream)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -54,6 +57,8 @@ class SamplingParams:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.output_offset < 0:
             raise ValueError(f"output_offset must be >= 0, got {self.output_offset}")
+        if self.choice < 0:
+            raise ValueError(f"choice must be >= 0, got {self.choice}")
         if not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -5,6 +5,12 @@ back to the waiting queue when blocks run out), 2. waiting sequences fill the re
 budget with prefill chunks, oldest first. After the model runs, ``complete`` advances each sequence:
 a finished prompt either starts decoding (``on_prefilled="decode"``) or is parked for hand-over
 (``"handoff"``, the prefill worker), and finished sequences give their blocks back.
+
+A request with several outputs (``n`` > 1) is one sequence with ``branches``: once its prompt's KV
+is complete (computed here, or arrived), each branch becomes a sequence of its own that holds a
+reference to the prompt's full blocks and computes only its tail (the prompt's last partial block,
+and a resumed branch's earlier output) before it samples. The prompt is computed once, and its
+blocks return to the pool when the last output that shares them ends.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from pdfabric.engine.block_pool import BlockTables, blocks_for, cacheable_blocks, chain_hashes
-from pdfabric.engine.sequence import SeqState, Sequence, TopLogprobs
+from pdfabric.engine.sequence import SeqState, Sequence, TopLogprobs, branch_id, branch_params
 from pdfabric.profile import StepShape
 
 # One sampled token: (token, logprob) or (token, logprob, top log-probabilities).
@@ -57,6 +63,7 @@ class Scheduler:
         self.awaiting_kv: dict[str, Sequence] = {}
         self.handoff: dict[str, Sequence] = {}
         self._by_id: dict[str, Sequence] = {}
+        self._groups: dict[str, set[str]] = {}  # a request with branches -> its live sequences' ids
         self.prompt_tokens = 0  # prompt tokens scheduled for the first time (prefix cache queries)
         self.prefix_hit_tokens = 0  # of those, found in the prefix cache
 
@@ -97,6 +104,7 @@ class Scheduler:
             return None
         seq.num_cached = len(seq.prompt_ids)
         self._record(seq)
+        self._branch(seq)
         self._append(seq, first_token, logprob, top)
         if seq.state is not SeqState.FINISHED:
             seq.state = SeqState.RUNNING
@@ -232,9 +240,36 @@ class Scheduler:
                 else:
                     seq.state = SeqState.RUNNING
                     self.running.append(seq)
+                    self._branch(seq)
             self._append(seq, token, logprob, top[0] if top else ())
             changed.append(seq)
         return changed
+
+    def _branch(self, seq: Sequence) -> None:
+        """Starts the branches of a sequence whose prompt's KV is complete: each holds a reference to
+        the prompt's full blocks and waits at the head of the queue to compute its tail."""
+        if not seq.branches:
+            return
+        branches, seq.branches = seq.branches, ()
+        bs = self.tables.pool.block_size
+        table = self.tables.table(seq.request_id)
+        prompt = seq.prompt_ids[: len(seq.prompt_ids) - seq.params.output_offset]
+        members = self._groups.setdefault(seq.request_id, {seq.request_id})
+        started = []
+        for b in branches:
+            child = Sequence(
+                branch_id(seq.request_id, b.choice), prompt + b.output, branch_params(seq, b),
+                seq.eos_token_ids, group=seq.request_id,
+            )  # fmt: skip
+            shared = table[: min(len(prompt) // bs, cacheable_blocks(child.num_tokens, bs))]
+            self.tables.pool.share(shared)
+            self.tables.attach(child.request_id, shared)
+            child.num_cached, child.recorded = len(shared) * bs, min(seq.recorded, len(shared))
+            child.prefix_hit = 0  # not a prompt of its own: no prefix cache query
+            self._admit(child)
+            members.add(child.request_id)
+            started.append(child)
+        self.waiting.extendleft(reversed(started))
 
     def _append(self, seq: Sequence, token: int, logprob: float, top: TopLogprobs = ()) -> None:
         seq.output_ids.append(token)
@@ -257,10 +292,20 @@ class Scheduler:
         self._by_id.pop(seq.request_id, None)
         seq.state = SeqState.FINISHED
         seq.finish_reason = reason
+        group = seq.group or seq.request_id
+        members = self._groups.get(group)
+        if members is not None:
+            members.discard(seq.request_id)
+            if not members:
+                del self._groups[group]
 
     def finish(self, request_id: str, reason: str) -> Sequence | None:
-        """Ends a request in any state (abort, error, hand-over done) and frees its blocks."""
+        """Ends a request in any state (abort, error, hand-over done), with every branch it started,
+        and frees their blocks."""
         seq = self._by_id.get(request_id)
+        for member in sorted(self._groups.get(request_id, ())):
+            if member != request_id and member in self._by_id:
+                self._finish(self._by_id[member], reason)
         if seq is not None:
             self._finish(seq, reason)
         return seq

@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pdfabric.engine.sampling_params import SamplingParams
 
 TopLogprobs = tuple[tuple[int, float], ...]  # the most likely (token id, log-probability) pairs, best first
+
+
+@dataclass(frozen=True)
+class Branch:
+    """Another output of a request whose prompt is computed once (``n`` > 1): output ``choice``,
+    continuing the request's own prompt with ``output``, the tokens it already produced (empty for a
+    new request; a resumed one's earlier output). Its sequence shares the prompt's full blocks with the
+    request's sequence and computes only its own tail (``Scheduler``)."""
+
+    choice: int
+    output: tuple[int, ...] = ()
 
 
 class SeqState(enum.Enum):
@@ -33,6 +44,13 @@ class Sequence:
     recorded: int = 0  # leading blocks of its table that are in the prefix cache
     state: SeqState = SeqState.WAITING
     finish_reason: str | None = None
+    branches: tuple[Branch, ...] = ()  # the request's other outputs, started once its prompt is computed
+    group: str = ""  # a branch's: the request id of the sequence it branched from ("": none)
+
+    @property
+    def reply_id(self) -> str:
+        """The request id its token deltas carry (a branch's request's)."""
+        return self.group or self.request_id
 
     @property
     def num_tokens(self) -> int:
@@ -55,3 +73,20 @@ class Sequence:
         if len(self.output_ids) >= self.params.max_tokens or self.num_tokens >= max_model_len:
             return "length"
         return None
+
+
+def branch_id(request_id: str, choice: int) -> str:
+    """The id of a request's branch for output ``choice`` (its deltas carry the request's id)."""
+    return f"{request_id}#{choice}"
+
+
+def branch_params(seq: Sequence, branch: Branch) -> SamplingParams:
+    """A branch's sampling parameters: the request's, for output ``branch.choice``, after the branch's
+    earlier output, with the same bound on the whole output. ``ValueError`` if none is left."""
+    total = seq.params.max_tokens + seq.params.output_offset
+    return replace(
+        seq.params,
+        choice=branch.choice,
+        output_offset=len(branch.output),
+        max_tokens=total - len(branch.output),
+    )

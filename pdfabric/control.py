@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdfabric.engine.sampling_params import SamplingParams
+from pdfabric.engine.sequence import Branch
 from pdfabric.profile import WorkerProfile
 from pdfabric.wire import message
 
@@ -76,6 +77,7 @@ class TokenDelta:
     cached_tokens: int = 0  # on a request's first delta: prompt tokens found in the prefix cache
     # Per token, when the request asked for logprobs: the most likely (token id, logprob) pairs.
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+    choice: int = 0  # which of the request's outputs (``SamplingParams.choice``)
 
 
 @message(4)
@@ -116,24 +118,28 @@ class HandedOff:
 @message(20)
 @dataclass(frozen=True)
 class Generate:
-    """Run a whole request (colocated worker): prefill, then decode until it finishes."""
+    """Run a whole request (colocated worker): prefill, then decode until it finishes. Its ``branches``
+    (the request's other outputs, ``n`` > 1) start from the same computed prompt once it is done."""
 
     request_id: str
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     eos_token_ids: tuple[int, ...]
+    branches: tuple[Branch, ...] = ()
 
 
 @message(21)
 @dataclass(frozen=True)
 class Reserve:
     """Decode worker: reserve blocks for a prompt whose KV a prefill worker will push. The prompt's
-    ids come along so that a preempted sequence can be recomputed locally."""
+    ids come along so that a preempted sequence can be recomputed locally. Its ``branches`` start
+    here, sharing the prompt's blocks, once the KV has arrived."""
 
     request_id: str
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     eos_token_ids: tuple[int, ...]
+    branches: tuple[Branch, ...] = ()
 
 
 @message(22)

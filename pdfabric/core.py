@@ -200,8 +200,14 @@ def delta_of(seq: Sequence) -> TokenDelta:
     cached = (seq.prefix_hit or 0) if index == 0 else 0
     top = (seq.output_top[-1],) if seq.params.logprobs else ()
     return TokenDelta(
-        seq.request_id, index, (seq.output_ids[-1],), (seq.output_logprobs[-1],), seq.finish_reason,
-        cached_tokens=cached, top_logprobs=top,
+        seq.reply_id,
+        index,
+        (seq.output_ids[-1],),
+        (seq.output_logprobs[-1],),
+        seq.finish_reason,
+        cached_tokens=cached,
+        top_logprobs=top,
+        choice=seq.params.choice,
     )
 
 
@@ -341,6 +347,16 @@ class WorkerCore:
 
     def error(self, request_id: str, index: int, message: str) -> Out:
         return self.outputs([TokenDelta(request_id, index, (), (), "error", message)])
+
+    def cannot_take(self, msg: Generate | Reserve) -> str:
+        """Why a request cannot run here (``too_long``, or branches that make no sense), or ``""``."""
+        total = msg.params.max_tokens + msg.params.output_offset
+        choices = [msg.params.choice, *(b.choice for b in msg.branches)]
+        if len(set(choices)) < len(choices) or min(choices) < 0:
+            return f"a request's outputs must have distinct choices >= 0, got {choices}"
+        if any(len(b.output) >= total for b in msg.branches):
+            return "a branch's earlier output leaves it no token to generate"
+        return self.too_long(msg.request_id, len(msg.prompt_ids))
 
     def too_long(self, request_id: str, prompt_len: int) -> str:
         """Why a prompt cannot run here (it must leave room for one token), or ``""``."""

@@ -177,6 +177,7 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     except (json.JSONDecodeError, UnicodeDecodeError):
         metrics_.rejections.labels("invalid").inc()
         return responses.error_response(api.bad("the request body is not valid JSON"))
+    submitted: list[str] = []  # the response's requests in the router (one per prompt)
     try:
         parsed = api.parse_request(body, chat, (app[CONFIG].model_name,), app[TOKENIZER].vocab_size)
         try:
@@ -184,75 +185,97 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
             resolved = resolve(app[CONFIG].routing, body.get("slo"), tenant)
         except BudgetError as exc:
             raise api.bad(str(exc), exc.param) from None
-        prompt_ids = await asyncio.to_thread(_tokenize, app[TOKENIZER], parsed)
-        max_tokens = _max_tokens(parsed, len(prompt_ids), app[DISPATCHER].registry.max_model_len)
+        prompts = await asyncio.to_thread(_tokenize, app[TOKENIZER], parsed)
+        max_model_len = app[DISPATCHER].registry.max_model_len
+        max_tokens = [_max_tokens(parsed, len(p), max_model_len) for p in prompts]
         seed = parsed.seed if parsed.seed is not None else secrets.randbelow(2**63)
         request_id = api.new_id(chat)
         header_timeout = api.timeout_seconds(request.headers.get("X-Request-Timeout"), "X-Request-Timeout")
         timeouts = [t for t in (parsed.timeout_s, header_timeout) if t is not None]
         deadline = arrival + min(timeouts) if timeouts else None
-        stream = await app[DISPATCHER].submit(
-            request_id,
-            prompt_ids,
-            parsed.sampling_params(max_tokens, seed),
-            tuple(sorted(app[TOKENIZER].eos_token_ids)),
-            resolved,
-            deadline,
-        )
+        eos = tuple(sorted(app[TOKENIZER].eos_token_ids))
+        streams = []
+        for i, (prompt_ids, limit) in enumerate(zip(prompts, max_tokens, strict=True)):
+            sub_id = request_id if i == 0 else f"{request_id}-{i}"  # each prompt of a batch is a request
+            params = parsed.sampling_params(limit, seed)
+            submitted.append(sub_id)
+            streams.append(
+                await app[DISPATCHER].submit(
+                    sub_id, prompt_ids, params, eos, resolved, deadline, parsed.best_of
+                )
+            )
     except Rejected as err:
+        _release(app, submitted)
         metrics_.rejections.labels(err.reason).inc()
         return responses.error_response(err)
     except api.ApiError as err:
+        _release(app, submitted)
         metrics_.rejections.labels("invalid" if err.status < 500 else "no_capacity").inc()
         return responses.error_response(err)
     model = parsed.model
     dispatched = time.monotonic()
     metrics_.queue_wait.labels(model).observe(dispatched - arrival)
-    metrics_.prompt_tokens.labels(model).inc(len(prompt_ids))
+    metrics_.prompt_tokens.labels(model).inc(sum(len(p) for p in prompts))
     outcome = "abort"  # unless the loop below reaches a finish: the client went away
     try:
-        detok = IncrementalDetokenizer(app[TOKENIZER], list(prompt_ids), stop=list(parsed.stop))
         times = TokenTimes()
-        logprobs = responses.logprobs_out(app[TOKENIZER], parsed)
-        events = responses.events(
-            stream, detok, app[CONFIG].request_timeout_s, deadline, metrics_, model, arrival, times
-        )
+        timeout_s = app[CONFIG].request_timeout_s
+        sources = []
+        for p, (stream, prompt_ids) in enumerate(zip(streams, prompts, strict=True)):
+            for c in range(parsed.best_of):
+                detok = IncrementalDetokenizer(app[TOKENIZER], list(prompt_ids), stop=list(parsed.stop))
+                primary = times if p == 0 and c == 0 else None  # the output the latency metrics follow
+                events = responses.events(
+                    stream.queues[c], detok, timeout_s, deadline, metrics_, model, arrival, primary
+                )
+                logprobs = responses.logprobs_out(app[TOKENIZER], parsed)
+                sources.append(responses.Source(p * parsed.best_of + c, events, stream, logprobs))
+        first = streams[0]
 
         def report() -> dict[str, Any]:
-            choice, transfer_s = stream.choice, stream.transfer_s
-            return breakdown(stream.route, resolved, choice, arrival, dispatched, times, transfer_s)
+            choice, transfer_s = first.choice, first.transfer_s
+            return breakdown(first.route, resolved, choice, arrival, dispatched, times, transfer_s)
 
         # Clients that speak the ``slo`` extension also get the latency breakdown in their usage.
         reporting = report if "slo" in body else None
         if parsed.stream:
-            response, outcome = await responses.stream_sse(
-                request, parsed, request_id, stream, events, logprobs, reporting
-            )
+            response, outcome = await responses.stream_sse(request, parsed, request_id, sources, reporting)
         else:
-            response, outcome = await responses.collect(
-                parsed, request_id, stream, events, logprobs, reporting
-            )
+            response, outcome = await responses.collect(parsed, request_id, sources, reporting)
         return response
     finally:
-        app[DISPATCHER].release(request_id, "request ended")
+        _release(app, submitted)
         metrics_.requests.labels(model, outcome).inc()
         metrics_.e2e.labels(model).observe(time.monotonic() - arrival)
 
 
-def _tokenize(tokenizer: Tokenizer, parsed: api.ParsedRequest) -> tuple[int, ...]:
-    if parsed.prompt_ids is not None:
-        return parsed.prompt_ids
+def _release(app: web.Application, request_ids: list[str]) -> None:
+    """Ends the response's requests; every worker still holding one gets an ``Abort``."""
+    for request_id in request_ids:
+        app[DISPATCHER].release(request_id, "request ended")
+
+
+def _tokenize(tokenizer: Tokenizer, parsed: api.ParsedRequest) -> list[tuple[int, ...]]:
+    """Each prompt's token ids (a chat request's one prompt, rendered by the chat template)."""
     if parsed.chat:
         try:
             text = tokenizer.apply_chat_template(list(parsed.messages or ()), add_generation_prompt=True)
         except ValueError as exc:
             raise api.bad(str(exc), "messages") from None
         ids = tokenizer.encode(text, add_special_tokens=False)
-    else:
-        ids = tokenizer.encode(parsed.prompt_text or "", add_special_tokens=True)
-    if not ids:
-        raise api.bad("the prompt encodes to no tokens", "messages" if parsed.chat else "prompt")
-    return tuple(ids)
+        if not ids:
+            raise api.bad("the prompt encodes to no tokens", "messages")
+        return [tuple(ids)]
+    out = []
+    for prompt in parsed.prompts:
+        if isinstance(prompt, tuple):
+            out.append(prompt)
+            continue
+        ids = tokenizer.encode(prompt, add_special_tokens=True)
+        if not ids:
+            raise api.bad("the prompt encodes to no tokens", "prompt")
+        out.append(tuple(ids))
+    return out
 
 
 def _max_tokens(parsed: api.ParsedRequest, prompt_len: int, max_model_len: int) -> int:

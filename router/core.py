@@ -116,7 +116,8 @@ class Transferred:
 @dataclass(frozen=True)
 class FailedOver:
     """The request left a failed attempt (``cause``: ``worker_gone`` or ``error``; ``worker_id`` the
-    worker that failed) and resumes on other workers after ``resumed_at`` delivered tokens."""
+    worker that failed) and resumes on other workers after ``resumed_at`` delivered tokens (over all
+    its outputs)."""
 
     request_id: str
     cause: str
@@ -171,11 +172,13 @@ class RouterCore:
         slo_class: str,
         budgets: Budgets,
         deadline: float | None = None,
+        n: int = 1,
     ) -> list[Effect]:
         """A new request: ``Started`` or ``Refused`` now, or later from ``poll`` or a worker's reply.
         With a ``deadline`` (on the clock) its first token must come before it (the TTFT budget is
         cut to fit), and a failover after it ends the request instead (the driver ends it at the
-        deadline itself)."""
+        deadline itself). ``n``: its outputs, run on one route from one computed prompt; each
+        output's deltas carry its ``choice``."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already in the router")
         if not has_route(self.registry):
@@ -187,7 +190,7 @@ class RouterCore:
         ticket = Ticket(
             request_id, tenant, slo_class, budgets, len(prompt_ids), now, prefix=prefix, prefix_key=key
         )
-        req = RouterRequest(ticket, prompt_ids, params, eos_token_ids, deadline)
+        req = RouterRequest(ticket, prompt_ids, params, eos_token_ids, deadline, n)
         self._requests[request_id] = self._wire[request_id] = req
         out: list[Effect] = []
         self._settle(self.routing.queue.arrive(ticket, ticket.arrived, self.routing.fit), out)
@@ -315,7 +318,7 @@ class RouterCore:
     def _try_next(self, req: RouterRequest, out: list[Effect]) -> None:
         """Starts the request on its next route that exists: at once if colocated, else after the
         decode worker's reservation reply. Refuses it (503) when no route is left."""
-        rid, prompt, params = req.wire_id, req.run_prompt, req.run_params
+        rid, prompt, params, branches = req.wire_id, req.run_prompt, req.run_params, req.run_branches
         while req.tried < len(req.choices):
             choice = req.choices[req.tried]
             req.tried += 1
@@ -325,13 +328,13 @@ class RouterCore:
                 continue
             if route.colocated is not None:
                 self.holders.hold(rid, choice.decode)
-                self._send_work(choice.decode, Generate(rid, prompt, params, req.eos), out)
+                self._send_work(choice.decode, Generate(rid, prompt, params, req.eos, branches), out)
                 self._started(req, choice, choice.decode, out)
                 return
             deadline = self.clock() + self.reserve_timeout_s
             self.holders.reserving(rid, choice.decode, deadline)  # an end from here on aborts it there
             heapq.heappush(self._timeouts, (deadline, rid, choice.decode))
-            self._send_work(choice.decode, Reserve(rid, prompt, params, req.eos), out)
+            self._send_work(choice.decode, Reserve(rid, prompt, params, req.eos, branches), out)
             return
         self.routing.forget(rid)
         self.holders.end(rid)  # every route let go of it already
@@ -392,14 +395,16 @@ class RouterCore:
             self._failover(req, ERROR, worker_id, delta.error or f"worker {worker_id} reported an error", out)
             self._poll(out)
             return
-        cached = delta.cached_tokens if req.failovers == 0 else 0  # the client's prompt's, not a resume's
-        delta = replace(delta, request_id=req.request_id, index=delta.index + req.base, cached_tokens=cached)
-        if delta.finish_reason is not None:
-            self.holders.done(req.wire_id, worker_id)
-            self._deliver(req, delta, out)
+        mine = req.from_wire(delta)
+        if mine is None:
+            return  # an output this attempt does not run
+        if mine.finish_reason is not None:
+            if req.attempt_done(mine.choice):  # the worker holds the request no longer
+                self.holders.done(req.wire_id, worker_id)
+            self._deliver(req, mine, out)
             self._poll(out)
         else:
-            self._deliver(req, delta, out)
+            self._deliver(req, mine, out)
 
     def _deliver(self, req: RouterRequest, delta: TokenDelta, out: list[Effect]) -> None:
         out += [Deliver(req.request_id, d) for d in req.accept(delta)]
@@ -438,11 +443,12 @@ class RouterCore:
             self._fail(req, message + " (and the request's deadline has passed)", out)
             return
         self._drop_attempt(req, "moved to another worker", out)
-        if not req.resume():  # every token is out; only the finish was lost
-            self._deliver(req, TokenDelta(req.request_id, len(req.output), (), (), "length"), out)
+        for spent in req.spent():  # every token of that output is out; only its finish was lost
+            self._deliver(req, spent, out)
+        if not req.resume():
             return
         self._wire[req.wire_id] = req
-        out.append(FailedOver(req.request_id, cause, worker_id, message, req.base))
+        out.append(FailedOver(req.request_id, cause, worker_id, message, req.delivered))
         # The new attempt asks admission like a new request, so with every worker full it waits for
         # room (until its deadline, or until the client's handler gives up on it) instead of failing.
         key, prefix = self.routing.prefix_of(req.run_prompt)
@@ -459,4 +465,5 @@ class RouterCore:
         self._settle(self.routing.queue.arrive(ticket, ticket.arrived, self.routing.fit), out)
 
     def _fail(self, req: RouterRequest, message: str, out: list[Effect]) -> None:
-        self._deliver(req, TokenDelta(req.request_id, req.next_index, (), (), "error", message), out)
+        index = req.outs[0].next_index  # where the first output stopped (a failure ends every output)
+        self._deliver(req, TokenDelta(req.request_id, index, (), (), "error", message), out)

@@ -39,17 +39,34 @@ log = logging.getLogger("pdfabric.router")
 
 @dataclass
 class RequestStream:
-    """One request's deltas, in output order, for the HTTP handler to consume."""
+    """One request's deltas, for the HTTP handler to consume: one queue per output (choice), each in
+    output order; a failure goes to every queue."""
 
     request_id: str
     prompt_len: int
-    queue: asyncio.Queue[TokenDelta] = field(default_factory=asyncio.Queue)
+    n: int = 1
+    queues: list[asyncio.Queue[TokenDelta]] = field(init=False)
     route: str = ""
     choice: Choice | None = None  # the route taken, with its predicted latencies
     waited_ms: float = 0.0  # time spent waiting for admission in the router
     transfer_s: float | None = None  # KV push, start to acknowledgement (0 colocated; None: not yet told)
     cached_tokens: int = 0  # prompt tokens whose KV came from a worker's prefix cache
     started: asyncio.Future[None] | None = None  # set while ``submit`` waits for the start
+
+    def __post_init__(self) -> None:
+        self.queues = [asyncio.Queue() for _ in range(self.n)]
+
+    @property
+    def queue(self) -> asyncio.Queue[TokenDelta]:
+        """The first output's queue (the only one when ``n`` is 1)."""
+        return self.queues[0]
+
+    def put(self, delta: TokenDelta) -> None:
+        if delta.finish_reason in ("error", "abort"):
+            for q in self.queues:
+                q.put_nowait(delta)
+        elif 0 <= delta.choice < self.n:
+            self.queues[delta.choice].put_nowait(delta)
 
 
 class Dispatcher:
@@ -112,12 +129,13 @@ class Dispatcher:
         eos_token_ids: tuple[int, ...],
         resolved: Resolved,
         deadline: float | None = None,
+        n: int = 1,
     ) -> RequestStream:
         """Starts the request on a route that meets its budgets (``resolved``) and its ``deadline``
-        (``time.monotonic()`` seconds; None: none). Raises ``Rejected`` (429) when admission control
-        turns it away and ``ApiError`` (503) when no worker can take it. Its TTFT budget counts from
-        here."""
-        stream = RequestStream(request_id, len(prompt_ids))
+        (``time.monotonic()`` seconds; None: none), with ``n`` outputs from one computed prompt.
+        Raises ``Rejected`` (429) when admission control turns it away and ``ApiError`` (503) when no
+        worker can take it. Its TTFT budget counts from here."""
+        stream = RequestStream(request_id, len(prompt_ids), n)
         stream.started = asyncio.get_running_loop().create_future()
         self.streams[request_id] = stream
         try:
@@ -131,6 +149,7 @@ class Dispatcher:
                     resolved.slo_class.name,
                     resolved.budgets,
                     deadline,
+                    n,
                 )  # fmt: skip
             )
             await stream.started
@@ -178,7 +197,7 @@ class Dispatcher:
                 continue
             if isinstance(effect, Deliver):
                 stream.cached_tokens = max(stream.cached_tokens, effect.delta.cached_tokens)
-                stream.queue.put_nowait(effect.delta)
+                stream.put(effect.delta)
             elif isinstance(effect, Started):
                 stream.route, stream.choice, stream.waited_ms = effect.route, effect.choice, effect.waited_ms
                 if effect.choice.colocated:

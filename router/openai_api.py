@@ -64,8 +64,8 @@ def bad(message: str, param: str | None = None) -> ApiError:
 class ParsedRequest:
     chat: bool
     model: str
-    prompt_text: str | None  # text to tokenize (completions with a text prompt, or the rendered chat)
-    prompt_ids: tuple[int, ...] | None  # token ids given directly
+    # Completions: each prompt, as text to tokenize or token ids given directly (chat: none).
+    prompts: tuple[str | tuple[int, ...], ...]
     messages: tuple[dict[str, str], ...] | None
     max_tokens: int | None  # None: until the context is full
     temperature: float
@@ -86,6 +86,8 @@ class ParsedRequest:
     user: str | None = None  # the end user, as the client names them (no effect on the output)
     return_token_ids: bool = False  # extension: each choice also carries the generated token ids
     timeout_s: float | None = None  # extension: the whole request's deadline, seconds from arrival
+    n: int = 1  # outputs returned per prompt
+    best_of: int = 1  # outputs generated per prompt, of which the ``n`` most likely are returned
 
     def sampling_params(self, max_tokens: int, seed: int) -> SamplingParams:
         return SamplingParams(
@@ -141,14 +143,12 @@ def parse_request(body: Any, chat: bool, served_models: tuple[str, ...], vocab_s
         raise bad("'model' is required", "model")
     if model not in served_models:
         raise bad(f"model {model!r} is not served here; available: {', '.join(served_models)}", "model")
-    n = _typed(body, "n", int, 1)
-    if n != 1:
-        raise bad("only n=1 is supported", "n")
-    prompt_text, prompt_ids, messages = None, None, None
+    prompts: tuple[str | tuple[int, ...], ...] = ()
+    messages = None
     if chat:
         messages = _messages(body)
     else:
-        prompt_text, prompt_ids = _prompt(body, vocab_size)
+        prompts = _prompts(body, vocab_size)
     max_name = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
     max_tokens = _typed(body, max_name, int, 16 if not chat else None)
     if max_tokens is not None and max_tokens < 1:
@@ -168,11 +168,9 @@ def parse_request(body: Any, chat: bool, served_models: tuple[str, ...], vocab_s
         raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
     include_usage = _typed(options, "include_usage", bool, False)
     logprobs = _logprobs(body, chat)
-    if not chat:
-        if _typed(body, "echo", bool, False):
-            raise bad("'echo' is not supported by this server", "echo")
-        if _typed(body, "best_of", int, 1) != 1:
-            raise bad("only best_of=1 is supported", "best_of")
+    n, best_of = _n_best_of(body, chat, stream, max(1, len(prompts)))
+    if not chat and _typed(body, "echo", bool, False):
+        raise bad("'echo' is not supported by this server", "echo")
     min_tokens = _typed(body, "min_tokens", int, 0)
     if not 0 <= min_tokens <= (max_tokens if max_tokens is not None else min_tokens):
         raise bad(f"'min_tokens' must be in [0, {max_name}], got {min_tokens}", "min_tokens")
@@ -182,8 +180,7 @@ def parse_request(body: Any, chat: bool, served_models: tuple[str, ...], vocab_s
     return ParsedRequest(
         chat=chat,
         model=model,
-        prompt_text=prompt_text,
-        prompt_ids=prompt_ids,
+        prompts=prompts,
         messages=messages,
         max_tokens=max_tokens,
         temperature=temperature,
@@ -204,6 +201,8 @@ def parse_request(body: Any, chat: bool, served_models: tuple[str, ...], vocab_s
         user=_typed(body, "user", str, None),
         return_token_ids=_typed(body, "return_token_ids", bool, False),
         timeout_s=timeout_seconds(_typed(body, "timeout", (int, float), None), "timeout"),
+        n=n,
+        best_of=best_of,
     )
 
 
@@ -221,29 +220,58 @@ def timeout_seconds(value: float | str | None, param: str) -> float | None:
     return seconds
 
 
-def _prompt(body: dict[str, Any], vocab_size: int) -> tuple[str | None, tuple[int, ...] | None]:
+MAX_N, MAX_BEST_OF, MAX_PROMPTS, MAX_OUTPUTS = 128, 20, 64, 256
+
+
+def _n_best_of(body: dict[str, Any], chat: bool, stream: bool, prompts: int) -> tuple[int, int]:
+    """``n`` and ``best_of`` (completions only; never streamed), checked against each other and the
+    bound on the outputs one request may ask for."""
+    n = _typed(body, "n", int, 1)
+    if not 1 <= n <= MAX_N:
+        raise bad(f"'n' must be in [1, {MAX_N}], got {n}", "n")
+    best_of = n if chat else _typed(body, "best_of", int, n)
+    if not n <= best_of <= MAX_BEST_OF and best_of != n:
+        raise bad(f"'best_of' must be in [n, {MAX_BEST_OF}] (n is {n}), got {best_of}", "best_of")
+    if best_of > n and stream:
+        raise bad("'best_of' greater than 'n' cannot be streamed", "best_of")
+    if prompts * best_of > MAX_OUTPUTS:
+        param = "best_of" if best_of > n else "n"
+        raise bad(
+            f"the request asks for {prompts * best_of} outputs; at most {MAX_OUTPUTS} are allowed", param
+        )
+    return n, best_of
+
+
+def _prompts(body: dict[str, Any], vocab_size: int) -> tuple[str | tuple[int, ...], ...]:
+    """The completion prompts: a string, an array of token ids, or an array of either (a batch)."""
     if "prompt" not in body or body["prompt"] is None:
         raise bad("'prompt' is required", "prompt")
     prompt = body["prompt"]
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+    batch = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
+    if not batch:
+        return (_prompt(prompt, "prompt", vocab_size),)
+    if len(prompt) > MAX_PROMPTS:
+        raise bad(f"'prompt' holds {len(prompt)} prompts; at most {MAX_PROMPTS} are allowed", "prompt")
+    return tuple(_prompt(p, f"prompt[{i}]", vocab_size) for i, p in enumerate(prompt))
+
+
+def _prompt(prompt: Any, where: str, vocab_size: int) -> str | tuple[int, ...]:
     if isinstance(prompt, str):
         if not prompt:
-            raise bad("'prompt' must not be empty", "prompt")
-        return prompt, None
+            raise bad(f"'{where}' must not be empty", "prompt")
+        return prompt
     if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if not prompt:
-            raise bad("'prompt' must not be empty", "prompt")
+            raise bad(f"'{where}' must not be empty", "prompt")
         out_of_range = [t for t in prompt if not 0 <= t < vocab_size]
         if out_of_range:
             raise bad(
-                f"'prompt' holds token id {out_of_range[0]} outside the vocabulary (0..{vocab_size - 1})",
+                f"'{where}' holds token id {out_of_range[0]} outside the vocabulary (0..{vocab_size - 1})",
                 "prompt",
             )
-        return None, tuple(prompt)
+        return tuple(prompt)
     raise bad(
-        "'prompt' must be a string or an array of token ids (batches of several prompts are not supported)",
-        "prompt",
+        f"'{where}' must be a string or an array of token ids (or 'prompt' an array of those)", "prompt"
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pdfabric.router import openai_api as api
 from pdfabric.router.openai_api import MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_TIMEOUT_S
 
 
@@ -36,7 +37,9 @@ _COMMON: dict[str, Any] = {
     "temperature": _nullable(_number(0, 2)),
     "top_p": _nullable(_number(0, 1, exclusive_low=True)),
     "top_k": _nullable({"type": "integer", "minimum": -1, "description": "0 or -1: no limit"}),
-    "n": _nullable({"type": "integer", "const": 1}),
+    "n": _nullable(
+        {"type": "integer", "minimum": 1, "maximum": api.MAX_N, "description": "outputs per prompt"}
+    ),
     "stream": _nullable({"type": "boolean"}),
     "stream_options": _nullable(
         {
@@ -83,13 +86,26 @@ _COMPLETION = {
         "anyOf": [
             {"type": "string", "minLength": 1},
             _TOKEN_IDS,
-            {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
-            {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": 1},
+            {
+                "type": "array",
+                "items": {"anyOf": [{"type": "string", "minLength": 1}, _TOKEN_IDS]},
+                "minItems": 1,
+                "maxItems": api.MAX_PROMPTS,
+                "description": "a batch: choice index = prompt index * n + output index",
+            },
         ]
     },
     "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
     "echo": _nullable({"type": "boolean", "const": False}),
-    "best_of": _nullable({"type": "integer", "const": 1}),
+    "best_of": _nullable(
+        {
+            "type": "integer",
+            "minimum": 1,
+            "maximum": api.MAX_BEST_OF,
+            "description": f"outputs generated per prompt, the n likeliest returned; at least n, not "
+            f"streamed, prompts x best_of at most {api.MAX_OUTPUTS}",
+        }
+    ),
 }
 _MESSAGE = {
     "type": "object",
@@ -145,9 +161,7 @@ _ERROR = {
 _OBJECT = {"type": "object"}
 
 
-def _generation(
-    summary: str, fields: dict[str, Any], required: list[str], model: str
-) -> dict[str, Any]:
+def _generation(summary: str, fields: dict[str, Any], required: list[str], model: str) -> dict[str, Any]:
     fields = {**fields, "model": {**fields["model"], "enum": [model]}}
     return {
         "post": {

@@ -1,6 +1,12 @@
 """What a client gets back: a request's worker deltas turned into text events (stop strings, timeouts,
 the request's deadline), written as a server-sent event stream or collected into one JSON body in
-OpenAI's response shapes, with log-probabilities when asked for; and error responses."""
+OpenAI's response shapes, with log-probabilities when asked for; and error responses.
+
+A response has one ``Source`` per output it returns (``choices[i]``): each prompt of a batch times
+``n``. Their events interleave in a stream, each chunk naming its choice's index; the first failure
+ends the whole response. With ``best_of`` > ``n`` every output generated is collected and the ``n``
+likeliest per prompt (highest mean log-probability per token) are returned.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +15,12 @@ import json
 import math
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
+from pdfabric.control import TokenDelta
 from pdfabric.engine.detokenizer import IncrementalDetokenizer
 from pdfabric.engine.sequence import TopLogprobs
 from pdfabric.engine.tokenizer import Tokenizer
@@ -43,37 +50,55 @@ def error_response(err: api.ApiError) -> web.Response:
     return web.json_response(err.body(), status=err.status, headers=headers)
 
 
+@dataclass
+class Source:
+    """One output of a response: its index in ``choices``, its events, its log-probabilities (None:
+    not asked for), and the stream of the request it comes from."""
+
+    index: int
+    events: AsyncIterator[Event]
+    stream: RequestStream
+    logprobs: LogprobsOut | None = None
+
+
 async def events(
-    stream: RequestStream,
+    queue: asyncio.Queue[TokenDelta],
     detok: IncrementalDetokenizer,
     timeout_s: float,
     deadline: float | None,
     metrics_: RouterMetrics,
     model: str,
     arrival: float,
-    times: TokenTimes,
+    times: TokenTimes | None,
 ) -> AsyncIterator[Event]:
-    """The request's text in order, ending with exactly one event that carries a finish reason. It
-    ends with an error when no delta comes for ``timeout_s`` or at the request's ``deadline``
-    (``time.monotonic()``); each such end counts as a lost request, by cause."""
+    """One output's text in order (its deltas come from ``queue``), ending with exactly one event that
+    carries a finish reason. It ends with an error when no delta comes for ``timeout_s`` or at the
+    request's ``deadline`` (``time.monotonic()``). ``times``: the output whose token times the
+    latency metrics and the breakdown follow (None for a response's other outputs); its failures count
+    as a lost request, by cause."""
     last = None
     while True:
         left = deadline - time.monotonic() if deadline is not None else math.inf
         try:
-            delta = await asyncio.wait_for(stream.queue.get(), max(0.0, min(timeout_s, left)))
+            delta = await asyncio.wait_for(queue.get(), max(0.0, min(timeout_s, left)))
         except TimeoutError:
             if left < timeout_s:
-                metrics_.lost.labels("deadline").inc()
+                if times is not None:
+                    metrics_.lost.labels("deadline").inc()
                 yield Event("", (), "error", f"the request's deadline ({deadline - arrival:g}s) passed", 504)
             else:
-                metrics_.lost.labels("no_progress").inc()
+                if times is not None:
+                    metrics_.lost.labels("no_progress").inc()
                 yield Event("", (), "error", f"no progress for {timeout_s:.0f}s")
             return
         if delta.finish_reason in ("error", "abort"):
-            metrics_.lost.labels("worker_failed").inc()
+            if times is not None:
+                metrics_.lost.labels("worker_failed").inc()
             yield Event("", (), delta.finish_reason, delta.error or "aborted by a worker")
             return
         if delta.token_ids:
+            metrics_.generation_tokens.labels(model).inc(len(delta.token_ids))
+        if delta.token_ids and times is not None:
             now = time.monotonic()
             if last is None:
                 metrics_.ttft.labels(model).observe(now - arrival)
@@ -81,7 +106,6 @@ async def events(
                 metrics_.itl.labels(model).observe(now - last)
             last = now
             times.seen(len(delta.token_ids))
-            metrics_.generation_tokens.labels(model).inc(len(delta.token_ids))
         text, used = "", 0
         lps, tops = delta.logprobs, delta.top_logprobs
         for token in delta.token_ids:
@@ -100,37 +124,74 @@ async def events(
         yield Event(text, delta.token_ids, logprobs=lps, top_logprobs=tops)
 
 
+async def merged(sources: list[Source]) -> AsyncIterator[tuple[Source, Event]]:
+    """Every source's events as they come, tagged with their source (each source's in its order)."""
+    if len(sources) == 1:
+        async for event in sources[0].events:
+            yield sources[0], event
+        return
+    queue: asyncio.Queue[tuple[Source, Event | BaseException | None]] = asyncio.Queue()
+
+    async def pump(source: Source) -> None:
+        try:
+            async for event in source.events:
+                queue.put_nowait((source, event))
+        except Exception as exc:  # noqa: BLE001 - re-raised by the reader below
+            queue.put_nowait((source, exc))
+        queue.put_nowait((source, None))
+
+    tasks = [asyncio.create_task(pump(source)) for source in sources]
+    try:
+        left = len(sources)
+        while left:
+            source, item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield source, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def stream_sse(
     request: web.Request,
     parsed: api.ParsedRequest,
     request_id: str,
-    stream: RequestStream,
-    events: AsyncIterator[Event],
-    logprobs: LogprobsOut | None = None,
+    sources: list[Source],
     report: Callable[[], dict[str, Any]] | None = None,
 ) -> tuple[web.StreamResponse, str]:
-    """Writes ``events`` as server-sent events; returns the response and how the request ended."""
+    """Writes the sources' events as server-sent events; returns the response and how the request
+    ended (the first failure, else the last output's finish)."""
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": request_id}
     )
     await response.prepare(request)
-    held: tuple[int, ...] = ()
-    created, first, completion_tokens, outcome = now(), True, 0, "abort"
-    async for event in events:
+    held: dict[int, tuple[int, ...]] = {s.index: () for s in sources}  # tokens whose text is not out yet
+    first = {s.index for s in sources}  # choices that have not sent a chunk yet
+    created, completion_tokens, outcome = now(), 0, "abort"
+    async for source, event in merged(sources):
         completion_tokens += len(event.token_ids)
         if event.finish_reason == "error" or event.finish_reason == "abort":
             err = api.ApiError(503, event.error, kind="server_error")
             await send(response, err.body())
             outcome = event.finish_reason
             break
-        held += event.token_ids  # tokens whose text is not out yet (half a character, a possible stop)
+        i, logprobs = source.index, source.logprobs
+        held[i] += event.token_ids  # half a character, or a possible stop string
         if logprobs is not None:
             logprobs.add(event.token_ids, event.logprobs, event.top_logprobs)
-        if event.text or event.finish_reason or first:
-            lp = logprobs.take() if logprobs is not None and held else None
-            text_chunk = chunk(parsed, request_id, created, event.text, event.finish_reason, first, held, lp)
-            await send(response, text_chunk)
-            first, held = False, ()
+        if event.text or event.finish_reason or i in first:
+            lp = logprobs.take() if logprobs is not None and held[i] else None
+            part = chunk(
+                parsed, request_id, created, event.text, event.finish_reason, i in first, held[i], lp, i
+            )
+            await send(response, part)
+            first.discard(i)
+            held[i] = ()
         if event.finish_reason is not None:
             outcome = event.finish_reason
     if parsed.include_usage:
@@ -140,12 +201,7 @@ async def stream_sse(
             "created": created,
             "model": parsed.model,
             "choices": [],
-            "usage": usage(
-                stream.prompt_len,
-                completion_tokens,
-                stream.cached_tokens,
-                {"pdfabric": report()} if report else None,
-            ),
+            "usage": _usage(sources, completion_tokens, report),
         }
         await send(response, usage_chunk)
     try:
@@ -154,6 +210,19 @@ async def stream_sse(
     except ConnectionResetError:  # the client left after its last event: the request ended as it did
         pass
     return response, outcome
+
+
+def _usage(
+    sources: list[Source], completion_tokens: int, report: Callable[[], dict[str, Any]] | None
+) -> dict[str, Any]:
+    """Usage over every prompt of the response (each counted once) and every output generated."""
+    streams = list({id(s.stream): s.stream for s in sources}.values())
+    return usage(
+        sum(st.prompt_len for st in streams),
+        completion_tokens,
+        sum(st.cached_tokens for st in streams),
+        {"pdfabric": report()} if report else None,
+    )
 
 
 async def send(response: web.StreamResponse, obj: dict) -> None:
@@ -167,43 +236,58 @@ def logprobs_out(tokenizer: Tokenizer, parsed: api.ParsedRequest) -> LogprobsOut
     return LogprobsOut(parsed.chat, lambda t: tokenizer.decode([t], skip_special_tokens=False))
 
 
+@dataclass
+class Collected:
+    """One output gathered whole."""
+
+    source: Source
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprob_sum: float = 0.0
+    finish_reason: str | None = None
+
+    @property
+    def mean_logprob(self) -> float:
+        return self.logprob_sum / len(self.token_ids) if self.token_ids else -math.inf
+
+
 async def collect(
     parsed: api.ParsedRequest,
     request_id: str,
-    stream: RequestStream,
-    events: AsyncIterator[Event],
-    logprobs: LogprobsOut | None = None,
+    sources: list[Source],
     report: Callable[[], dict[str, Any]] | None = None,
 ) -> tuple[web.Response, str]:
-    """Gathers ``events`` into one JSON body; returns the response and how the request ended."""
-    parts: list[str] = []
-    token_ids: list[int] = []
-    async for event in events:
-        token_ids.extend(event.token_ids)
-        if logprobs is not None:
-            logprobs.add(event.token_ids, event.logprobs, event.top_logprobs)
+    """Gathers the sources' events into one JSON body; returns the response and how the request
+    ended. With ``best_of`` > ``n`` the sources come ``best_of`` per prompt, in index order, and the
+    ``n`` likeliest of each prompt's are returned, as indices ``prompt * n + rank``."""
+    got = {s.index: Collected(s) for s in sources}
+    async for source, event in merged(sources):
+        out = got[source.index]
+        out.token_ids.extend(event.token_ids)
+        out.logprob_sum += sum(event.logprobs)
+        if source.logprobs is not None:
+            source.logprobs.add(event.token_ids, event.logprobs, event.top_logprobs)
         if event.finish_reason in ("error", "abort"):
             failed = api.ApiError(event.status, event.error, kind="server_error")
             return error_response(failed), event.finish_reason
-        parts.append(event.text)
-        if event.finish_reason is not None:
-            body = full_response(
-                parsed,
-                request_id,
-                now(),
-                "".join(parts),
-                event.finish_reason,
-                usage(
-                    stream.prompt_len,
-                    len(token_ids),
-                    stream.cached_tokens,
-                    {"pdfabric": report()} if report else None,
-                ),
-                token_ids,
-                logprobs.take() if logprobs is not None else None,
-            )
-            return web.json_response(body), event.finish_reason
-    raise AssertionError("the event stream ended without a finish")
+        out.text += event.text
+        out.finish_reason = event.finish_reason or out.finish_reason
+    outputs = sorted(got.values(), key=lambda c: c.source.index)
+    completion_tokens = sum(len(c.token_ids) for c in outputs)
+    chosen = [(c.source.index, c) for c in outputs]
+    best_of, n = parsed.best_of, parsed.n
+    if best_of > n:
+        chosen = []
+        for p in range(0, len(outputs), best_of):
+            ranked = sorted(outputs[p : p + best_of], key=lambda c: -c.mean_logprob)[:n]
+            chosen += [(p // best_of * n + rank, c) for rank, c in enumerate(ranked)]
+    choices = []
+    for index, c in chosen:
+        assert c.finish_reason is not None, "an output's events ended without a finish"
+        lp = c.source.logprobs.take() if c.source.logprobs is not None else None
+        choices.append(choice_body(parsed, index, c.text, c.finish_reason, c.token_ids, lp))
+    body = full_response(parsed, request_id, now(), choices, _usage(sources, completion_tokens, report))
+    return web.json_response(body), outputs[-1].finish_reason or "stop"
 
 
 # --- OpenAI's response shapes ------------------------------------------------------------------------------
@@ -218,21 +302,22 @@ def chunk(
     first: bool = False,
     token_ids: tuple[int, ...] = (),
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """One streamed chunk; ``logprobs``: its tokens' block (``router/logprobs.py``)."""
+    """One streamed chunk of choice ``index``; ``logprobs``: its tokens' block (``router/logprobs.py``)."""
     if req.chat:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text:
             delta["content"] = text
         choice: dict[str, Any] = {
-            "index": 0,
+            "index": index,
             "delta": delta,
             "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     if req.return_token_ids:
         choice["token_ids"] = list(token_ids)
@@ -254,36 +339,43 @@ def usage(
     return out
 
 
-def full_response(
+def choice_body(
     req: api.ParsedRequest,
-    request_id: str,
-    created: int,
+    index: int,
     text: str,
     finish_reason: str,
-    usage_: dict[str, Any],
     token_ids: list[int],
     logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The body of a non-streaming response."""
+    """One choice of a non-streaming response."""
     if req.chat:
         choice: dict[str, Any] = {
-            "index": 0,
+            "index": index,
             "message": {"role": "assistant", "content": text},
             "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
-        obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        obj = "text_completion"
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     if req.return_token_ids:
         choice["token_ids"] = token_ids
+    return choice
+
+
+def full_response(
+    req: api.ParsedRequest,
+    request_id: str,
+    created: int,
+    choices: list[dict[str, Any]],
+    usage_: dict[str, Any],
+) -> dict[str, Any]:
+    """The body of a non-streaming response."""
     return {
         "id": request_id,
-        "object": obj,
+        "object": "chat.completion" if req.chat else "text_completion",
         "created": created,
         "model": req.model,
-        "choices": [choice],
+        "choices": choices,
         "usage": usage_,
     }
 

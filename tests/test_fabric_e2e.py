@@ -202,7 +202,7 @@ def test_openai_client_chat_and_completions(fabric: str) -> None:
         ({"model": "tiny", "prompt": "x", "temperature": "hot"}, "temperature"),
         ({"model": "tiny", "prompt": "x", "top_p": 0}, "top_p"),
         ({"model": "tiny", "prompt": "x", "stream": "yes"}, "stream"),
-        ({"model": "tiny", "prompt": "x", "n": 2}, "n"),
+        ({"model": "tiny", "prompt": "x", "n": 200}, "n"),
         ({"model": "tiny", "prompt": [1] * 5000}, "prompt"),
         ({"model": "tiny", "prompt": "x", "timeout": 0}, "timeout"),
         ({"model": "tiny", "prompt": "x", "timeout": "soon"}, "timeout"),

@@ -309,3 +309,57 @@ def test_a_failover_with_every_worker_full_waits_for_room_instead_of_failing() -
     [resumed] = [e.msg for e in out if isinstance(e, Send)]
     assert resumed.request_id == "a~1" and len(resumed.prompt_ids) == 20 + 2
     assert core.end("a") == [Send(w1, Abort("a~1", "request ended"))]
+
+
+def _choice_delta(wid: str, rid: str, choice: int, index: int, tokens: tuple[int, ...], finish=None):  # noqa: ANN001, ANN202
+    return StepOutputs(wid, (TokenDelta(rid, index, tokens, (0.0,) * len(tokens), finish, choice=choice),))
+
+
+def test_a_request_with_several_outputs_runs_them_on_one_route_and_is_held_until_the_last_ends() -> None:
+    core, _ = core_with(("c", "colocated"))
+    out = core.submit("r", (1,) * 20, PARAMS, (0,), "default", "interactive", LOOSE, n=3)
+    [msg] = [e.msg for e in out if isinstance(e, Send)]
+    assert isinstance(msg, Generate) and msg.params.choice == 0
+    assert [(b.choice, b.output) for b in msg.branches] == [(1, ()), (2, ())]
+    out = core.on_message(_choice_delta("c", "r", 2, 1, (9,)))  # early for its output: held back
+    assert not any(isinstance(e, Deliver) for e in out)
+    out = core.on_message(_choice_delta("c", "r", 2, 0, (8,)))
+    assert [(e.delta.choice, e.delta.index, e.delta.token_ids) for e in out if isinstance(e, Deliver)] == [
+        (2, 0, (8,)), (2, 1, (9,)),
+    ]  # fmt: skip
+    core.on_message(_choice_delta("c", "r", 0, 0, (5,), "stop"))
+    core.on_message(_choice_delta("c", "r", 1, 0, (6,), "stop"))
+    assert core.holders.count("c") == 1  # output 2 still runs there
+    out = core.on_message(_choice_delta("c", "r", 2, 2, (), "length"))
+    assert [e.delta.finish_reason for e in out if isinstance(e, Deliver)] == ["length"]
+    assert core.holders.count("c") == 0
+    assert core.end("r") == [] and len(core) == 0
+
+
+def test_a_failover_resumes_each_unfinished_output_where_it_stopped_from_one_prompt() -> None:
+    core, _ = core_with(("c0", "colocated"), ("c1", "colocated"))
+    params = SamplingParams(max_tokens=3)
+    out = core.submit("r", (1,) * 20, params, (0,), "default", "interactive", LOOSE, n=4)
+    [(first, _)] = sends(out)
+    second = "c1" if first == "c0" else "c0"
+    core.on_message(_choice_delta(first, "r", 0, 0, (5,)))
+    core.on_message(_choice_delta(first, "r", 1, 0, (6, 6)))
+    core.on_message(_choice_delta(first, "r", 2, 0, (4,), "stop"))  # done: never run again
+    core.on_message(_choice_delta(first, "r", 3, 0, (3, 3, 3)))  # every token out, its finish lost
+    out = core.worker_gone(first, "killed")
+    finished = [e.delta for e in out if isinstance(e, Deliver)]
+    assert [(d.choice, d.index, d.finish_reason) for d in finished] == [(3, 3, "length")]
+    [moved] = [e for e in out if isinstance(e, FailedOver)]
+    assert moved.resumed_at == 7
+    [(worker, msg)] = [(e.worker_id, e.msg) for e in out if isinstance(e, Send)]
+    assert worker == second and isinstance(msg, Generate) and msg.request_id == "r~1"
+    assert msg.prompt_ids == (1,) * 20 + (5,)  # output 0 runs as the request's own sequence
+    assert (msg.params.choice, msg.params.max_tokens, msg.params.output_offset) == (0, 2, 1)
+    assert [(b.choice, b.output) for b in msg.branches] == [(1, (6, 6))]
+    out = core.on_message(_choice_delta(second, "r~1", 1, 0, (2,), "length"))
+    [d] = [e.delta for e in out if isinstance(e, Deliver)]
+    assert (d.request_id, d.choice, d.index, d.token_ids) == ("r", 1, 2, (2,))
+    out = core.on_message(_choice_delta(second, "r~1", 0, 0, (2, 2), "length"))
+    [d] = [e.delta for e in out if isinstance(e, Deliver)]
+    assert (d.choice, d.index, d.finish_reason) == (0, 1, "length")
+    assert core.holders.count(second) == 0 and core.end("r") == []
