@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdfabric.engine.block_pool import BlockPool, BlockTables
@@ -23,6 +23,8 @@ class Generation:
     token_ids: list[int]
     finish_reason: str  # "stop" or "length"
     logprobs: list[float]
+    # With ``SamplingParams.prompt_logprobs``: per prompt token after the first, (logprob, top ones).
+    prompt_logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = field(default_factory=list)
 
 
 class ReferenceEngine:
@@ -58,7 +60,7 @@ class ReferenceEngine:
     def generate(self, prompt_ids: list[int], params: SamplingParams, chunk_size: int = 0) -> Generation:
         """Generates for ``prompt_ids``; ``chunk_size > 0`` prefills the prompt in chunks of that size."""
         from pdfabric.engine.runner import StepEntry
-        from pdfabric.engine.sampler import History, sample
+        from pdfabric.engine.sampler import History, sample, score
 
         if not prompt_ids:
             raise ValueError("the prompt must hold at least one token")
@@ -68,6 +70,7 @@ class ReferenceEngine:
         # ignore_eos needs no tokenizer: checkpoints without tokenizer files still generate.
         stop_ids = params.stop_ids(() if params.ignore_eos else self.tokenizer.eos_token_ids)
         seq = object()
+        scored: list[tuple[float, tuple[tuple[int, float], ...]]] = []
         out: list[int] = []
         logprobs: list[float] = []
         try:
@@ -78,8 +81,14 @@ class ReferenceEngine:
                 if self.tables.grow(seq, cached + len(chunk)) is None:
                     raise RuntimeError("the KV cache is too small for this request")
                 last = len(chunk) == len(pending)
-                entry = StepEntry(tuple(chunk), cached, tuple(self.tables.table(seq)), needs_logits=last)
+                scoring = params.prompt_logprobs and not out  # each row scores the next prompt token
+                table = tuple(self.tables.table(seq))
+                entry = StepEntry(tuple(chunk), cached, table, needs_logits=last, all_logits=scoring)
                 logits = self.runner.step([entry])
+                if scoring:
+                    targets = prompt_ids[cached + 1 : cached + len(chunk) + 1]
+                    scored += score(logits[: len(targets)], targets, params.logprobs)
+                    logits = logits[-1:]
                 cached += len(chunk)
                 pending = pending[len(chunk) :]
                 if not last:
@@ -89,9 +98,9 @@ class ReferenceEngine:
                 out.append(token.token_id)
                 logprobs.append(token.logprob)
                 if token.token_id in stop_ids:
-                    return Generation(list(prompt_ids), out, "stop", logprobs)
+                    return Generation(list(prompt_ids), out, "stop", logprobs, scored)
                 if len(out) >= params.max_tokens or cached + 1 >= limit:
-                    return Generation(list(prompt_ids), out, "length", logprobs)
+                    return Generation(list(prompt_ids), out, "length", logprobs, scored)
                 pending = [token.token_id]
         finally:
             self.tables.release(seq)

@@ -27,6 +27,7 @@ class StepEntry:
     num_cached: int
     block_table: tuple[int, ...]
     needs_logits: bool = True
+    all_logits: bool = False  # logits for every token of the entry (prompt scoring), not just the last
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,9 @@ class ModelRunner:
                 raise ValueError(f"block table of {len(e.block_table)} blocks cannot hold {total} tokens")
             ids.extend(e.token_ids)
             positions.extend(range(e.num_cached, total))
-            if e.needs_logits:
+            if e.all_logits:
+                logits_rows.extend(range(len(ids) - len(e.token_ids), len(ids)))
+            elif e.needs_logits:
                 logits_rows.append(len(ids) - 1)
         meta = AttentionMetadata.build(
             query_lens=[len(e.token_ids) for e in entries],
@@ -92,7 +95,8 @@ class ModelRunner:
         self, entries: list[StepEntry], after_layer: Callable[[int], None] | None = None
     ) -> torch.Tensor:
         """Runs the batch, writing its KV into the cache; returns float32 logits ``[N, vocab]`` for the
-        entries with ``needs_logits``, in order. ``after_layer(i)``: called as each layer finishes."""
+        entries with ``needs_logits`` (their last token) or ``all_logits`` (each of their tokens), in
+        order. ``after_layer(i)``: called as each layer finishes."""
         prepared = self.prepare(entries)
         hidden = self.model(
             prepared.input_ids, prepared.positions, self.kv_caches, prepared.meta, after_layer

@@ -69,6 +69,22 @@ def sample(
     return out
 
 
+def score(
+    logits: torch.Tensor, targets: Sequence[int], top_k: int
+) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
+    """Each target's log-probability under its row of ``logits`` ``[len(targets), vocab]``, with the
+    ``top_k`` likeliest (token id, logprob) pairs of that row (prompt scoring)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    out = []
+    for row, token in enumerate(targets):
+        top: tuple[tuple[int, float], ...] = ()
+        if top_k:
+            values, ids = logprobs[row].topk(top_k)
+            top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+        out.append((float(logprobs[row, token]), top))
+    return out
+
+
 def process_logits(logits: torch.Tensor, p: SamplingParams, index: int, history: History) -> torch.Tensor:
     """``logits`` ``[vocab]`` changed by ``p``'s bias, penalties and ``min_tokens`` (a new tensor);
     ``index``: the output index of the token being sampled."""

@@ -18,6 +18,9 @@ class SamplingParams:
     mid-stream samples exactly what it would have sampled where it started. ``choice`` is which of a
     request's ``n`` outputs this is: each choice samples from its own seed stream (choice 0 from
     ``seed`` itself), so choice ``i`` of a request is the same wherever and beside whatever it runs.
+    ``prompt_logprobs``: the worker that computes the prompt also scores each prompt token after the
+    first (its log-probability given the tokens before it, and the ``logprobs`` likeliest there); such
+    a prompt is computed whole, never taken from the prefix cache.
 
     Before a token is picked, its row of logits is changed, in this order: ``logit_bias`` is added
     (token id, value); ``repetition_penalty`` divides the positive logits of tokens seen in the prompt
@@ -43,6 +46,7 @@ class SamplingParams:
     min_tokens: int = 0
     output_offset: int = 0  # output tokens produced before this run (a resumed request)
     choice: int = 0  # which of the request's outputs (its seed stream)
+    prompt_logprobs: bool = False  # also each prompt token's log-probability (and ``logprobs`` top ones)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -162,7 +162,7 @@ class Scheduler:
         prefix; never its last token, which the step that computes it samples from."""
         if seq.prefix_hit is None:
             self.prompt_tokens += len(seq.prompt_ids)
-        if self.config.prefix_salt is None:
+        if self.config.prefix_salt is None or seq.params.prompt_logprobs:  # scored prompts run whole
             seq.prefix_hit = 0
             return
         pool = self.tables.pool

@@ -38,6 +38,8 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top: list[TopLogprobs] = field(default_factory=list)  # per output token, when params.logprobs
+    # Per prompt token after the first, when params.prompt_logprobs: (log-probability, top ones).
+    prompt_logprobs: list[tuple[float, TopLogprobs]] = field(default_factory=list)
     num_cached: int = 0  # leading tokens of all_ids whose KV is in the cache
     prefix_hit: int | None = None  # prompt tokens found in the prefix cache when first scheduled
     block_hashes: list[bytes] = field(default_factory=list)  # prefix hashes of its full blocks so far
@@ -89,4 +91,5 @@ def branch_params(seq: Sequence, branch: Branch) -> SamplingParams:
         choice=branch.choice,
         output_offset=len(branch.output),
         max_tokens=total - len(branch.output),
+        prompt_logprobs=False,  # the request's own sequence scores the prompt
     )

@@ -78,6 +78,9 @@ class TokenDelta:
     # Per token, when the request asked for logprobs: the most likely (token id, logprob) pairs.
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
     choice: int = 0  # which of the request's outputs (``SamplingParams.choice``)
+    # On a request's first delta, when it asked for prompt log-probabilities: per prompt token after
+    # the first, (log-probability, top (token id, logprob) pairs), computed where the prompt was.
+    prompt_logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] = ()
 
 
 @message(4)

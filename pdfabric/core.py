@@ -199,16 +199,11 @@ def delta_of(seq: Sequence) -> TokenDelta:
     index = len(seq.output_ids) - 1
     cached = (seq.prefix_hit or 0) if index == 0 else 0
     top = (seq.output_top[-1],) if seq.params.logprobs else ()
+    scored = tuple(seq.prompt_logprobs) if index == 0 and seq.params.prompt_logprobs else ()
     return TokenDelta(
-        seq.reply_id,
-        index,
-        (seq.output_ids[-1],),
-        (seq.output_logprobs[-1],),
-        seq.finish_reason,
-        cached_tokens=cached,
-        top_logprobs=top,
-        choice=seq.params.choice,
-    )
+        seq.reply_id, index, (seq.output_ids[-1],), (seq.output_logprobs[-1],), seq.finish_reason,
+        cached_tokens=cached, top_logprobs=top, choice=seq.params.choice, prompt_logprobs=scored,
+    )  # fmt: skip
 
 
 class WorkerCore:

@@ -229,7 +229,9 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
                     stream.queues[c], detok, timeout_s, deadline, metrics_, model, arrival, primary
                 )
                 logprobs = responses.logprobs_out(app[TOKENIZER], parsed)
-                sources.append(responses.Source(p * parsed.best_of + c, events, stream, logprobs))
+                index = p * parsed.best_of + c
+                echo = _prompt_text(app[TOKENIZER], parsed, p, prompt_ids) if parsed.echo else None
+                sources.append(responses.Source(index, events, stream, logprobs, echo, prompt_ids))
         first = streams[0]
 
         def report() -> dict[str, Any]:
@@ -276,6 +278,12 @@ def _tokenize(tokenizer: Tokenizer, parsed: api.ParsedRequest) -> list[tuple[int
             raise api.bad("the prompt encodes to no tokens", "prompt")
         out.append(tuple(ids))
     return out
+
+
+def _prompt_text(tokenizer: Tokenizer, parsed: api.ParsedRequest, i: int, ids: tuple[int, ...]) -> str:
+    """Prompt ``i`` as the client sent it (text), or decoded from its token ids (``echo``)."""
+    prompt = parsed.prompts[i]
+    return prompt if isinstance(prompt, str) else tokenizer.decode(list(ids), skip_special_tokens=False)
 
 
 def _max_tokens(parsed: api.ParsedRequest, prompt_len: int, max_model_len: int) -> int:

@@ -52,6 +52,8 @@ class RequestStream:
     transfer_s: float | None = None  # KV push, start to acknowledgement (0 colocated; None: not yet told)
     cached_tokens: int = 0  # prompt tokens whose KV came from a worker's prefix cache
     started: asyncio.Future[None] | None = None  # set while ``submit`` waits for the start
+    prompt_logprobs: tuple = ()  # the prompt's scores (``TokenDelta.prompt_logprobs``), once they came
+    scored: asyncio.Event = field(default_factory=asyncio.Event)  # they came (or the request failed)
 
     def __post_init__(self) -> None:
         self.queues = [asyncio.Queue() for _ in range(self.n)]
@@ -62,7 +64,11 @@ class RequestStream:
         return self.queues[0]
 
     def put(self, delta: TokenDelta) -> None:
+        if delta.prompt_logprobs and not self.scored.is_set():
+            self.prompt_logprobs = delta.prompt_logprobs
+            self.scored.set()
         if delta.finish_reason in ("error", "abort"):
+            self.scored.set()
             for q in self.queues:
                 q.put_nowait(delta)
         elif 0 <= delta.choice < self.n:

@@ -98,9 +98,7 @@ class IdempotencyStore:
             if entry is None:
                 return await self._compute(scope, fingerprint, compute), False
             if entry.fingerprint != fingerprint:
-                raise ApiError(
-                    422, f"this {HEADER} was already used with a different request body", HEADER
-                )
+                raise ApiError(422, f"this {HEADER} was already used with a different request body", HEADER)
             await entry.done.wait()
             if entry.reply is not None:
                 return entry.reply, True

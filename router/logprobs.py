@@ -26,14 +26,23 @@ class LogprobsOut:
     token_text: Callable[[int], str]
     offset: int = 0  # completions' text_offset of the next token
     _tokens: list[int] = field(default_factory=list)
-    _values: list[float] = field(default_factory=list)
-    _tops: list[TopLogprobs] = field(default_factory=list)
+    _values: list[float | None] = field(default_factory=list)
+    _tops: list[TopLogprobs | None] = field(default_factory=list)
 
     def add(self, token_ids: Sequence[int], logprobs: Sequence[float], tops: Sequence[TopLogprobs]) -> None:
         """Appends tokens with their logprobs and (when asked for) their top log-probabilities."""
         self._tokens += token_ids
         self._values += logprobs
         self._tops += tops if tops else [()] * len(token_ids)
+
+    def add_prompt(self, token_ids: Sequence[int], scored: Sequence[tuple[float, TopLogprobs]]) -> None:
+        """Appends an echoed prompt's tokens: the first has no log-probability (null), each other its
+        score (``TokenDelta.prompt_logprobs``; null where missing)."""
+        scores: list[tuple[float, TopLogprobs] | None] = list(scored[: len(token_ids) - 1])
+        scores += [None] * (len(token_ids) - 1 - len(scores))
+        self._tokens += token_ids
+        self._values += [None, *(s[0] if s else None for s in scores)]
+        self._tops += [None, *(s[1] if s else None for s in scores)]
 
     def take(self) -> dict[str, Any]:
         """The block for the tokens added since the last ``take``, in the endpoint's shape."""
@@ -57,8 +66,10 @@ class LogprobsOut:
             "text_offset": offsets,
         }
 
-    def _top_map(self, top: TopLogprobs) -> dict[str, float]:
+    def _top_map(self, top: TopLogprobs | None) -> dict[str, float] | None:
         """``{text: logprob}``, best first; of tokens that decode alike, the likelier one's."""
+        if top is None:
+            return None
         out: dict[str, float] = {}
         for token, value in top:
             out.setdefault(self.token_text(token), value)

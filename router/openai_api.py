@@ -87,6 +87,7 @@ class ParsedRequest:
     return_token_ids: bool = False  # extension: each choice also carries the generated token ids
     timeout_s: float | None = None  # extension: the whole request's deadline, seconds from arrival
     n: int = 1  # outputs returned per prompt
+    echo: bool = False  # completions: each choice's text (and logprobs) starts with its prompt
     best_of: int = 1  # outputs generated per prompt, of which the ``n`` most likely are returned
 
     def sampling_params(self, max_tokens: int, seed: int) -> SamplingParams:
@@ -104,6 +105,7 @@ class ParsedRequest:
             logit_bias=self.logit_bias,
             min_tokens=self.min_tokens,
             top_k=self.top_k,
+            prompt_logprobs=self.echo and self.logprobs is not None,
         )
 
 
@@ -169,8 +171,6 @@ def parse_request(body: Any, chat: bool, served_models: tuple[str, ...], vocab_s
     include_usage = _typed(options, "include_usage", bool, False)
     logprobs = _logprobs(body, chat)
     n, best_of = _n_best_of(body, chat, stream, max(1, len(prompts)))
-    if not chat and _typed(body, "echo", bool, False):
-        raise bad("'echo' is not supported by this server", "echo")
     min_tokens = _typed(body, "min_tokens", int, 0)
     if not 0 <= min_tokens <= (max_tokens if max_tokens is not None else min_tokens):
         raise bad(f"'min_tokens' must be in [0, {max_name}], got {min_tokens}", "min_tokens")
@@ -203,6 +203,7 @@ def parse_request(body: Any, chat: bool, served_models: tuple[str, ...], vocab_s
         timeout_s=timeout_seconds(_typed(body, "timeout", (int, float), None), "timeout"),
         n=n,
         best_of=best_of,
+        echo=not chat and _typed(body, "echo", bool, False),
     )
 
 

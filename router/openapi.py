@@ -96,7 +96,9 @@ _COMPLETION = {
         ]
     },
     "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
-    "echo": _nullable({"type": "boolean", "const": False}),
+    "echo": _nullable(
+        {"type": "boolean", "description": "each choice starts with its prompt (and its scores)"}
+    ),
     "best_of": _nullable(
         {
             "type": "integer",

@@ -149,8 +149,14 @@ class RouterRequest:
         self.wire_id = f"{self.request_id}~{self.failovers}"
         self.run_prompt = self.prompt_ids + tuple(first.tokens)
         offset = self.params.output_offset + n
+        # The prompt is scored again only if the client has not had its scores (the first delta).
+        scoring = self.params.prompt_logprobs and first.choice == 0 and first.next_index == 0
         self.run_params = replace(
-            self.params, max_tokens=self.params.max_tokens - n, output_offset=offset, choice=first.choice
+            self.params,
+            max_tokens=self.params.max_tokens - n,
+            output_offset=offset,
+            choice=first.choice,
+            prompt_logprobs=scoring,
         )
         self.run_branches = tuple(Branch(o.choice, tuple(o.tokens)) for o in left[1:])
         for o in left:

@@ -11,11 +11,12 @@ likeliest per prompt (highest mean log-probability per token) are returned.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aiohttp import web
@@ -29,6 +30,8 @@ from pdfabric.router.breakdown import TokenTimes
 from pdfabric.router.dispatcher import RequestStream
 from pdfabric.router.logprobs import LogprobsOut
 from pdfabric.router.metrics import RouterMetrics
+
+ECHO_WAIT_S = 30.0  # how long another output of a request waits for the prompt's scores
 
 
 @dataclass(frozen=True)
@@ -53,12 +56,26 @@ def error_response(err: api.ApiError) -> web.Response:
 @dataclass
 class Source:
     """One output of a response: its index in ``choices``, its events, its log-probabilities (None:
-    not asked for), and the stream of the request it comes from."""
+    not asked for), and the stream of the request it comes from. With ``echo`` (the prompt's text)
+    its text starts with the prompt, and its log-probabilities with the prompt's scores."""
 
     index: int
     events: AsyncIterator[Event]
     stream: RequestStream
     logprobs: LogprobsOut | None = None
+    echo: str | None = None
+    prompt_ids: tuple[int, ...] = ()
+
+    async def echoed(self, event: Event, timeout_s: float) -> Event:
+        """The output's first event with the echoed prompt in front (its scores go to ``logprobs``
+        first; on one of a request's other outputs they may come a moment later)."""
+        if self.echo is None:
+            return event
+        if self.logprobs is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stream.scored.wait(), timeout_s)
+            self.logprobs.add_prompt(self.prompt_ids, self.stream.prompt_logprobs)
+        return replace(event, text=self.echo + event.text)
 
 
 async def events(
@@ -181,6 +198,8 @@ async def stream_sse(
             outcome = event.finish_reason
             break
         i, logprobs = source.index, source.logprobs
+        if i in first:
+            event = await source.echoed(event, ECHO_WAIT_S)
         held[i] += event.token_ids  # half a character, or a possible stop string
         if logprobs is not None:
             logprobs.add(event.token_ids, event.logprobs, event.top_logprobs)
@@ -245,6 +264,7 @@ class Collected:
     token_ids: list[int] = field(default_factory=list)
     logprob_sum: float = 0.0
     finish_reason: str | None = None
+    started: bool = False
 
     @property
     def mean_logprob(self) -> float:
@@ -263,6 +283,8 @@ async def collect(
     got = {s.index: Collected(s) for s in sources}
     async for source, event in merged(sources):
         out = got[source.index]
+        if not out.started and event.finish_reason not in ("error", "abort"):
+            event, out.started = await source.echoed(event, ECHO_WAIT_S), True
         out.token_ids.extend(event.token_ids)
         out.logprob_sum += sum(event.logprobs)
         if source.logprobs is not None:

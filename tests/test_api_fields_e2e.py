@@ -121,6 +121,39 @@ def test_completion_logprobs_streamed_and_not(fabric: str, reference: ReferenceE
     assert offsets == block["text_offset"]
 
 
+def test_echo_puts_the_prompt_and_its_scores_first(fabric: str, reference: ReferenceEngine) -> None:
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "ignore_eos": True, "temperature": 0}
+    plain = post(fabric + "/v1/completions", body)[1]["choices"][0]
+    echoed = post(fabric + "/v1/completions", {**body, "echo": True})[1]["choices"][0]
+    prompt_text = reference.tokenizer.decode(PROMPT, skip_special_tokens=False)
+    assert echoed["text"] == prompt_text + plain["text"] and echoed["logprobs"] is None
+    text_prompt = post(fabric + "/v1/completions", {**body, "prompt": "hello there", "echo": True})[1]
+    assert text_prompt["choices"][0]["text"].startswith("hello there")
+    # Scored: the prompt's tokens first (the first without a score), then the output's.
+    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=True)
+    expected = reference.generate(PROMPT, params)
+    for n in (1, 2):
+        status, data = post(fabric + "/v1/completions", {**body, "echo": True, "logprobs": 2, "n": n})
+        assert status == 200, data
+        for choice in data["choices"]:
+            block = choice["logprobs"]
+            assert len(block["tokens"]) == len(PROMPT) + 6
+            assert block["token_logprobs"][0] is None and block["top_logprobs"][0] is None
+            want = [lp for lp, _ in expected.prompt_logprobs] + expected.logprobs
+            assert block["token_logprobs"][1:] == pytest.approx(want, abs=LOGPROB_TOLERANCE)
+            assert all(len(top) <= 2 for top in block["top_logprobs"][1:])
+            assert block["text_offset"][0] == 0 and block["text_offset"] == sorted(block["text_offset"])
+    chunks = asyncio.run(_stream(fabric + "/v1/completions", {**body, "echo": True, "logprobs": 2}))
+    streamed = [
+        v
+        for c in chunks
+        if c["choices"][0]["logprobs"]
+        for v in c["choices"][0]["logprobs"]["token_logprobs"]
+    ]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(want, abs=LOGPROB_TOLERANCE)
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == prompt_text + plain["text"]
+
+
 def test_chat_logprobs_and_top_logprobs(fabric: str) -> None:
     body = {
         "model": "tiny",
@@ -155,7 +188,6 @@ def test_chat_logprobs_and_top_logprobs(fabric: str) -> None:
 @pytest.mark.parametrize(
     "path, fields, param",
     [
-        ("/v1/completions", {"echo": True}, "echo"),
         ("/v1/completions", {"best_of": 3, "stream": True}, "best_of"),
         ("/v1/completions", {"n": 2, "best_of": 1}, "best_of"),
         ("/v1/completions", {"n": 0}, "n"),

@@ -99,3 +99,39 @@ def test_entry_validation(runner: ModelRunner) -> None:
         runner.step([StepEntry(_ids(9, 0), 0, (0, 1))])
     with pytest.raises(ValueError, match="at least one token"):
         runner.step([StepEntry((), 0, (0,))])
+
+
+def test_prompt_scores_are_the_same_whole_chunked_and_in_a_worker(hf_llama_dir: Path) -> None:
+    """``prompt_logprobs``: each prompt token's score, from the single-process reference in one piece
+    or in chunks, and from a worker core's steps with a small token budget (several chunks, beside
+    another request), agree."""
+    from pdfabric.control import Generate
+    from pdfabric.core import CoreSpec, FixedProfile
+    from pdfabric.decode.core import ColocatedCore
+    from pdfabric.engine.stepper import Stepper
+    from pdfabric.profile import WorkerProfile
+
+    prompt = list(_ids(21, 5))
+    params = SamplingParams(max_tokens=3, ignore_eos=True, logprobs=2, prompt_logprobs=True)
+    reference = ReferenceEngine(hf_llama_dir, block_size=BLOCK)
+    whole = reference.generate(prompt, params)
+    assert len(whole.prompt_logprobs) == len(prompt) - 1 and all(
+        len(t) == 2 for _, t in whole.prompt_logprobs
+    )
+    chunked = reference.generate(prompt, params, chunk_size=4)
+    spec = CoreSpec("c", "colocated", 64, block_size=BLOCK, max_model_len=256, max_batch_tokens=6)
+    core = ColocatedCore(spec, FixedProfile(WorkerProfile()))
+    stepper = Stepper(ModelRunner(reference.model, 64, BLOCK))
+    core.handle(Generate("other", tuple(_ids(9, 6)), SamplingParams(max_tokens=4), ()))
+    core.handle(Generate("r", tuple(prompt), params, ()))
+    seq = core.scheduler.get("r")
+    while core.has_work:
+        step = core.schedule()
+        assert step is not None
+        core.complete(step, stepper.run(step.chunks, core.tables), 0.0)
+    for got in (chunked.prompt_logprobs, seq.prompt_logprobs):
+        assert [lp for lp, _ in got] == pytest.approx([lp for lp, _ in whole.prompt_logprobs], abs=1e-4)
+        assert [[t for t, _ in top] for _, top in got] == [
+            [t for t, _ in top] for _, top in whole.prompt_logprobs
+        ]
+    assert seq.output_ids == whole.token_ids

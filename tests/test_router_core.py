@@ -363,3 +363,14 @@ def test_a_failover_resumes_each_unfinished_output_where_it_stopped_from_one_pro
     [d] = [e.delta for e in out if isinstance(e, Deliver)]
     assert (d.choice, d.index, d.finish_reason) == (0, 1, "length")
     assert core.holders.count(second) == 0 and core.end("r") == []
+
+
+def test_a_failover_scores_the_prompt_again_only_if_the_client_has_not_had_its_scores() -> None:
+    scored = SamplingParams(max_tokens=4, logprobs=1, prompt_logprobs=True)
+    for first_delta_out in (False, True):
+        core, _ = core_with(("c0", "colocated"), ("c1", "colocated"))
+        [(first, _)] = sends(core.submit("r", (1,) * 20, scored, (0,), "default", "interactive", LOOSE))
+        if first_delta_out:
+            core.on_message(_choice_delta(first, "r", 0, 0, (5,)))
+        [msg] = [e.msg for e in core.worker_gone(first, "killed") if isinstance(e, Send)]
+        assert isinstance(msg, Generate) and msg.params.prompt_logprobs is not first_delta_out
