@@ -212,6 +212,9 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
         _release(app, submitted)
         metrics_.rejections.labels("invalid" if err.status < 500 else "no_capacity").inc()
         return responses.error_response(err)
+    except BaseException:  # the client left while a later prompt of its batch waited to start
+        _release(app, submitted)
+        raise
     model = parsed.model
     dispatched = time.monotonic()
     metrics_.queue_wait.labels(model).observe(dispatched - arrival)
