@@ -29,6 +29,32 @@ def get_json(url: str, timeout: float = 5.0) -> tuple[int, dict]:
         return e.code, json.loads(e.read() or b"{}")
 
 
+def post_json(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict]:
+    """POSTs ``body`` as JSON; the status and the JSON reply (an error's too)."""
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def sse_chunks(url: str, body: dict, timeout: float = 120.0) -> list[dict]:
+    """POSTs ``body`` with ``stream: true``; every server-sent event's JSON before ``[DONE]``."""
+    req = urllib.request.Request(
+        url, json.dumps({**body, "stream": True}).encode(), {"Content-Type": "application/json"}
+    )
+    chunks = []
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        assert r.status == 200, r.read()
+        for line in r:
+            if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    return chunks
+
+
 @contextlib.contextmanager
 def running_fabric(*flags: str, port: int = 0, timeout: float = 120.0) -> Iterator[str]:
     """Starts ``pdfabric serve FLAGS`` on ``port`` (default: a free one); yields its base URL; always

@@ -4,16 +4,13 @@ fields the server does not implement are a 400 naming them, never ignored."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 from collections.abc import Iterator
 
-import aiohttp
 import pytest
 
 from pdfabric.engine.generate import ReferenceEngine
 from pdfabric.engine.sampling_params import SamplingParams
-from tests.fabric import running_fabric
+from tests.fabric import post_json, running_fabric, sse_chunks
 
 DEPLOYMENTS = {
     "colocated": ("--colocated", "1", "--prefill", "0", "--decode", "0"),
@@ -34,23 +31,7 @@ def reference() -> ReferenceEngine:
     return ReferenceEngine("tiny")
 
 
-async def _post(url: str, body: dict) -> tuple[int, dict]:
-    async with aiohttp.ClientSession() as s, s.post(url, json=body) as r:
-        return r.status, await r.json()
-
-
-def post(url: str, body: dict) -> tuple[int, dict]:
-    return asyncio.run(_post(url, body))
-
-
-async def _stream(url: str, body: dict) -> list[dict]:
-    chunks = []
-    async with aiohttp.ClientSession() as s, s.post(url, json={**body, "stream": True}) as r:
-        assert r.status == 200, await r.text()
-        async for line in r.content:
-            if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
-                chunks.append(json.loads(line[6:]))
-    return chunks
+post = post_json
 
 
 def complete(url: str, **fields: object) -> dict:
@@ -107,7 +88,7 @@ def test_completion_logprobs_streamed_and_not(fabric: str, reference: ReferenceE
     assert block["text_offset"] == sorted(block["text_offset"]) and block["text_offset"][0] == 0
 
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 24, "ignore_eos": True, "temperature": 0}
-    chunks = asyncio.run(_stream(fabric + "/v1/completions", {**body, "logprobs": 3}))
+    chunks = sse_chunks(fabric + "/v1/completions", {**body, "logprobs": 3})
     streamed = [
         v
         for c in chunks
@@ -143,7 +124,7 @@ def test_echo_puts_the_prompt_and_its_scores_first(fabric: str, reference: Refer
             assert block["token_logprobs"][1:] == pytest.approx(want, abs=LOGPROB_TOLERANCE)
             assert all(len(top) <= 2 for top in block["top_logprobs"][1:])
             assert block["text_offset"][0] == 0 and block["text_offset"] == sorted(block["text_offset"])
-    chunks = asyncio.run(_stream(fabric + "/v1/completions", {**body, "echo": True, "logprobs": 2}))
+    chunks = sse_chunks(fabric + "/v1/completions", {**body, "echo": True, "logprobs": 2})
     streamed = [
         v
         for c in chunks
@@ -173,7 +154,7 @@ def test_chat_logprobs_and_top_logprobs(fabric: str) -> None:
         assert entry["top_logprobs"][0]["logprob"] == pytest.approx(entry["logprob"], abs=LOGPROB_TOLERANCE)
         assert entry["top_logprobs"][0]["logprob"] >= entry["top_logprobs"][1]["logprob"]
         assert bytes(entry["bytes"]).decode() == entry["token"]
-    chunks = asyncio.run(_stream(fabric + "/v1/chat/completions", body))
+    chunks = sse_chunks(fabric + "/v1/chat/completions", body)
     streamed = [
         e["logprob"]
         for c in chunks

@@ -4,17 +4,14 @@ seed stream (``SamplingParams.choice``), streamed and not."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 from collections.abc import Iterator
 from dataclasses import replace
 
-import aiohttp
 import pytest
 
 from pdfabric.engine.generate import Generation, ReferenceEngine
 from pdfabric.engine.sampling_params import SamplingParams
-from tests.fabric import running_fabric
+from tests.fabric import post_json, running_fabric, sse_chunks
 
 DEPLOYMENTS = {
     "colocated": ("--colocated", "1", "--prefill", "0", "--decode", "0"),
@@ -40,26 +37,14 @@ def expected(reference: ReferenceEngine, prompt: list[int], choice: int, **kw: o
     return reference.generate(prompt, replace(PARAMS, choice=choice, **kw))
 
 
-async def _post(url: str, body: dict) -> tuple[int, dict]:
-    async with aiohttp.ClientSession() as s, s.post(url, json=body) as r:
-        return r.status, await r.json()
-
-
 def post(url: str, body: dict) -> dict:
-    status, data = asyncio.run(_post(url, {"model": "tiny", "return_token_ids": True, **body}))
+    status, data = post_json(url, {"model": "tiny", "return_token_ids": True, **body})
     assert status == 200, data
     return data
 
 
-async def _stream(url: str, body: dict) -> list[dict]:
-    chunks = []
-    body = {"model": "tiny", "return_token_ids": True, "stream": True, **body}
-    async with aiohttp.ClientSession() as s, s.post(url, json=body) as r:
-        assert r.status == 200, await r.text()
-        async for line in r.content:
-            if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
-                chunks.append(json.loads(line[6:]))
-    return chunks
+def stream(url: str, body: dict) -> list[dict]:
+    return sse_chunks(url, {"model": "tiny", "return_token_ids": True, **body})
 
 
 def streamed_tokens(chunks: list[dict]) -> dict[int, list[int]]:
@@ -78,7 +63,7 @@ def test_n_gives_each_output_its_own_seed_stream(fabric: str, reference: Referen
     assert [c["token_ids"] for c in choices] == want
     assert len({tuple(w) for w in want}) == 3  # the outputs differ
     assert data["usage"]["completion_tokens"] == 30 and data["usage"]["prompt_tokens"] == len(PROMPTS[0])
-    chunks = asyncio.run(_stream(fabric + "/v1/completions", {"prompt": PROMPTS[0], "n": 3, **SAMPLED}))
+    chunks = stream(fabric + "/v1/completions", {"prompt": PROMPTS[0], "n": 3, **SAMPLED})
     assert streamed_tokens(chunks) == dict(enumerate(want))
     finishes = [ch["index"] for c in chunks for ch in c["choices"] if ch["finish_reason"] is not None]
     assert sorted(finishes) == [0, 1, 2]
@@ -98,7 +83,7 @@ def test_a_list_of_prompts_with_n_indexes_prompt_then_output(fabric: str, refere
     want = {p * 2 + i: expected(reference, PROMPTS[p], i).token_ids for p in range(2) for i in range(2)}
     assert got == want
     assert data["usage"]["prompt_tokens"] == sum(map(len, PROMPTS))
-    chunks = asyncio.run(_stream(fabric + "/v1/completions", {"prompt": PROMPTS, "n": 2, **SAMPLED}))
+    chunks = stream(fabric + "/v1/completions", {"prompt": PROMPTS, "n": 2, **SAMPLED})
     assert streamed_tokens(chunks) == want
 
 
@@ -118,5 +103,5 @@ def test_chat_n_with_logprobs(fabric: str, reference: ReferenceEngine) -> None:
     for c in data["choices"]:
         assert len(c["logprobs"]["content"]) == len(c["token_ids"]) == 10
     assert data["choices"][0]["token_ids"] != data["choices"][1]["token_ids"]
-    chunks = asyncio.run(_stream(fabric + "/v1/chat/completions", body))
+    chunks = stream(fabric + "/v1/chat/completions", body)
     assert streamed_tokens(chunks) == {c["index"]: c["token_ids"] for c in data["choices"]}
