@@ -1,6 +1,7 @@
 """What a client gets back: a request's worker deltas turned into text events (stop strings, timeouts,
 the request's deadline), written as a server-sent event stream or collected into one JSON body in
-OpenAI's response shapes, with log-probabilities when asked for; and error responses.
+OpenAI's response shapes (``router/shapes.py``), with log-probabilities when asked for; and error
+responses.
 
 A response has one ``Source`` per output it returns (``choices[i]``): each prompt of a batch times
 ``n``. Their events interleave in a stream, each chunk naming its choice's index; the first failure
@@ -26,6 +27,7 @@ from pdfabric.engine.detokenizer import IncrementalDetokenizer
 from pdfabric.engine.sequence import TopLogprobs
 from pdfabric.engine.tokenizer import Tokenizer
 from pdfabric.router import openai_api as api
+from pdfabric.router import shapes
 from pdfabric.router.breakdown import TokenTimes
 from pdfabric.router.dispatcher import RequestStream
 from pdfabric.router.logprobs import LogprobsOut
@@ -189,7 +191,7 @@ async def stream_sse(
     await response.prepare(request)
     held: dict[int, tuple[int, ...]] = {s.index: () for s in sources}  # tokens whose text is not out yet
     first = {s.index for s in sources}  # choices that have not sent a chunk yet
-    created, completion_tokens, outcome = now(), 0, "abort"
+    created, completion_tokens, outcome = shapes.now(), 0, "abort"
     async for source, event in merged(sources):
         completion_tokens += len(event.token_ids)
         if event.finish_reason == "error" or event.finish_reason == "abort":
@@ -205,7 +207,7 @@ async def stream_sse(
             logprobs.add(event.token_ids, event.logprobs, event.top_logprobs)
         if event.text or event.finish_reason or i in first:
             lp = logprobs.take() if logprobs is not None and held[i] else None
-            part = chunk(
+            part = shapes.chunk(
                 parsed, request_id, created, event.text, event.finish_reason, i in first, held[i], lp, i
             )
             await send(response, part)
@@ -236,7 +238,7 @@ def _usage(
 ) -> dict[str, Any]:
     """Usage over every prompt of the response (each counted once) and every output generated."""
     streams = list({id(s.stream): s.stream for s in sources}.values())
-    return usage(
+    return shapes.usage(
         sum(st.prompt_len for st in streams),
         completion_tokens,
         sum(st.cached_tokens for st in streams),
@@ -307,100 +309,8 @@ async def collect(
     for index, c in chosen:
         assert c.finish_reason is not None, "an output's events ended without a finish"
         lp = c.source.logprobs.take() if c.source.logprobs is not None else None
-        choices.append(choice_body(parsed, index, c.text, c.finish_reason, c.token_ids, lp))
-    body = full_response(parsed, request_id, now(), choices, _usage(sources, completion_tokens, report))
+        choices.append(shapes.choice_body(parsed, index, c.text, c.finish_reason, c.token_ids, lp))
+    body = shapes.full_response(
+        parsed, request_id, shapes.now(), choices, _usage(sources, completion_tokens, report)
+    )
     return web.json_response(body), outputs[-1].finish_reason or "stop"
-
-
-# --- OpenAI's response shapes ------------------------------------------------------------------------------
-
-
-def chunk(
-    req: api.ParsedRequest,
-    request_id: str,
-    created: int,
-    text: str | None,
-    finish_reason: str | None,
-    first: bool = False,
-    token_ids: tuple[int, ...] = (),
-    logprobs: dict[str, Any] | None = None,
-    index: int = 0,
-) -> dict[str, Any]:
-    """One streamed chunk of choice ``index``; ``logprobs``: its tokens' block (``router/logprobs.py``)."""
-    if req.chat:
-        delta: dict[str, Any] = {"role": "assistant"} if first else {}
-        if text:
-            delta["content"] = text
-        choice: dict[str, Any] = {
-            "index": index,
-            "delta": delta,
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-        }
-        obj = "chat.completion.chunk"
-    else:
-        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
-        obj = "text_completion"
-    if req.return_token_ids:
-        choice["token_ids"] = list(token_ids)
-    return {"id": request_id, "object": obj, "created": created, "model": req.model, "choices": [choice]}
-
-
-def usage(
-    prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, extra: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """OpenAI's usage object; ``cached_tokens``: prompt tokens whose KV came from the prefix cache."""
-    out: dict[str, Any] = {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
-    if extra:
-        out.update(extra)
-    return out
-
-
-def choice_body(
-    req: api.ParsedRequest,
-    index: int,
-    text: str,
-    finish_reason: str,
-    token_ids: list[int],
-    logprobs: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """One choice of a non-streaming response."""
-    if req.chat:
-        choice: dict[str, Any] = {
-            "index": index,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-        }
-    else:
-        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-    if req.return_token_ids:
-        choice["token_ids"] = token_ids
-    return choice
-
-
-def full_response(
-    req: api.ParsedRequest,
-    request_id: str,
-    created: int,
-    choices: list[dict[str, Any]],
-    usage_: dict[str, Any],
-) -> dict[str, Any]:
-    """The body of a non-streaming response."""
-    return {
-        "id": request_id,
-        "object": "chat.completion" if req.chat else "text_completion",
-        "created": created,
-        "model": req.model,
-        "choices": choices,
-        "usage": usage_,
-    }
-
-
-def now() -> int:
-    return int(time.time())
