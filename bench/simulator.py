@@ -218,7 +218,7 @@ class Simulation:
         rid = str(i)
         req = SimulatedRequest(r, rid, SamplingParams(max_tokens=r.output_len, ignore_eos=True))
         self._reqs[rid] = req
-        limit = self.registry.max_model_len
+        limit = self.registry.max_model_len()
         if r.input_len >= limit or r.output_len > limit - r.input_len:  # the router's 400
             self._end(req, ERROR, 400, f"prompt and output exceed the {limit}-token context window")
             return

@@ -66,6 +66,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rope_theta": 10000.0,
         "torch_dtype": "float32",
     },
+    # A second test model (another version, or another model beside ``tiny``): tiny's shape with one
+    # more layer and weights from another seed, so its outputs differ.
+    "tiny-b": {
+        "hidden_size": 64,
+        "intermediate_size": 176,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "torch_dtype": "float32",
+    },
     # For benchmarks on a CPU.
     "cpu-small": {
         "hidden_size": 1024,
@@ -79,6 +91,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
+
+SEEDS = {"tiny-b": 20261124}  # a random preset's weights seed, when not the default 20261122
 
 PACKAGED: dict[str, PackagedModel] = {
     # SmolLM2-135M-Instruct (Hugging Face, Apache-2.0), Llama architecture, GGUF Q4_1.
@@ -167,14 +181,15 @@ def write_preset(preset: str, out: Path) -> None:
         )  # chat turns end too
     )
     dtype = DTYPES[cfg["torch_dtype"]]
-    tensors = {name: torch.from_numpy(arr).to(dtype) for name, arr in _weights(cfg).items()}
+    weights = _weights(cfg, SEEDS.get(preset, 20261122))
+    tensors = {name: torch.from_numpy(arr).to(dtype) for name, arr in weights.items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     write_byte_tokenizer(out)
 
 
-def _weights(cfg: dict[str, Any]) -> dict[str, np.ndarray]:
+def _weights(cfg: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
     # numpy's PCG64 stream is the same on every machine, unlike vectorised float samplers.
-    rng = np.random.Generator(np.random.PCG64(20261122))
+    rng = np.random.Generator(np.random.PCG64(seed))
     hidden, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     head_dim = hidden // cfg["num_attention_heads"]
     kv = cfg["num_key_value_heads"] * head_dim

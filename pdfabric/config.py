@@ -7,16 +7,19 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdfabric.control import KINDS
 from pdfabric.kvtransfer.config import CHOICES as KV_TRANSPORTS
 from pdfabric.router.routes import PredictorConfig
 from pdfabric.router.slo import AdmissionConfig
 
+if TYPE_CHECKING:
+    from pdfabric.model_versions import ModelConfig
+
 # WorkerConfig fields a deployment's [worker] and [[workers]] tables may not set: the launcher fixes
 # them per process (kind, join, worker_id) or takes them from [serve] (model, dtype).
-_PER_PROCESS = frozenset({"kind", "join", "model", "dtype", "worker_id"})
+_PER_PROCESS = frozenset({"kind", "join", "model", "dtype", "worker_id", "served"})
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,7 @@ class WorkerConfig:
         "auto"  # auto (per pair: shm on one host, zmq across, dist when set up) | zmq | shm | dist
     )
     prefix_caching: bool = True  # keep computed full blocks for prompts that share their prefix
+    served: str = ""  # the model version it serves, "name@version" ("": the deployment's one model)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -169,9 +173,11 @@ class ServeConfig:
     shutdown_drain_s: float = 30.0  # on SIGTERM / Ctrl-C: requests in flight get this long to finish
     admin_key_sha256: str = ""  # hex SHA-256 of the key admin endpoints require ("": no key needed)
     served_model_name: str = ""  # the name clients use; default: the model argument
+    audit_log: str = ""  # file the admin endpoints' audit log is appended to ("": stderr)
     idempotency_ttl_s: float = 600.0  # how long a response is replayed to its Idempotency-Key (0: off)
     idempotency_max_entries: int = 10000  # responses kept for replay; past that the oldest is forgotten
     groups: tuple[WorkerGroup, ...] = ()  # [[workers]]: more workers, with settings of their own
+    models: tuple[ModelConfig, ...] = ()  # [[models]]: named models with versions and workers of their own
     routing: AdmissionConfig = field(default_factory=AdmissionConfig)  # [routing]: budgets, pools, queue
     predictor: PredictorConfig = field(default_factory=PredictorConfig)  # [routing] prediction settings
 
@@ -179,12 +185,13 @@ class ServeConfig:
         if min(self.prefill, self.decode, self.colocated) < 0:
             raise ValueError("worker counts must be >= 0")
         counts = {k: self.count(k) for k in KINDS}
+        own = {k: self.count(k) - sum(v.count(k) for m in self.models for v in m.versions) for k in KINDS}
         if sum(counts.values()) == 0 and self.control_port == 0:
             raise ValueError(
                 "a deployment needs at least one worker, or a fixed control_port that workers started "
                 "elsewhere join (pdfabric worker --join)"
             )
-        if (counts["prefill"] == 0) != (counts["decode"] == 0):
+        if (own["prefill"] == 0) != (own["decode"] == 0):
             raise ValueError("disaggregated serving needs both prefill and decode workers")
         if not 0 <= self.port < 65536 or not 0 <= self.control_port < 65536:
             raise ValueError("ports must be in 0..65535")
@@ -203,6 +210,8 @@ class ServeConfig:
             raise ValueError(
                 f"idempotency_max_entries must be at least 1, got {self.idempotency_max_entries}"
             )
+        if any(m.name == self.model_name for m in self.models) and sum(own.values()):
+            raise ValueError(f"[[models]] {self.model_name!r} is also the name of [serve]'s model")
 
     @property
     def model_name(self) -> str:
@@ -211,7 +220,8 @@ class ServeConfig:
     def count(self, kind: str) -> int:
         """Workers of ``kind`` in the deployment, default pool and groups together."""
         own = {"prefill": self.prefill, "decode": self.decode, "colocated": self.colocated}[kind]
-        return own + sum(g.count for g in self.groups if g.kind == kind)
+        versions = sum(v.count(kind) for m in self.models for v in m.versions)
+        return own + sum(g.count for g in self.groups if g.kind == kind) + versions
 
     def launch_plan(self) -> list[tuple[str, WorkerConfig]]:
         """(worker id, config) of every worker to start: the default pool's, then each group's; each
@@ -230,21 +240,25 @@ class ServeConfig:
             seen[prefix] = n + 1
             worker_id = f"{prefix}-{n}"
             out.append((worker_id, replace(w, worker_id=worker_id, model=self.model, dtype=self.dtype)))
-        return out
+        from pdfabric.model_versions import version_plan
+
+        return out + [p for m in self.models for v in m.versions for p in version_plan(m, v)]
 
 
 def load_serve_config(path: str | Path | None, overrides: dict[str, Any]) -> ServeConfig:
-    """Reads a TOML deployment config (``[serve]``, ``[worker]``, ``[routing]`` and ``[[workers]]``)
+    """Reads a TOML deployment config (``[serve]``, ``[worker]``, ``[routing]``, ``[[workers]]`` and
+    ``[[models]]``, see ``pdfabric.model_versions``)
     and applies CLI overrides (keys of ``[serve]`` or ``[worker]``, and ``routing_policy``; ``None``
     values are ignored). Unknown tables and keys are a ``ValueError`` naming them."""
     data: dict[str, Any] = {}
     if path is not None:
         with open(path, "rb") as f:
             data = tomllib.load(f)
-        unknown = set(data) - {"serve", "worker", "routing", "workers"}
+        unknown = set(data) - {"serve", "worker", "routing", "workers", "models"}
         if unknown:
             raise ValueError(f"{path}: unknown table(s) {', '.join(sorted(unknown))}")
-    serve_keys = {f.name for f in fields(ServeConfig)} - {"worker", "groups", "routing", "predictor"}
+    tables = {"worker", "groups", "routing", "predictor", "models"}
+    serve_keys = {f.name for f in fields(ServeConfig)} - tables
     serve = dict(data.get("serve", {}))
     worker = dict(data.get("worker", {}))
     bad = set(serve) - serve_keys
@@ -256,7 +270,7 @@ def load_serve_config(path: str | Path | None, overrides: dict[str, Any]) -> Ser
     if any(k in given for k in counts):  # the command line's deployment replaces the file's
         for k in counts:
             serve.pop(k, None)
-    if any(k in serve or k in given for k in counts) or "workers" in data:
+    if any(k in serve or k in given for k in counts) or "workers" in data or "models" in data:
         serve.update({k: serve.get(k, 0) for k in counts})
     for key, value in given.items():
         (serve if key in serve_keys else worker)[key] = value
@@ -265,12 +279,17 @@ def load_serve_config(path: str | Path | None, overrides: dict[str, Any]) -> Ser
         first = WorkerConfig("colocated", model=model, dtype=dtype)
         base = worker_config(worker, first, WORKER_KEYS, "[worker]")
         groups = tuple(_group(base, t) for t in data.get("workers", ()))
+        from pdfabric.model_versions import parse_models
+
+        models = parse_models(data.get("models", []), base)
         routing, predictor = _routing(data.get("routing", {}))
         if policy is not None:
             routing = replace(routing, policy=policy)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{path}: {exc}" if path is not None else str(exc)) from None
-    return ServeConfig(**serve, worker=base, groups=groups, routing=routing, predictor=predictor)
+    return ServeConfig(
+        **serve, worker=base, groups=groups, models=models, routing=routing, predictor=predictor
+    )
 
 
 def _group(base: WorkerConfig, table: Any) -> WorkerGroup:

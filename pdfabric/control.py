@@ -39,6 +39,7 @@ class Register:
     kv_bytes_per_token: int
     profile: WorkerProfile  # fitted from the start-up profiling run
     host: str = ""  # host name and boot id: workers on one host move KV over shared memory ("": unknown)
+    served: str = ""  # the model version it serves, "name@version" ("": the deployment's one model)
 
 
 @message(2)

@@ -135,6 +135,7 @@ class CoreSpec:
     pid: int = 0
     host: str = ""  # kvtransfer.transport.host_id() of the worker's machine ("": unknown)
     prefix_caching: bool = False  # keep computed full blocks for prompts that share their prefix
+    served: str = ""  # the model version it serves, "name@version" ("": the deployment's one model)
 
 
 class ProfileSource(Protocol):
@@ -235,7 +236,7 @@ class WorkerCore:
         return Register(
             s.worker_id, s.kind, s.pool, s.model, s.max_model_len, s.block_size, s.num_blocks,
             self.kv_endpoint, s.pid, s.max_running, s.max_batch_tokens, s.kv_bytes_per_token,
-            self.profile.profile(force=True), s.host,
+            self.profile.profile(force=True), s.host, s.served,
         )  # fmt: skip
 
     def handle(self, msg: object) -> Out:

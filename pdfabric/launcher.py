@@ -167,19 +167,32 @@ def worker_command(cfg: ServeConfig, w: WorkerConfig, join: str, log_level: str)
             "--parent-pid", str(os.getpid()), "--log-level", log_level]  # fmt: skip
 
 
+class Spawner:
+    """Starts the workers of a version added through the admin API; they join ``workers``, so the
+    monitor restarts them like the others."""
+
+    def __init__(self, cfg: ServeConfig, workers: list[WorkerProcess], join: str, log_level: str) -> None:
+        self.cfg, self.workers, self.join, self.log_level = cfg, workers, join, log_level
+
+    def start(self, plan: list[tuple[str, WorkerConfig]]) -> None:
+        for worker_id, worker in plan:
+            cmd = worker_command(self.cfg, worker, self.join, self.log_level)
+            self.workers.append(WorkerProcess(worker_id, worker.kind, subprocess.Popen(cmd), cmd))
+            log.warning("started worker %s for %s", worker_id, worker.served)
+
+
 async def serve(
     cfg: ServeConfig, ready_timeout: float, log_level: str, once: str | None, max_tokens: int
 ) -> int:
     from aiohttp import web
 
-    from pdfabric.engine.default_model import resolve_model
-    from pdfabric.engine.tokenizer import Tokenizer
+    from pdfabric.router import catalog as catalog_
     from pdfabric.router.admin import LIFECYCLE
     from pdfabric.router.app import build_app
     from pdfabric.router.dispatcher import Dispatcher
 
-    model_dir = await asyncio.to_thread(resolve_model, cfg.model)  # build a preset once, before the workers
-    tokenizer = Tokenizer.from_pretrained(model_dir)
+    # Builds each preset once, before the workers, and loads each checkpoint's tokenizer.
+    catalog = await asyncio.to_thread(catalog_.from_config, cfg, time.monotonic())
     address = f"tcp://{cfg.host}:{cfg.control_port}"
     dispatcher = Dispatcher(
         address,
@@ -196,7 +209,7 @@ async def serve(
             cmd = worker_command(cfg, worker, dispatcher.address, log_level)
             workers.append(WorkerProcess(worker_id, worker.kind, subprocess.Popen(cmd), cmd))
         await _wait_ready(dispatcher, workers, ready_timeout)
-        app = build_app(cfg, dispatcher, tokenizer)
+        app = build_app(cfg, dispatcher, catalog, Spawner(cfg, workers, dispatcher.address, log_level))
         runner = web.AppRunner(app, handler_cancellation=True)
         await runner.setup()
         site = web.TCPSite(runner, cfg.host, cfg.port)
@@ -204,8 +217,9 @@ async def serve(
         port = runner.addresses[0][1]
         url = f"http://{cfg.host}:{port}"
         print(f"ready: {url}", flush=True)
+        names = ", ".join(repr(n) for n in catalog.names())
         print(
-            f"pdfabric: serving {cfg.model_name!r} on {url} ({cfg.count('prefill')} prefill, "
+            f"pdfabric: serving {names} on {url} ({cfg.count('prefill')} prefill, "
             f"{cfg.count('decode')} decode, {cfg.count('colocated')} colocated workers)",
             file=sys.stderr,
             flush=True,
@@ -213,8 +227,9 @@ async def serve(
         monitor = asyncio.create_task(_monitor(dispatcher, workers))
         try:
             if once is not None:
-                chat = tokenizer.chat_template is not None
-                return await _stream_once(url, cfg.model_name, once, max_tokens, chat)
+                first = next(iter(catalog.models.values()))
+                chat = next(iter(first.versions.values())).tokenizer.chat_template is not None
+                return await _stream_once(url, first.name, once, max_tokens, chat)
             again = await _until_signal()
             await _drain_requests(app[LIFECYCLE], dispatcher, cfg.shutdown_drain_s, again)
             return 0

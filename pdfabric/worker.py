@@ -95,7 +95,7 @@ class Worker:
         spec = CoreSpec(
             self.worker_id, cfg.kind, engine.num_blocks, cfg.block_size, engine.max_model_len,
             cfg.max_running, cfg.max_batch_tokens, engine.runner.config.kv_bytes_per_token,
-            cfg.heartbeat_s, cfg.pool, cfg.model, os.getpid(), host_id(), cfg.prefix_caching,
+            cfg.heartbeat_s, cfg.pool, cfg.model, os.getpid(), host_id(), cfg.prefix_caching, cfg.served,
         )  # fmt: skip
         self.core = self.make_core(cfg, spec, self.profile)
         self.core.kv_endpoint = self.kv.endpoint if self.kv is not None else ""

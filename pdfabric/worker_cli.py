@@ -42,6 +42,7 @@ OVERRIDES: tuple[tuple[str, type, str], ...] = (
     ("profile_seconds", float, "start-up profiling budget in seconds, 0: none"),
     ("kv_transport", str, "how KV moves to decode workers (auto: shm on one host, zmq across hosts)"),
     ("prefix_caching", bool, "on or off: reuse the KV of prompt prefixes computed before"),
+    ("served", str, "the model version it serves, NAME@VERSION, for a router with [[models]]"),
 )
 _QUOTED = ("model", "pool", "block_size", "kv_memory_mb", "max_batch_tokens", "max_running", "kv_host",
            "heartbeat_s", "drain_timeout_s", "device", "profile_seconds", "kv_transport",

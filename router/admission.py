@@ -48,6 +48,7 @@ class Ticket:
     prefix: tuple[bytes, ...] = ()  # its prompt's prefix hashes (``prefix_index.prompt_hashes``)
     prefix_key: tuple[int, str] = (0, "")  # the (block size, model) they were computed for
     max_wait_ms: float | None = None  # how long it may wait for a route (None: its class's max_wait_ms)
+    served: str = ""  # the model version it runs on: only that version's workers (``Register.served``)
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or not (math.isfinite(self.cost) and self.cost > 0):

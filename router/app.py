@@ -13,7 +13,7 @@ import asyncio
 import json
 import secrets
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from aiohttp import web
@@ -22,35 +22,47 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pdfabric.config import ServeConfig
 from pdfabric.control import HandedOff
 from pdfabric.engine.detokenizer import IncrementalDetokenizer
-from pdfabric.engine.tokenizer import Tokenizer
 from pdfabric.router import idempotency as idem
 from pdfabric.router import openai_api as api
+from pdfabric.router import prompts as prompts_
 from pdfabric.router import responses
-from pdfabric.router.admin import LIFECYCLE, add_admin
+from pdfabric.router.admin import LIFECYCLE, Audit, add_admin
+from pdfabric.router.admin_models import MODELS, Models, Spawner, add_model_admin
 from pdfabric.router.breakdown import TokenTimes, breakdown
-from pdfabric.router.dispatcher import Dispatcher
+from pdfabric.router.catalog import SESSION_HEADER, VERSION_HEADER, Catalog, Version
+from pdfabric.router.dispatcher import Dispatcher, RequestStream
 from pdfabric.router.metrics import RouterMetrics
 from pdfabric.router.openapi import openapi_document
 from pdfabric.router.registry import has_route
 from pdfabric.router.routing import Rejected
 from pdfabric.router.slo import BudgetError, resolve
+from pdfabric.router.tenants import Keys, LimitError, Limits, UsageBook
 
 CONFIG = web.AppKey("config", ServeConfig)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
-TOKENIZER = web.AppKey("tokenizer", Tokenizer)
+CATALOG = web.AppKey("catalog", Catalog)
 METRICS = web.AppKey("metrics", RouterMetrics)
 IDEMPOTENCY = web.AppKey("idempotency", idem.IdempotencyStore)
+KEYS = web.AppKey("keys", Keys)
+LIMITS = web.AppKey("limits", Limits)
+USAGE = web.AppKey("usage", UsageBook)
 
 
-def build_app(cfg: ServeConfig, dispatcher: Dispatcher, tokenizer: Tokenizer) -> web.Application:
+def build_app(
+    cfg: ServeConfig, dispatcher: Dispatcher, catalog: Catalog, spawner: Spawner | None = None
+) -> web.Application:
+    """The router's application over ``dispatcher``, serving ``catalog``'s models; ``spawner``
+    starts the workers of versions added through the admin API (None: it cannot)."""
     app = web.Application(client_max_size=16 * 2**20)
-    app[CONFIG], app[DISPATCHER], app[TOKENIZER] = cfg, dispatcher, tokenizer
+    app[CONFIG], app[DISPATCHER], app[CATALOG] = cfg, dispatcher, catalog
     app[IDEMPOTENCY] = idem.IdempotencyStore(cfg.idempotency_ttl_s, cfg.idempotency_max_entries)
+    app[KEYS], app[LIMITS], app[USAGE] = Keys(cfg.routing), Limits(cfg.routing), UsageBook(cfg.routing)
     app[METRICS] = metrics_ = RouterMetrics(
         dispatcher.registry,
         lambda: len(dispatcher.routing.queue),
         lambda: dispatcher.restarts,
         lambda: dispatcher.down,
+        app[USAGE],
     )
     dispatcher.on_handed_off = lambda msg: _observe_transfer(metrics_, dispatcher, msg)
     dispatcher.on_failover = lambda moved: metrics_.failovers.labels(moved.cause).inc()
@@ -60,8 +72,38 @@ def build_app(cfg: ServeConfig, dispatcher: Dispatcher, tokenizer: Tokenizer) ->
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
-    add_admin(app, dispatcher, cfg.admin_key_sha256)
+    audit = Audit(cfg.audit_log)
+    add_admin(app, dispatcher, cfg.admin_key_sha256, app[USAGE], audit)
+    add_model_admin(app, Models(cfg, catalog, dispatcher, spawner))
+    app.middlewares.append(_authenticate)
+    app.on_cleanup.append(lambda _: _close(audit))
     return app
+
+
+async def _close(audit: Audit) -> None:
+    audit.close()
+
+
+TENANT = "tenant"  # the request's tenant, set by ``_authenticate``
+
+
+@web.middleware
+async def _authenticate(request: web.Request, handler) -> web.StreamResponse:  # noqa: ANN001
+    """Names the tenant of every ``/v1/`` request: from its API key when the deployment has keys (401
+    without a valid one), else from ``X-Tenant`` (``default`` when absent)."""
+    if request.path.startswith("/v1/"):
+        keys = request.app[KEYS]
+        if keys.required:
+            tenant = keys.tenant_of(request.headers.get("Authorization", ""))
+            if tenant is None:
+                request.app[METRICS].rejections.labels("unauthenticated").inc()
+                err = api.ApiError(401, "a valid API key is required: Authorization: Bearer KEY",
+                                   kind="authentication_error")  # fmt: skip
+                return responses.error_response(err)
+        else:
+            tenant = request.headers.get("X-Tenant", "default")
+        request[TENANT] = tenant
+    return await handler(request)
 
 
 def _observe_transfer(metrics_: RouterMetrics, dispatcher: Dispatcher, msg: HandedOff) -> None:
@@ -98,7 +140,7 @@ async def _once(request: web.Request, chat: bool) -> web.StreamResponse:
             raise TypeError("a non-streaming request was answered with a stream")
         return idem.Reply(response.status, response.body, tuple(response.headers.items()))
 
-    scope = (request.headers.get("X-Tenant", "default"), request.path, key)
+    scope = (request[TENANT], request.path, key)
     try:
         idem.check_key(key)
         reply, replayed = await store.run(scope, idem.fingerprint(body), compute)
@@ -113,14 +155,22 @@ async def _once(request: web.Request, chat: bool) -> web.StreamResponse:
 
 
 async def models(request: web.Request) -> web.Response:
-    name = request.app[CONFIG].model_name
-    return web.json_response(
-        {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "pdfabric"}]}
-    )
+    """Every model and, pinned, each of its live versions (with its traffic weight and checkpoint)."""
+    data = []
+    for m in request.app[CATALOG].models.values():
+        entry = {"id": m.name, "object": "model", "created": 0, "owned_by": "pdfabric"}
+        versions = [v for v in m.live() if v.name]
+        if versions:
+            entry["versions"] = [{"id": v.label, "weight": v.weight} for v in versions]
+        data.append(entry)
+        for v in versions:
+            data.append({"id": v.label, "object": "model", "created": 0, "owned_by": "pdfabric",
+                         "parent": m.name, "root": v.checkpoint})  # fmt: skip
+    return web.json_response({"object": "list", "data": data})
 
 
 async def openapi(request: web.Request) -> web.Response:
-    return web.json_response(openapi_document(request.app[CONFIG].model_name))
+    return web.json_response(openapi_document(request.app[CATALOG].names()[0]))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -178,44 +228,60 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
         metrics_.rejections.labels("invalid").inc()
         return responses.error_response(api.bad("the request body is not valid JSON"))
     submitted: list[str] = []  # the response's requests in the router (one per prompt)
+    streams: list[RequestStream] = []
+    tenant, admitted, model = request[TENANT], False, ""  # admitted: counted by the tenant's limits
     try:
-        parsed = api.parse_request(body, chat, (app[CONFIG].model_name,), app[TOKENIZER].vocab_size)
+        version = _version(request, body, chat)
+        tok = version.tokenizer
+        parsed = api.parse_request(body, chat, (body["model"],), tok.vocab_size)
+        parsed = replace(parsed, model=version.label)  # responses name the version that serves
+        model = version.label
         try:
-            tenant = request.headers.get("X-Tenant", "default")
             resolved = resolve(app[CONFIG].routing, body.get("slo"), tenant)
         except BudgetError as exc:
             raise api.bad(str(exc), exc.param) from None
-        prompts = await asyncio.to_thread(_tokenize, app[TOKENIZER], parsed)
-        max_model_len = app[DISPATCHER].registry.max_model_len
-        max_tokens = [_max_tokens(parsed, len(p), max_model_len) for p in prompts]
+        if resolved.tenant.models and version.model not in resolved.tenant.models:
+            why = f"tenant {tenant!r} may not use model {version.model!r}"
+            raise api.ApiError(403, why, "model", kind="permission_error")
+        prompts = await asyncio.to_thread(prompts_.tokenize, tok, parsed)
+        max_model_len = app[DISPATCHER].registry.max_model_len(version.key)
+        max_tokens = [prompts_.max_tokens(parsed, len(p), max_model_len) for p in prompts]
+        context = max(len(p) + m for p, m in zip(prompts, max_tokens, strict=True))
+        app[LIMITS].admit(resolved.tenant, sum(map(len, prompts)), context, time.monotonic())
+        admitted = True
         seed = parsed.seed if parsed.seed is not None else secrets.randbelow(2**63)
         request_id = api.new_id(chat)
         header_timeout = api.timeout_seconds(request.headers.get("X-Request-Timeout"), "X-Request-Timeout")
         timeouts = [t for t in (parsed.timeout_s, header_timeout) if t is not None]
         deadline = arrival + min(timeouts) if timeouts else None
-        eos = tuple(sorted(app[TOKENIZER].eos_token_ids))
-        streams = []
+        eos = tuple(sorted(tok.eos_token_ids))
         for i, (prompt_ids, limit) in enumerate(zip(prompts, max_tokens, strict=True)):
             sub_id = request_id if i == 0 else f"{request_id}-{i}"  # each prompt of a batch is a request
             params = parsed.sampling_params(limit, seed)
             submitted.append(sub_id)
             streams.append(
                 await app[DISPATCHER].submit(
-                    sub_id, prompt_ids, params, eos, resolved, deadline, parsed.best_of
+                    sub_id, prompt_ids, params, eos, resolved, deadline, parsed.best_of, version.key
                 )
             )
+            if version.first_routed_at is None:
+                version.first_routed_at = time.monotonic()
     except Rejected as err:
-        _release(app, submitted)
+        _release(app, submitted, tenant, admitted, streams, model, failed=True)
         metrics_.rejections.labels(err.reason).inc()
         return responses.error_response(err)
+    except LimitError as err:
+        metrics_.rejections.labels(f"tenant_{err.limit}").inc()
+        return responses.error_response(err)
     except api.ApiError as err:
-        _release(app, submitted)
+        _release(app, submitted, tenant, admitted, streams, model, failed=True)
         metrics_.rejections.labels("invalid" if err.status < 500 else "no_capacity").inc()
+        if err.status >= 500 and model:  # its version could not serve it: a rollout counts that
+            app[MODELS].observe(version, False, None, None)
         return responses.error_response(err)
     except BaseException:  # the client left while a later prompt of its batch waited to start
-        _release(app, submitted)
+        _release(app, submitted, tenant, admitted, streams, model, failed=True)
         raise
-    model = parsed.model
     dispatched = time.monotonic()
     metrics_.queue_wait.labels(model).observe(dispatched - arrival)
     metrics_.prompt_tokens.labels(model).inc(sum(len(p) for p in prompts))
@@ -226,14 +292,14 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
         sources = []
         for p, (stream, prompt_ids) in enumerate(zip(streams, prompts, strict=True)):
             for c in range(parsed.best_of):
-                detok = IncrementalDetokenizer(app[TOKENIZER], list(prompt_ids), stop=list(parsed.stop))
+                detok = IncrementalDetokenizer(tok, list(prompt_ids), stop=list(parsed.stop))
                 primary = times if p == 0 and c == 0 else None  # the output the latency metrics follow
                 events = responses.events(
                     stream.queues[c], detok, timeout_s, deadline, metrics_, model, arrival, primary
                 )
-                logprobs = responses.logprobs_out(app[TOKENIZER], parsed)
+                logprobs = responses.logprobs_out(tok, parsed)
                 index = p * parsed.best_of + c
-                echo = _prompt_text(app[TOKENIZER], parsed, p, prompt_ids) if parsed.echo else None
+                echo = prompts_.prompt_text(tok, parsed, p, prompt_ids) if parsed.echo else None
                 sources.append(responses.Source(index, events, stream, logprobs, echo, prompt_ids))
         first = streams[0]
 
@@ -243,66 +309,55 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
 
         # Clients that speak the ``slo`` extension also get the latency breakdown in their usage.
         reporting = report if "slo" in body else None
+        headers = {VERSION_HEADER: version.label}
         if parsed.stream:
-            response, outcome = await responses.stream_sse(request, parsed, request_id, sources, reporting)
+            response, outcome = await responses.stream_sse(
+                request, parsed, request_id, sources, reporting, headers
+            )
         else:
             response, outcome = await responses.collect(parsed, request_id, sources, reporting)
+            response.headers.update(headers)
         return response
     finally:
-        _release(app, submitted)
+        failed = outcome in ("error", "abort")
+        _release(app, submitted, tenant, admitted, streams, model, failed)
+        app[MODELS].observe(version, outcome != "error", *times.latencies(arrival))
         metrics_.requests.labels(model, outcome).inc()
         metrics_.e2e.labels(model).observe(time.monotonic() - arrival)
 
 
-def _release(app: web.Application, request_ids: list[str]) -> None:
-    """Ends the response's requests; every worker still holding one gets an ``Abort``."""
+def _version(request: web.Request, body: object, chat: bool) -> Version:
+    """The model version a request runs on, from its ``model`` (sticky by its ``user`` or the
+    session header); a 400 naming ``model`` when it names none served here."""
+    catalog = request.app[CATALOG]
+    requested = body.get("model") if isinstance(body, dict) else None
+    if not isinstance(requested, str):  # the parser's 400 says what is wrong
+        api.parse_request(body, chat, catalog.names(), 0)
+        raise api.bad("'model' must be a string", "model")
+    user = body.get("user")
+    sticky = user if isinstance(user, str) else request.headers.get(SESSION_HEADER, "")
+    return catalog.resolve(requested, sticky)
+
+
+def _release(
+    app: web.Application,
+    request_ids: list[str],
+    tenant: str,
+    admitted: bool,
+    streams: list[RequestStream],
+    model: str,
+    failed: bool,
+) -> None:
+    """Ends the response's requests (every worker still holding one gets an ``Abort``); when its
+    tenant's limits had admitted it, lets it go there and counts what its started requests used."""
     for request_id in request_ids:
         app[DISPATCHER].release(request_id, "request ended")
-
-
-def _tokenize(tokenizer: Tokenizer, parsed: api.ParsedRequest) -> list[tuple[int, ...]]:
-    """Each prompt's token ids (a chat request's one prompt, rendered by the chat template)."""
-    if parsed.chat:
-        try:
-            text = tokenizer.apply_chat_template(list(parsed.messages or ()), add_generation_prompt=True)
-        except ValueError as exc:
-            raise api.bad(str(exc), "messages") from None
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        if not ids:
-            raise api.bad("the prompt encodes to no tokens", "messages")
-        return [tuple(ids)]
-    out = []
-    for prompt in parsed.prompts:
-        if isinstance(prompt, tuple):
-            out.append(prompt)
-            continue
-        ids = tokenizer.encode(prompt, add_special_tokens=True)
-        if not ids:
-            raise api.bad("the prompt encodes to no tokens", "prompt")
-        out.append(tuple(ids))
-    return out
-
-
-def _prompt_text(tokenizer: Tokenizer, parsed: api.ParsedRequest, i: int, ids: tuple[int, ...]) -> str:
-    """Prompt ``i`` as the client sent it (text), or decoded from its token ids (``echo``)."""
-    prompt = parsed.prompts[i]
-    return prompt if isinstance(prompt, str) else tokenizer.decode(list(ids), skip_special_tokens=False)
-
-
-def _max_tokens(parsed: api.ParsedRequest, prompt_len: int, max_model_len: int) -> int:
-    if max_model_len == 0:
-        raise api.ApiError(503, "no worker is registered yet", kind="server_error", retry_after_s=1.0)
-    field = "messages" if parsed.chat else "prompt"
-    if prompt_len >= max_model_len:
-        raise api.bad(f"the prompt has {prompt_len} tokens; the context window is {max_model_len}", field)
-    room = max_model_len - prompt_len
-    if parsed.max_tokens is None:
-        return room
-    if parsed.max_tokens > room:
-        name = "max_completion_tokens" if parsed.chat else "max_tokens"
-        raise api.bad(
-            f"'{name}' is {parsed.max_tokens}, but the prompt ({prompt_len} tokens) leaves room for "
-            f"{room} in the {max_model_len}-token context window",
-            name,
-        )
-    return parsed.max_tokens
+    if not admitted:
+        return
+    generated = sum(s.generated for s in streams)
+    app[LIMITS].finish(tenant, generated, time.monotonic())
+    if not streams:  # refused before any of its prompts started: nothing was computed
+        return
+    prompt = sum(s.prompt_len for s in streams)
+    cached = sum(s.cached_tokens for s in streams)
+    app[USAGE].add(tenant, model, prompt, cached, generated, failed)

@@ -53,6 +53,13 @@ class TokenTimes:
         self.last = now
         self.tokens += count
 
+    def latencies(self, arrival: float) -> tuple[float | None, float | None]:
+        """(TTFT, mean inter-token latency) in seconds; None where too few tokens came."""
+        ttft = None if self.first is None else self.first - arrival
+        if self.first is None or self.last is None or self.tokens < 2:
+            return ttft, None
+        return ttft, (self.last - self.first) / (self.tokens - 1)
+
 
 def breakdown(
     route: str,

@@ -173,23 +173,26 @@ class RouterCore:
         budgets: Budgets,
         deadline: float | None = None,
         n: int = 1,
+        served: str = "",
     ) -> list[Effect]:
         """A new request: ``Started`` or ``Refused`` now, or later from ``poll`` or a worker's reply.
         With a ``deadline`` (on the clock) its first token must come before it (the TTFT budget is
         cut to fit), and a failover after it ends the request instead (the driver ends it at the
         deadline itself). ``n``: its outputs, run on one route from one computed prompt; each
-        output's deltas carry its ``choice``."""
+        output's deltas carry its ``choice``. ``served``: the model version whose workers run it
+        (``Register.served``), for this attempt and every failover."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already in the router")
-        if not has_route(self.registry):
+        if not has_route(self.registry, served):
             return [Refused(request_id, 503, "no worker can serve this request now")]
         now = self.clock()
         if deadline is not None:
             budgets = replace(budgets, ttft_ms=max(1e-3, min(budgets.ttft_ms, (deadline - now) * 1e3)))
-        key, prefix = self.routing.prefix_of(prompt_ids)
+        key, prefix = self.routing.prefix_of(prompt_ids, served)
         ticket = Ticket(
-            request_id, tenant, slo_class, budgets, len(prompt_ids), now, prefix=prefix, prefix_key=key
-        )
+            request_id, tenant, slo_class, budgets, len(prompt_ids), now, prefix=prefix, prefix_key=key,
+            served=served,
+        )  # fmt: skip
         req = RouterRequest(ticket, prompt_ids, params, eos_token_ids, deadline, n)
         self._requests[request_id] = self._wire[request_id] = req
         out: list[Effect] = []
@@ -451,14 +454,14 @@ class RouterCore:
         out.append(FailedOver(req.request_id, cause, worker_id, message, req.delivered))
         # The new attempt asks admission like a new request, so with every worker full it waits for
         # room (until its deadline, or until the client's handler gives up on it) instead of failing.
-        key, prefix = self.routing.prefix_of(req.run_prompt)
+        key, prefix = self.routing.prefix_of(req.run_prompt, req.ticket.served)
         ttft_ms = min(_ANY.ttft_ms, left_s * 1e3)
         ticket = replace(
             req.ticket, request_id=req.wire_id, prompt_len=len(req.run_prompt), prefix=prefix,
             prefix_key=key, budgets=replace(_ANY, ttft_ms=ttft_ms), arrived=self.clock(), max_wait_ms=ttft_ms,
         )  # fmt: skip
         req.choices, req.tried, req.reasons = (), 0, [message]
-        if not has_route(self.registry):  # nothing to wait for: no worker pair or colocated worker left
+        if not has_route(self.registry, req.ticket.served):  # nothing to wait for: no worker pair left
             req.reasons.append("no route fits it (no_workers)")
             self._try_next(req, out)  # fails it, naming the reasons
             return

@@ -51,6 +51,7 @@ class RequestStream:
     waited_ms: float = 0.0  # time spent waiting for admission in the router
     transfer_s: float | None = None  # KV push, start to acknowledgement (0 colocated; None: not yet told)
     cached_tokens: int = 0  # prompt tokens whose KV came from a worker's prefix cache
+    generated: int = 0  # tokens its workers generated for it, every output (what its tenant is billed)
     started: asyncio.Future[None] | None = None  # set while ``submit`` waits for the start
     prompt_logprobs: tuple = ()  # the prompt's scores (``TokenDelta.prompt_logprobs``), once they came
     scored: asyncio.Event = field(default_factory=asyncio.Event)  # they came (or the request failed)
@@ -136,11 +137,13 @@ class Dispatcher:
         resolved: Resolved,
         deadline: float | None = None,
         n: int = 1,
+        served: str = "",
     ) -> RequestStream:
         """Starts the request on a route that meets its budgets (``resolved``) and its ``deadline``
         (``time.monotonic()`` seconds; None: none), with ``n`` outputs from one computed prompt.
         Raises ``Rejected`` (429) when admission control turns it away and ``ApiError`` (503) when no
-        worker can take it. Its TTFT budget counts from here."""
+        worker can take it. Its TTFT budget counts from here. ``served``: the model version whose
+        workers run it (``catalog.Version.key``)."""
         stream = RequestStream(request_id, len(prompt_ids), n)
         stream.started = asyncio.get_running_loop().create_future()
         self.streams[request_id] = stream
@@ -156,6 +159,7 @@ class Dispatcher:
                     resolved.budgets,
                     deadline,
                     n,
+                    served,
                 )  # fmt: skip
             )
             await stream.started
@@ -203,6 +207,7 @@ class Dispatcher:
                 continue
             if isinstance(effect, Deliver):
                 stream.cached_tokens = max(stream.cached_tokens, effect.delta.cached_tokens)
+                stream.generated += len(effect.delta.token_ids)
                 stream.put(effect.delta)
             elif isinstance(effect, Started):
                 stream.route, stream.choice, stream.waited_ms = effect.route, effect.choice, effect.waited_ms

@@ -10,6 +10,7 @@ from prometheus_client.registry import Collector
 
 from pdfabric.control import KINDS
 from pdfabric.router.registry import Registry
+from pdfabric.router.tenants import UsageBook
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -86,6 +87,35 @@ class _Supervision(Collector):
         )  # fmt: skip
 
 
+class _TenantUsage(Collector):
+    """Each tenant's usage per model (``tenants.UsageBook``), read at scrape time."""
+
+    def __init__(self, usage: UsageBook) -> None:
+        self.usage = usage
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        labels = ["tenant", "model"]
+        requests = CounterMetricFamily(
+            "pdfabric_tenant_requests", "Requests a tenant's limits admitted and that started", labels=labels
+        )
+        failed = CounterMetricFamily(
+            "pdfabric_tenant_failed_requests", "Of those, requests that did not finish", labels=labels
+        )
+        tokens = CounterMetricFamily(
+            "pdfabric_tenant_tokens",
+            "Tokens used, by kind: prompt, cached (prompt tokens from a prefix cache), completion (every "
+            "token generated, a failed request's partial output included)",
+            labels=[*labels, "kind"],
+        )
+        for (tenant, model), u in sorted(self.usage.usage.items()):
+            requests.add_metric([tenant, model], u.requests)
+            failed.add_metric([tenant, model], u.failed)
+            tokens.add_metric([tenant, model, "prompt"], u.prompt_tokens)
+            tokens.add_metric([tenant, model, "cached"], u.cached_tokens)
+            tokens.add_metric([tenant, model, "completion"], u.completion_tokens)
+        yield from (requests, failed, tokens)
+
+
 class RouterMetrics:
     """The router's metrics; ``waiting`` (if given) counts the requests in its admission queue."""
 
@@ -95,6 +125,7 @@ class RouterMetrics:
         waiting: Callable[[], int] | None = None,
         restarts: Callable[[], dict[str, int]] | None = None,
         down: Callable[[], dict[str, str]] | None = None,
+        usage: UsageBook | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -171,3 +202,5 @@ class RouterMetrics:
             r.register(_Waiting(waiting))
         if restarts is not None and down is not None:
             r.register(_Supervision(restarts, down))
+        if usage is not None:
+            r.register(_TenantUsage(usage))

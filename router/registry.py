@@ -65,10 +65,13 @@ class Registry:
     def count(self, kind: str) -> int:
         return sum(1 for w in self.workers.values() if w.reg.kind == kind)
 
-    @property
-    def max_model_len(self) -> int:
-        """The longest sequence every serving path can hold (0 with no workers)."""
-        lens = [w.reg.max_model_len for w in self.workers.values()]
+    def serving(self, served: str) -> list[WorkerInfo]:
+        """The workers of one model version (``Register.served``)."""
+        return [w for w in self.workers.values() if w.reg.served == served]
+
+    def max_model_len(self, served: str = "") -> int:
+        """The longest sequence every serving path of the version can hold (0 with no workers)."""
+        lens = [w.reg.max_model_len for w in self.serving(served)]
         return min(lens) if lens else 0
 
 
@@ -81,6 +84,9 @@ class Route:
     prefill: WorkerInfo | None = None
 
 
-def has_route(registry: Registry) -> bool:
-    """Whether any route exists at all: a colocated worker, or a prefill and a decode worker."""
-    return registry.count(COLOCATED) > 0 or (registry.count(PREFILL) > 0 and registry.count(DECODE) > 0)
+def has_route(registry: Registry, served: str | None = None) -> bool:
+    """Whether any route exists at all for the model version ``served`` (None: for any): a colocated
+    worker, or a prefill and a decode worker."""
+    workers = registry.workers.values() if served is None else registry.serving(served)
+    kinds = {w.reg.kind for w in workers}
+    return COLOCATED in kinds or (PREFILL in kinds and DECODE in kinds)

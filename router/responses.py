@@ -182,12 +182,17 @@ async def stream_sse(
     request_id: str,
     sources: list[Source],
     report: Callable[[], dict[str, Any]] | None = None,
+    headers: dict[str, str] | None = None,
 ) -> tuple[web.StreamResponse, str]:
-    """Writes the sources' events as server-sent events; returns the response and how the request
-    ended (the first failure, else the last output's finish)."""
+    """Writes the sources' events as server-sent events (with ``headers`` besides the stream's own);
+    returns the response and how the request ended (the first failure, else the last output's
+    finish)."""
     response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": request_id}
-    )
+        headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": request_id,
+            **(headers or {}),
+        }
+    )  # fmt: skip
     await response.prepare(request)
     held: dict[int, tuple[int, ...]] = {s.index: () for s in sources}  # tokens whose text is not out yet
     first = {s.index for s in sources}  # choices that have not sent a chunk yet

@@ -155,12 +155,15 @@ class Routing:
             )
             for wid, w in self.registry.workers.items()
             if not w.draining  # a draining worker takes no new requests
+            and (ticket is None or w.reg.served == ticket.served)  # another model version's
         ]
 
-    def prefix_of(self, prompt_ids: tuple[int, ...]) -> tuple[tuple[int, str], tuple[bytes, ...]]:
-        """(block size, model) of the workers and the prompt's prefix hashes for them (none when no
-        worker is registered)."""
-        for w in self.registry.workers.values():
+    def prefix_of(
+        self, prompt_ids: tuple[int, ...], served: str = ""
+    ) -> tuple[tuple[int, str], tuple[bytes, ...]]:
+        """(block size, model) of the model version's workers and the prompt's prefix hashes for them
+        (none when it has no worker registered)."""
+        for w in self.registry.serving(served):
             key = (w.reg.block_size, w.reg.model)
             return key, prompt_hashes(prompt_ids, *key)
         return (0, ""), ()

@@ -57,13 +57,21 @@ class SloClass:
 
 @dataclass(frozen=True)
 class Tenant:
-    """A tenant's share of the wait queue (``weight``), class and budgets (0: inherit)."""
+    """A tenant: its share of the wait queue (``weight``), class and budgets (0: inherit), and the
+    platform's hold on it (``router/tenants.py``): the SHA-256 of its API keys, the models it may use
+    (empty: all) and its limits (0: none), enforced at admission."""
 
     name: str
     weight: float = 1.0
     slo_class: str = ""  # "": the default class
     ttft_ms: float = 0.0
     itl_ms: float = 0.0
+    api_keys_sha256: tuple[str, ...] = ()  # hex SHA-256 of each key that authenticates as this tenant
+    models: tuple[str, ...] = ()  # model names it may use ("": every model served)
+    requests_per_min: int = 0  # requests admitted in any 60 s
+    tokens_per_min: int = 0  # prompt plus generated tokens in any 60 s
+    max_concurrency: int = 0  # requests in flight at once
+    max_context: int = 0  # prompt plus max_tokens per request
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -72,6 +80,21 @@ class Tenant:
             raise ValueError(f"tenant {self.name}: weight must be > 0, got {self.weight!r}")
         for name in ("ttft_ms", "itl_ms"):
             _check_ms(f"tenant {self.name}", name, getattr(self, name))
+        for name in ("api_keys_sha256", "models"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+                raise ValueError(f"tenant {self.name}: {name} must be a list of strings, got {value!r}")
+            object.__setattr__(self, name, tuple(value))
+        for digest in self.api_keys_sha256:
+            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest.lower()):
+                raise ValueError(
+                    f"tenant {self.name}: api_keys_sha256 entries must be 64 hex digits "
+                    "(printf %s KEY | sha256sum)"
+                )
+        for name in ("requests_per_min", "tokens_per_min", "max_concurrency", "max_context"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"tenant {self.name}: {name} must be an integer >= 0, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -141,6 +164,9 @@ class AdmissionConfig:
             raise ValueError(f"routing: duplicate pools in {pools}")
         object.__setattr__(self, "_class_of", {c.name: c for c in self.classes})
         object.__setattr__(self, "_tenant_of", {t.name: t for t in self.tenants})
+        digests = [d.lower() for t in self.tenants for d in t.api_keys_sha256]
+        if len(set(digests)) != len(digests):
+            raise ValueError("routing: one API key is given to two tenants")
         for t in self.tenants:
             if t.slo_class and t.slo_class not in self._class_of:
                 raise ValueError(f"tenant {t.name}: unknown class {t.slo_class!r}")

@@ -21,18 +21,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def get_json(url: str, timeout: float = 5.0) -> tuple[int, dict]:
+def get_json(url: str, timeout: float = 5.0, headers: dict[str, str] | None = None) -> tuple[int, dict]:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read() or b"{}")
 
 
-def post_json(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict]:
-    """POSTs ``body`` as JSON; the status and the JSON reply (an error's too)."""
+def post_json(
+    url: str, body: dict, timeout: float = 120.0, headers: dict[str, str] | None = None
+) -> tuple[int, dict]:
+    """POSTs ``body`` as JSON (with ``headers``); the status and the JSON reply (an error's too)."""
     req = urllib.request.Request(
-        url, json.dumps(body).encode(), {"Content-Type": "application/json"}, method="POST"
+        url, json.dumps(body).encode(), {"Content-Type": "application/json", **(headers or {})}, method="POST"
     )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -41,10 +43,14 @@ def post_json(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict]:
         return e.code, json.loads(e.read() or b"{}")
 
 
-def sse_chunks(url: str, body: dict, timeout: float = 120.0) -> list[dict]:
+def sse_chunks(
+    url: str, body: dict, timeout: float = 120.0, headers: dict[str, str] | None = None
+) -> list[dict]:
     """POSTs ``body`` with ``stream: true``; every server-sent event's JSON before ``[DONE]``."""
     req = urllib.request.Request(
-        url, json.dumps({**body, "stream": True}).encode(), {"Content-Type": "application/json"}
+        url,
+        json.dumps({**body, "stream": True}).encode(),
+        {"Content-Type": "application/json", **(headers or {})},
     )
     chunks = []
     with urllib.request.urlopen(req, timeout=timeout) as r:

@@ -131,7 +131,7 @@ def test_a_serialized_config_is_checked_like_a_deployment_config(tmp_path: Path)
 def test_every_worker_field_is_a_deployment_key_or_fixed_per_process() -> None:
     from pdfabric.config import WORKER_KEYS
 
-    per_process = {"kind", "join", "model", "dtype", "worker_id"}
+    per_process = {"kind", "join", "model", "dtype", "worker_id", "served"}
     assert {f.name for f in fields(WorkerConfig)} == WORKER_KEYS | per_process
     assert {name for name, _, _ in worker_cli.OVERRIDES} == WORKER_KEYS | per_process
 
