@@ -1,6 +1,8 @@
 """The router's HTTP application: OpenAI-compatible endpoints over the dispatcher.
 
-Each handler validates (400 naming the field), tokenizes off the event loop, submits the request,
+Each handler names the request's tenant and model version (``access``: 401 / 403 / a tenant's 429),
+validates (400 naming the field), tokenizes off the event loop with its version's tokenizer, submits
+the request to that version's workers,
 then streams SSE chunks (or collects a JSON body) while detokenizing incrementally
 (``router/responses.py``). Whatever ends the
 handler (finish, stop string, error, timeout, client disconnect), its ``finally`` releases the request
@@ -22,30 +24,28 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pdfabric.config import ServeConfig
 from pdfabric.control import HandedOff
 from pdfabric.engine.detokenizer import IncrementalDetokenizer
+from pdfabric.router import access, responses
 from pdfabric.router import idempotency as idem
 from pdfabric.router import openai_api as api
 from pdfabric.router import prompts as prompts_
-from pdfabric.router import responses
+from pdfabric.router.access import ACCESS
 from pdfabric.router.admin import LIFECYCLE, Audit, add_admin
 from pdfabric.router.admin_models import MODELS, Models, Spawner, add_model_admin
 from pdfabric.router.breakdown import TokenTimes, breakdown
-from pdfabric.router.catalog import SESSION_HEADER, VERSION_HEADER, Catalog, Version
+from pdfabric.router.catalog import VERSION_HEADER, Catalog
 from pdfabric.router.dispatcher import Dispatcher, RequestStream
 from pdfabric.router.metrics import RouterMetrics
 from pdfabric.router.openapi import openapi_document
 from pdfabric.router.registry import has_route
 from pdfabric.router.routing import Rejected
 from pdfabric.router.slo import BudgetError, resolve
-from pdfabric.router.tenants import Keys, LimitError, Limits, UsageBook
+from pdfabric.router.tenants import LimitError
 
 CONFIG = web.AppKey("config", ServeConfig)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 CATALOG = web.AppKey("catalog", Catalog)
 METRICS = web.AppKey("metrics", RouterMetrics)
 IDEMPOTENCY = web.AppKey("idempotency", idem.IdempotencyStore)
-KEYS = web.AppKey("keys", Keys)
-LIMITS = web.AppKey("limits", Limits)
-USAGE = web.AppKey("usage", UsageBook)
 
 
 def build_app(
@@ -56,54 +56,33 @@ def build_app(
     app = web.Application(client_max_size=16 * 2**20)
     app[CONFIG], app[DISPATCHER], app[CATALOG] = cfg, dispatcher, catalog
     app[IDEMPOTENCY] = idem.IdempotencyStore(cfg.idempotency_ttl_s, cfg.idempotency_max_entries)
-    app[KEYS], app[LIMITS], app[USAGE] = Keys(cfg.routing), Limits(cfg.routing), UsageBook(cfg.routing)
+    app[ACCESS] = platform = access.Access(cfg.routing, catalog)
     app[METRICS] = metrics_ = RouterMetrics(
         dispatcher.registry,
         lambda: len(dispatcher.routing.queue),
         lambda: dispatcher.restarts,
         lambda: dispatcher.down,
-        app[USAGE],
+        platform.usage,
     )
+    platform.on_unauthenticated = lambda: metrics_.rejections.labels("unauthenticated").inc()
     dispatcher.on_handed_off = lambda msg: _observe_transfer(metrics_, dispatcher, msg)
     dispatcher.on_failover = lambda moved: metrics_.failovers.labels(moved.cause).inc()
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models", access.list_models)
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     audit = Audit(cfg.audit_log)
-    add_admin(app, dispatcher, cfg.admin_key_sha256, app[USAGE], audit)
+    add_admin(app, dispatcher, cfg.admin_key_sha256, platform.usage, audit)
     add_model_admin(app, Models(cfg, catalog, dispatcher, spawner))
-    app.middlewares.append(_authenticate)
+    app.middlewares.append(access.authenticate)
     app.on_cleanup.append(lambda _: _close(audit))
     return app
 
 
 async def _close(audit: Audit) -> None:
     audit.close()
-
-
-TENANT = "tenant"  # the request's tenant, set by ``_authenticate``
-
-
-@web.middleware
-async def _authenticate(request: web.Request, handler) -> web.StreamResponse:  # noqa: ANN001
-    """Names the tenant of every ``/v1/`` request: from its API key when the deployment has keys (401
-    without a valid one), else from ``X-Tenant`` (``default`` when absent)."""
-    if request.path.startswith("/v1/"):
-        keys = request.app[KEYS]
-        if keys.required:
-            tenant = keys.tenant_of(request.headers.get("Authorization", ""))
-            if tenant is None:
-                request.app[METRICS].rejections.labels("unauthenticated").inc()
-                err = api.ApiError(401, "a valid API key is required: Authorization: Bearer KEY",
-                                   kind="authentication_error")  # fmt: skip
-                return responses.error_response(err)
-        else:
-            tenant = request.headers.get("X-Tenant", "default")
-        request[TENANT] = tenant
-    return await handler(request)
 
 
 def _observe_transfer(metrics_: RouterMetrics, dispatcher: Dispatcher, msg: HandedOff) -> None:
@@ -140,7 +119,7 @@ async def _once(request: web.Request, chat: bool) -> web.StreamResponse:
             raise TypeError("a non-streaming request was answered with a stream")
         return idem.Reply(response.status, response.body, tuple(response.headers.items()))
 
-    scope = (request[TENANT], request.path, key)
+    scope = (request[access.TENANT], request.path, key)
     try:
         idem.check_key(key)
         reply, replayed = await store.run(scope, idem.fingerprint(body), compute)
@@ -152,21 +131,6 @@ async def _once(request: web.Request, chat: bool) -> web.StreamResponse:
         request.app[METRICS].idempotent_replays.inc()
         headers.append((idem.REPLAYED_HEADER, "true"))
     return web.Response(status=reply.status, body=reply.body, headers=headers)
-
-
-async def models(request: web.Request) -> web.Response:
-    """Every model and, pinned, each of its live versions (with its traffic weight and checkpoint)."""
-    data = []
-    for m in request.app[CATALOG].models.values():
-        entry = {"id": m.name, "object": "model", "created": 0, "owned_by": "pdfabric"}
-        versions = [v for v in m.live() if v.name]
-        if versions:
-            entry["versions"] = [{"id": v.label, "weight": v.weight} for v in versions]
-        data.append(entry)
-        for v in versions:
-            data.append({"id": v.label, "object": "model", "created": 0, "owned_by": "pdfabric",
-                         "parent": m.name, "root": v.checkpoint})  # fmt: skip
-    return web.json_response({"object": "list", "data": data})
 
 
 async def openapi(request: web.Request) -> web.Response:
@@ -229,9 +193,9 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
         return responses.error_response(api.bad("the request body is not valid JSON"))
     submitted: list[str] = []  # the response's requests in the router (one per prompt)
     streams: list[RequestStream] = []
-    tenant, admitted, model = request[TENANT], False, ""  # admitted: counted by the tenant's limits
+    tenant, admitted, model = request[access.TENANT], False, ""  # admitted: counted by the tenant's limits
     try:
-        version = _version(request, body, chat)
+        version = access.version_of(request, body, chat)
         tok = version.tokenizer
         parsed = api.parse_request(body, chat, (body["model"],), tok.vocab_size)
         parsed = replace(parsed, model=version.label)  # responses name the version that serves
@@ -247,7 +211,7 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
         max_model_len = app[DISPATCHER].registry.max_model_len(version.key)
         max_tokens = [prompts_.max_tokens(parsed, len(p), max_model_len) for p in prompts]
         context = max(len(p) + m for p, m in zip(prompts, max_tokens, strict=True))
-        app[LIMITS].admit(resolved.tenant, sum(map(len, prompts)), context, time.monotonic())
+        app[ACCESS].limits.admit(resolved.tenant, sum(map(len, prompts)), context, time.monotonic())
         admitted = True
         seed = parsed.seed if parsed.seed is not None else secrets.randbelow(2**63)
         request_id = api.new_id(chat)
@@ -326,19 +290,6 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
         metrics_.e2e.labels(model).observe(time.monotonic() - arrival)
 
 
-def _version(request: web.Request, body: object, chat: bool) -> Version:
-    """The model version a request runs on, from its ``model`` (sticky by its ``user`` or the
-    session header); a 400 naming ``model`` when it names none served here."""
-    catalog = request.app[CATALOG]
-    requested = body.get("model") if isinstance(body, dict) else None
-    if not isinstance(requested, str):  # the parser's 400 says what is wrong
-        api.parse_request(body, chat, catalog.names(), 0)
-        raise api.bad("'model' must be a string", "model")
-    user = body.get("user")
-    sticky = user if isinstance(user, str) else request.headers.get(SESSION_HEADER, "")
-    return catalog.resolve(requested, sticky)
-
-
 def _release(
     app: web.Application,
     request_ids: list[str],
@@ -349,15 +300,8 @@ def _release(
     failed: bool,
 ) -> None:
     """Ends the response's requests (every worker still holding one gets an ``Abort``); when its
-    tenant's limits had admitted it, lets it go there and counts what its started requests used."""
+    tenant's limits had admitted it, settles what it used (``access.settle``)."""
     for request_id in request_ids:
         app[DISPATCHER].release(request_id, "request ended")
-    if not admitted:
-        return
-    generated = sum(s.generated for s in streams)
-    app[LIMITS].finish(tenant, generated, time.monotonic())
-    if not streams:  # refused before any of its prompts started: nothing was computed
-        return
-    prompt = sum(s.prompt_len for s in streams)
-    cached = sum(s.cached_tokens for s in streams)
-    app[USAGE].add(tenant, model, prompt, cached, generated, failed)
+    if admitted:
+        access.settle(app[ACCESS], tenant, streams, model, failed)

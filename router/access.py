@@ -1,0 +1,96 @@
+"""Who a request comes from, which model version serves it, and what its tenant used: the HTTP side
+of ``tenants`` (keys, limits, usage) and ``catalog`` (models and versions).
+
+- ``authenticate`` (middleware) names the tenant of every ``/v1/`` request (``request[TENANT]``);
+- ``version_of`` resolves the request's ``model`` to a version;
+- the handler checks the tenant's limits (``Access.limits.admit``) and, once the request ends,
+  ``settle`` lets it go there and counts its usage.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from pdfabric.router import openai_api as api
+from pdfabric.router.catalog import SESSION_HEADER, Catalog, Version
+from pdfabric.router.dispatcher import RequestStream
+from pdfabric.router.slo import AdmissionConfig
+from pdfabric.router.tenants import Keys, Limits, UsageBook
+
+TENANT = "tenant"  # the request's tenant, set by ``authenticate``
+
+
+class Access:
+    """The router's tenants (keys, limits, usage) and the models it serves."""
+
+    def __init__(self, config: AdmissionConfig, catalog: Catalog) -> None:
+        self.keys, self.limits, self.usage = Keys(config), Limits(config), UsageBook(config)
+        self.catalog = catalog
+        self.on_unauthenticated: Callable[[], None] = lambda: None  # e.g. a rejection metric
+
+
+ACCESS = web.AppKey("access", Access)
+
+
+@web.middleware
+async def authenticate(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Names the tenant of every ``/v1/`` request: from its API key when the deployment has keys (401
+    without a valid one), else from ``X-Tenant`` (``default`` when absent)."""
+    if request.path.startswith("/v1/"):
+        platform = request.app[ACCESS]
+        if platform.keys.required:
+            tenant = platform.keys.tenant_of(request.headers.get("Authorization", ""))
+            if tenant is None:
+                platform.on_unauthenticated()
+                err = api.ApiError(401, "a valid API key is required: Authorization: Bearer KEY",
+                                   kind="authentication_error")  # fmt: skip
+                return web.json_response(err.body(), status=401)
+        else:
+            tenant = request.headers.get("X-Tenant", "default")
+        request[TENANT] = tenant
+    return await handler(request)
+
+
+def version_of(request: web.Request, body: object, chat: bool) -> Version:
+    """The model version a request runs on, from its ``model`` (sticky by its ``user`` or the
+    session header); a 400 naming ``model`` when it names none served here."""
+    catalog = request.app[ACCESS].catalog
+    requested = body.get("model") if isinstance(body, dict) else None
+    if not isinstance(requested, str):  # the parser's 400 says what is wrong
+        api.parse_request(body, chat, catalog.names(), 0)
+        raise api.bad("'model' must be a string", "model")
+    user = body.get("user")
+    sticky = user if isinstance(user, str) else request.headers.get(SESSION_HEADER, "")
+    return catalog.resolve(requested, sticky)
+
+
+def settle(platform: Access, tenant: str, streams: list[RequestStream], model: str, failed: bool) -> None:
+    """A request its tenant's limits admitted has ended: its generated tokens go into the tenant's
+    window, and what its started requests (``streams``) used into its usage."""
+    generated = sum(s.generated for s in streams)
+    platform.limits.finish(tenant, generated, time.monotonic())
+    if not streams:  # refused before any of its prompts started: nothing was computed
+        return
+    prompt = sum(s.prompt_len for s in streams)
+    cached = sum(s.cached_tokens for s in streams)
+    platform.usage.add(tenant, model, prompt, cached, generated, failed)
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """Every model and, pinned, each of its live versions (with its traffic weight and checkpoint)."""
+    data = []
+    for m in request.app[ACCESS].catalog.models.values():
+        entry = {"id": m.name, "object": "model", "created": 0, "owned_by": "pdfabric"}
+        versions = [v for v in m.live() if v.name]
+        if versions:
+            entry["versions"] = [{"id": v.label, "weight": v.weight} for v in versions]
+        data.append(entry)
+        for v in versions:
+            data.append({"id": v.label, "object": "model", "created": 0, "owned_by": "pdfabric",
+                         "parent": m.name, "root": v.checkpoint})  # fmt: skip
+    return web.json_response({"object": "list", "data": data})
