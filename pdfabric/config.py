@@ -240,16 +240,16 @@ class ServeConfig:
             seen[prefix] = n + 1
             worker_id = f"{prefix}-{n}"
             out.append((worker_id, replace(w, worker_id=worker_id, model=self.model, dtype=self.dtype)))
-        from pdfabric.model_versions import version_plan
+        from pdfabric.model_versions import version_plan  # it imports this module
 
         return out + [p for m in self.models for v in m.versions for p in version_plan(m, v)]
 
 
 def load_serve_config(path: str | Path | None, overrides: dict[str, Any]) -> ServeConfig:
     """Reads a TOML deployment config (``[serve]``, ``[worker]``, ``[routing]``, ``[[workers]]`` and
-    ``[[models]]``, see ``pdfabric.model_versions``)
-    and applies CLI overrides (keys of ``[serve]`` or ``[worker]``, and ``routing_policy``; ``None``
-    values are ignored). Unknown tables and keys are a ``ValueError`` naming them."""
+    ``[[models]]``, see ``pdfabric.model_versions``) and applies CLI overrides (keys of ``[serve]`` or
+    ``[worker]``, and ``routing_policy``; ``None`` values are ignored). Unknown tables and keys are a
+    ``ValueError`` naming them."""
     data: dict[str, Any] = {}
     if path is not None:
         with open(path, "rb") as f:
@@ -279,7 +279,7 @@ def load_serve_config(path: str | Path | None, overrides: dict[str, Any]) -> Ser
         first = WorkerConfig("colocated", model=model, dtype=dtype)
         base = worker_config(worker, first, WORKER_KEYS, "[worker]")
         groups = tuple(_group(base, t) for t in data.get("workers", ()))
-        from pdfabric.model_versions import parse_models
+        from pdfabric.model_versions import parse_models  # it imports this module
 
         models = parse_models(data.get("models", []), base)
         routing, predictor = _routing(data.get("routing", {}))
