@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from pdfabric.control import KINDS
 from pdfabric.kvtransfer.config import CHOICES as KV_TRANSPORTS
 from pdfabric.router.routes import PredictorConfig
-from pdfabric.router.slo import AdmissionConfig
+from pdfabric.router.slo import AdmissionConfig, is_sha256_hex
 
 if TYPE_CHECKING:
     from pdfabric.model_versions import ModelConfig
@@ -185,7 +185,7 @@ class ServeConfig:
         if min(self.prefill, self.decode, self.colocated) < 0:
             raise ValueError("worker counts must be >= 0")
         counts = {k: self.count(k) for k in KINDS}
-        own = {k: self.count(k) - sum(v.count(k) for m in self.models for v in m.versions) for k in KINDS}
+        own = {k: self.own_count(k) for k in KINDS}
         if sum(counts.values()) == 0 and self.control_port == 0:
             raise ValueError(
                 "a deployment needs at least one worker, or a fixed control_port that workers started "
@@ -202,7 +202,7 @@ class ServeConfig:
         if self.shutdown_drain_s < 0:
             raise ValueError(f"shutdown_drain_s must be >= 0, got {self.shutdown_drain_s}")
         key = self.admin_key_sha256
-        if key and (len(key) != 64 or any(c not in "0123456789abcdef" for c in key.lower())):
+        if key and not is_sha256_hex(key):
             raise ValueError("admin_key_sha256 must be 64 hex digits (printf %s KEY | sha256sum)")
         if not self.idempotency_ttl_s >= 0:
             raise ValueError(f"idempotency_ttl_s must be >= 0, got {self.idempotency_ttl_s}")
@@ -222,6 +222,10 @@ class ServeConfig:
         own = {"prefill": self.prefill, "decode": self.decode, "colocated": self.colocated}[kind]
         versions = sum(v.count(kind) for m in self.models for v in m.versions)
         return own + sum(g.count for g in self.groups if g.kind == kind) + versions
+
+    def own_count(self, kind: str) -> int:
+        """Workers of ``kind`` serving the ``[serve]`` model (every one but the ``[[models]]``')."""
+        return self.count(kind) - sum(v.count(kind) for m in self.models for v in m.versions)
 
     def launch_plan(self) -> list[tuple[str, WorkerConfig]]:
         """(worker id, config) of every worker to start: the default pool's, then each group's; each

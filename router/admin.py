@@ -29,7 +29,7 @@ from aiohttp import web
 
 from pdfabric.router.dispatcher import Dispatcher
 from pdfabric.router.openai_api import ApiError
-from pdfabric.router.tenants import UsageBook
+from pdfabric.router.tenants import UsageBook, bearer_token, sha256_hex
 
 
 class Lifecycle:
@@ -91,10 +91,8 @@ def authorized(request: web.Request) -> bool:
     want = request.app[_ADMIN_KEY]
     if not want:
         return True
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not token:
-        return False
-    return hmac.compare_digest(hashlib.sha256(token.strip().encode()).hexdigest(), want)
+    token = bearer_token(request.headers.get("Authorization", ""))
+    return bool(token) and hmac.compare_digest(sha256_hex(token), want)
 
 
 def _error(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> web.Response:

@@ -73,11 +73,15 @@ class Models:
 
     # --- rollouts -------------------------------------------------------------------------------
 
+    def no_rollout(self, model: str) -> None:
+        """A 409 when the model has a rollout running (its weights are the rollout's to set)."""
+        rollout = self.rollouts.get(model)
+        if rollout is not None and not rollout.done:
+            raise ApiError(409, f"model {model!r} has a rollout running; stop it first", kind="conflict")
+
     def start_rollout(self, spec: RolloutSpec) -> Rollout:
         model = self.catalog.models[spec.model]
-        running = self.rollouts.get(spec.model)
-        if running is not None and not running.done:
-            raise ApiError(409, f"model {spec.model!r} has a rollout running; stop it first", kind="conflict")
+        self.no_rollout(spec.model)
         canary = model.versions.get(spec.canary)
         if canary is None or canary.state != READY:
             raise ApiError(400, f"canary {spec.canary!r} is not a ready version of {spec.model!r}", "canary")
@@ -191,9 +195,7 @@ class Models:
         version = m.versions.get(name) if m is not None else None
         if version is None or version.retired:
             raise ApiError(404, f"no live version {model}@{name}", kind="not_found_error")
-        rollout = self.rollouts.get(model)
-        if rollout is not None and not rollout.done:
-            raise ApiError(409, f"model {model!r} has a rollout running; stop it first", kind="conflict")
+        self.no_rollout(model)
         others = [v for v in m.live() if v is not version and v.state == READY and v.weight > 0]
         if version.state == READY and version.weight > 0 and not others:
             raise ApiError(409, f"{model}@{name} is the only version with traffic; give another weight first",
@@ -291,9 +293,7 @@ async def _list(request: web.Request, models: Models) -> tuple[int, dict[str, An
 
 async def _weights(request: web.Request, models: Models) -> tuple[int, dict[str, Any]]:
     model, body = _model(request, models), await _json(request)
-    rollout = models.rollouts.get(model)
-    if rollout is not None and not rollout.done:
-        raise ApiError(409, f"model {model!r} has a rollout running; stop it first", kind="conflict")
+    models.no_rollout(model)
     if not isinstance(body, dict) or not isinstance(body.get("weights"), dict):
         raise ApiError(400, 'the body must be {"weights": {"VERSION": WEIGHT, ...}}', "weights")
     try:

@@ -171,8 +171,7 @@ def from_config(cfg: ServeConfig, now: float) -> Catalog:
             tokenizers[checkpoint] = load_tokenizer(checkpoint)[1]
         return tokenizers[checkpoint]
 
-    versions = sum(v.count(k) for m in cfg.models for v in m.versions for k in KINDS)
-    if sum(cfg.count(k) for k in KINDS) > versions or not cfg.models:
+    if sum(cfg.own_count(k) for k in KINDS) or not cfg.models:
         catalog.add(Version(cfg.model_name, "", cfg.model, tokenizer(cfg.model), added_at=now))
     for m in cfg.models:
         for v in m.versions:

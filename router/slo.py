@@ -31,6 +31,11 @@ class BudgetError(ValueError):
 # --- configuration ------------------------------------------------------------------------------
 
 
+def is_sha256_hex(text: str) -> bool:
+    """Whether ``text`` is a SHA-256 digest in hex (64 hex digits, either case)."""
+    return len(text) == 64 and all(c in "0123456789abcdef" for c in text.lower())
+
+
 def _check_ms(owner: str, name: str, value: float, allow_zero: bool = True) -> None:
     ok = math.isfinite(value) and (value > 0 or (allow_zero and value == 0)) and value <= MAX_BUDGET_MS
     if isinstance(value, bool) or not ok:
@@ -86,7 +91,7 @@ class Tenant:
                 raise ValueError(f"tenant {self.name}: {name} must be a list of strings, got {value!r}")
             object.__setattr__(self, name, tuple(value))
         for digest in self.api_keys_sha256:
-            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest.lower()):
+            if not is_sha256_hex(digest):
                 raise ValueError(
                     f"tenant {self.name}: api_keys_sha256 entries must be 64 hex digits "
                     "(printf %s KEY | sha256sum)"

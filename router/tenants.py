@@ -35,6 +35,12 @@ def sha256_hex(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+def bearer_token(authorization: str) -> str:
+    """The key in an ``Authorization: Bearer KEY`` header ("" when there is none)."""
+    scheme, _, token = authorization.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
 class Keys:
     """API key -> tenant name, from the hashes in the config."""
 
@@ -48,9 +54,8 @@ class Keys:
 
     def tenant_of(self, authorization: str) -> str | None:
         """The tenant whose key the ``Authorization`` header carries, or None (absent or unknown)."""
-        scheme, _, token = authorization.partition(" ")
-        token = token.strip()
-        if scheme.lower() != "bearer" or not token:
+        token = bearer_token(authorization)
+        if not token:
             return None
         digest = sha256_hex(token)
         for known, tenant in self._by_hash.items():  # compared in constant time, every one
