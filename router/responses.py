@@ -194,6 +194,26 @@ async def stream_sse(
         }
     )  # fmt: skip
     await response.prepare(request)
+    try:
+        outcome = await _write_events(response, parsed, request_id, sources, report)
+    except ConnectionResetError:  # the client left mid-stream: its request is aborted, nothing to log
+        return response, "abort"
+    try:
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except ConnectionResetError:  # the client left after its last event: the request ended as it did
+        pass
+    return response, outcome
+
+
+async def _write_events(
+    response: web.StreamResponse,
+    parsed: api.ParsedRequest,
+    request_id: str,
+    sources: list[Source],
+    report: Callable[[], dict[str, Any]] | None,
+) -> str:
+    """Writes every chunk and the usage chunk; returns how the request ended."""
     held: dict[int, tuple[int, ...]] = {s.index: () for s in sources}  # tokens whose text is not out yet
     first = {s.index for s in sources}  # choices that have not sent a chunk yet
     created, completion_tokens, outcome = shapes.now(), 0, "abort"
@@ -230,12 +250,7 @@ async def stream_sse(
             "usage": _usage(sources, completion_tokens, report),
         }
         await send(response, usage_chunk)
-    try:
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-    except ConnectionResetError:  # the client left after its last event: the request ended as it did
-        pass
-    return response, outcome
+    return outcome
 
 
 def _usage(
