@@ -63,6 +63,7 @@ def build_app(
         lambda: dispatcher.restarts,
         lambda: dispatcher.down,
         platform.usage,
+        catalog,
     )
     platform.on_unauthenticated = lambda: metrics_.rejections.labels("unauthenticated").inc()
     dispatcher.on_handed_off = lambda msg: _observe_transfer(metrics_, dispatcher, msg)

@@ -9,6 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pdfabric.control import KINDS
+from pdfabric.router.catalog import Catalog
 from pdfabric.router.registry import Registry
 from pdfabric.router.tenants import UsageBook
 
@@ -116,6 +117,41 @@ class _TenantUsage(Collector):
         yield from (requests, failed, tokens)
 
 
+class _Versions(Collector):
+    """Each served version's traffic weight, state and cold start (``catalog.Catalog``), read at scrape
+    time; a version not yet ready or routed to has no ready or cold-start sample."""
+
+    def __init__(self, catalog: Catalog) -> None:
+        self.catalog = catalog
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = ["model", "version"]
+        weight = GaugeMetricFamily("pdfabric_version_weight", "A version's traffic weight", labels=labels)
+        state = GaugeMetricFamily(
+            "pdfabric_version_state", "1 for a version's state (warming, ready, failed, retired)",
+            labels=[*labels, "state"],
+        )  # fmt: skip
+        ready = GaugeMetricFamily(
+            "pdfabric_version_ready_seconds", "From a version being added to its warm-up passing",
+            labels=labels,
+        )  # fmt: skip
+        cold = GaugeMetricFamily(
+            "pdfabric_version_cold_start_seconds",
+            "From a version being added to its first routed client request",
+            labels=labels,
+        )
+        for model in self.catalog.models.values():
+            for v in model.versions.values():
+                key = [v.model, v.name]
+                weight.add_metric(key, v.weight)
+                state.add_metric([*key, v.state], 1)
+                if v.ready_at is not None:
+                    ready.add_metric(key, v.ready_at - v.added_at)
+                if v.cold_start_s is not None:
+                    cold.add_metric(key, v.cold_start_s)
+        yield from (weight, state, ready, cold)
+
+
 class RouterMetrics:
     """The router's metrics; ``waiting`` (if given) counts the requests in its admission queue."""
 
@@ -126,6 +162,7 @@ class RouterMetrics:
         restarts: Callable[[], dict[str, int]] | None = None,
         down: Callable[[], dict[str, str]] | None = None,
         usage: UsageBook | None = None,
+        catalog: Catalog | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -204,3 +241,5 @@ class RouterMetrics:
             r.register(_Supervision(restarts, down))
         if usage is not None:
             r.register(_TenantUsage(usage))
+        if catalog is not None:
+            r.register(_Versions(catalog))

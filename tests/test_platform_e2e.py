@@ -307,6 +307,11 @@ def test_a_new_version_warms_up_and_a_failing_canary_is_rolled_back(fabric: tupl
     assert (
         complete(url, {"model": "chat@v3", "prompt": PROMPT})[1]["model"] == "chat@v3"
     )  # pinned: no traffic yet
+    cold = metric_values(url, "pdfabric_version_cold_start_seconds")
+    assert cold['{model="chat",version="v3"}'] == pytest.approx(
+        models(url)["chat@v3"]["cold_start_s"], abs=1e-3
+    )
+    assert metric_values(url, "pdfabric_version_ready_seconds")['{model="chat",version="v3"}'] > 0
     spec = {
         "canary": "v3",
         "steps": [50, 100],
