@@ -3,7 +3,7 @@
 Start-up: bind the control socket, start the workers with its address, wait until every worker has
 registered (or fail, showing why), then open the HTTP port. While serving, a worker process that
 exits is reported to the dispatcher at once, so its requests fail over to other workers instead of
-waiting for heartbeats to time out, and it is started again after a backoff (``RestartPolicy``); it
+waiting for heartbeats to time out, and it is started again after a backoff (``supervisor.py``); it
 registers under its old id and serves again. A worker that keeps exiting is left down (a circuit
 breaker) and listed under ``down`` in ``/health``. Ctrl-C or SIGTERM first drains the router: new
 requests get 503 while those in flight finish, for at most ``shutdown_drain_s`` (a second signal cuts
@@ -18,16 +18,12 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import signal
-import subprocess
 import sys
 import time
-from collections import deque
-from dataclasses import dataclass, field, replace
 
-from pdfabric.config import ServeConfig, WorkerConfig, load_serve_config, worker_default
-from pdfabric.control import KINDS
+from pdfabric.config import ServeConfig, load_serve_config, worker_default
+from pdfabric.supervisor import StartupError, Workers, local_starter
 
 log = logging.getLogger("pdfabric.serve")
 
@@ -120,67 +116,6 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
 
-class StartupError(RuntimeError):
-    pass
-
-
-@dataclass
-class WorkerProcess:
-    worker_id: str
-    kind: str
-    proc: subprocess.Popen[bytes]
-    cmd: list[str] = field(default_factory=list)  # what starts it (again)
-    exited: bool = False  # its exit was reported
-    restart_at: float | None = None  # when it starts again (monotonic seconds)
-
-
-class RestartPolicy:
-    """When to start an exited worker again: after ``base_s``, doubling with each exit still inside
-    ``window_s`` up to ``max_s``; never again once it exited ``max_exits`` times inside the window
-    (the circuit opens: something is wrong that a restart will not fix). No clock of its own."""
-
-    def __init__(
-        self, base_s: float = 0.5, max_s: float = 30.0, window_s: float = 300.0, max_exits: int = 5
-    ) -> None:
-        self.base_s, self.max_s, self.window_s, self.max_exits = base_s, max_s, window_s, max_exits
-        self._exits: dict[str, deque[float]] = {}
-
-    def exited(self, worker_id: str, now: float) -> float | None:
-        """The worker exited at ``now``: when to start it again, or None to leave it down."""
-        exits = self._exits.setdefault(worker_id, deque())
-        exits.append(now)
-        while exits and exits[0] < now - self.window_s:
-            exits.popleft()
-        if len(exits) >= self.max_exits:
-            return None
-        return now + min(self.max_s, self.base_s * 2 ** (len(exits) - 1))
-
-
-def worker_command(cfg: ServeConfig, w: WorkerConfig, join: str, log_level: str) -> list[str]:
-    """The command that starts one worker of the launch plan: its whole config as one JSON object
-    (``pdfabric worker --worker-config``), with the router's address and its share of the cores."""
-    # Workers on one host share its cores; each taking all of them oversubscribes the CPU badly.
-    workers = sum(cfg.count(kind) for kind in KINDS)
-    threads = w.threads or max(1, (os.cpu_count() or 1) // workers)
-    whole = replace(w, join=join, threads=threads)
-    return [sys.executable, "-m", "pdfabric.cli", "worker", "--worker-config", whole.to_json(),
-            "--parent-pid", str(os.getpid()), "--log-level", log_level]  # fmt: skip
-
-
-class Spawner:
-    """Starts the workers of a version added through the admin API; they join ``workers``, so the
-    monitor restarts them like the others."""
-
-    def __init__(self, cfg: ServeConfig, workers: list[WorkerProcess], join: str, log_level: str) -> None:
-        self.cfg, self.workers, self.join, self.log_level = cfg, workers, join, log_level
-
-    def start(self, plan: list[tuple[str, WorkerConfig]]) -> None:
-        for worker_id, worker in plan:
-            cmd = worker_command(self.cfg, worker, self.join, self.log_level)
-            self.workers.append(WorkerProcess(worker_id, worker.kind, subprocess.Popen(cmd), cmd))
-            log.warning("started worker %s for %s", worker_id, worker.served)
-
-
 async def serve(
     cfg: ServeConfig, ready_timeout: float, log_level: str, once: str | None, max_tokens: int
 ) -> int:
@@ -202,14 +137,12 @@ async def serve(
         max_failovers=cfg.max_failovers,
     )
     await dispatcher.start()
-    workers: list[WorkerProcess] = []
+    workers = Workers(dispatcher.address, local_starter(cfg, log_level))
     runner: web.AppRunner | None = None
     try:
-        for worker_id, worker in cfg.launch_plan():
-            cmd = worker_command(cfg, worker, dispatcher.address, log_level)
-            workers.append(WorkerProcess(worker_id, worker.kind, subprocess.Popen(cmd), cmd))
-        await _wait_ready(dispatcher, workers, ready_timeout)
-        app = build_app(cfg, dispatcher, catalog, Spawner(cfg, workers, dispatcher.address, log_level))
+        workers.start(cfg.launch_plan())
+        await workers.wait_ready(dispatcher, ready_timeout)
+        app = build_app(cfg, dispatcher, catalog, workers)
         runner = web.AppRunner(app, handler_cancellation=True)
         await runner.setup()
         site = web.TCPSite(runner, cfg.host, cfg.port)
@@ -224,7 +157,7 @@ async def serve(
             file=sys.stderr,
             flush=True,
         )
-        monitor = asyncio.create_task(_monitor(dispatcher, workers))
+        monitor = asyncio.create_task(workers.monitor(dispatcher))
         try:
             if once is not None:
                 first = next(iter(catalog.models.values()))
@@ -238,54 +171,8 @@ async def serve(
     finally:
         if runner is not None:
             await runner.cleanup()
-        await dispatcher.close(shutdown={w.worker_id for w in workers})
-        await asyncio.to_thread(_stop_all, workers)
-
-
-async def _wait_ready(dispatcher, workers: list[WorkerProcess], timeout: float) -> None:  # noqa: ANN001
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not all(w.worker_id in dispatcher.registry.workers for w in workers):
-        for w in workers:
-            code = w.proc.poll()
-            if code is not None:
-                raise StartupError(
-                    f"worker {w.worker_id} exited with code {code} during start-up (see its log above)"
-                )
-        if loop.time() > deadline:
-            missing = [w.worker_id for w in workers if w.worker_id not in dispatcher.registry.workers]
-            raise StartupError(f"workers did not register within {timeout:.0f}s: {', '.join(missing)}")
-        await asyncio.sleep(0.05)
-
-
-async def _monitor(dispatcher, workers: list[WorkerProcess], policy: RestartPolicy | None = None) -> None:  # noqa: ANN001
-    """Reports exited workers to the dispatcher at once and starts them again as ``policy`` says."""
-    policy = policy or RestartPolicy()
-    while True:
-        now = time.monotonic()
-        for w in workers:
-            code = w.proc.poll()
-            if code is not None and not w.exited:
-                w.exited = True
-                why = f"process exited with code {code}"
-                dispatcher.worker_gone(w.worker_id, why)
-                if code == 0:  # it drained and left on purpose (SIGTERM or Drain): not restarted
-                    dispatcher.down[w.worker_id] = "drained: it exited on its own (SIGTERM or an admin drain)"
-                    log.warning("worker %s drained and exited", w.worker_id)
-                    continue
-                w.restart_at = policy.exited(w.worker_id, now)
-                if w.restart_at is None:
-                    dispatcher.down[w.worker_id] = (
-                        f"{why}; it exited {policy.max_exits} times in {policy.window_s:.0f}s and is not "
-                        "restarted again"
-                    )
-                    log.error("worker %s is down: %s", w.worker_id, dispatcher.down[w.worker_id])
-                else:
-                    log.warning("worker %s %s; restarting in %.1fs", w.worker_id, why, w.restart_at - now)
-            if w.exited and w.restart_at is not None and now >= w.restart_at:
-                w.proc, w.exited, w.restart_at = subprocess.Popen(w.cmd), False, None
-                dispatcher.restarts[w.worker_id] = dispatcher.restarts.get(w.worker_id, 0) + 1
-        await asyncio.sleep(0.1)
+        await dispatcher.close(shutdown=workers.ids())
+        await asyncio.to_thread(workers.stop_all)
 
 
 async def _until_signal() -> asyncio.Event:
@@ -317,21 +204,6 @@ async def _drain_requests(lifecycle, dispatcher, limit_s: float, again: asyncio.
             await asyncio.wait_for(again.wait(), min(0.1, max(0.0, deadline - loop.time())))
     if len(dispatcher.core):
         log.warning("stopping with %d requests still in flight", len(dispatcher.core))
-
-
-def _stop_all(workers: list[WorkerProcess], grace_s: float = 5.0) -> None:
-    """Workers got ``Shutdown`` from the dispatcher; terminate, then kill, those still running."""
-    for w in workers:
-        try:
-            w.proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            w.proc.terminate()
-    for w in workers:
-        try:
-            w.proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            w.proc.kill()
-            w.proc.wait()
 
 
 async def _stream_once(url: str, model: str, prompt: str, max_tokens: int, chat: bool) -> int:

@@ -10,10 +10,10 @@ and is audited (``admin.Audit``).
   "guardrails": {...}}``: starts a canary rollout (``rollout.Rollout``), ticked every
   ``TICK_S``; ``DELETE`` stops it (the incumbents get their weights back).
 - ``POST /admin/models/{model}/versions`` with a ``[[models.versions]]`` table as JSON: starts the
-  version's workers (through the launcher's ``Spawner``), waits for them to register, sends one
-  health-check request through them, then gives the version its ``weight`` (default 0: pin it, set
-  weights or roll it out). 202 at once; ``GET /admin/models`` shows ``warming``, then ``ready`` (or
-  ``failed`` with the reason).
+  version's workers (through a ``Spawner``: the launcher's ``supervisor.Workers``), waits for them
+  to register, sends one health-check request through them, then gives the version its ``weight``
+  (default 0: pin it, set weights or roll it out). 202 at once; ``GET /admin/models`` shows
+  ``warming``, then ``ready`` (or ``failed`` with the reason).
 - ``DELETE /admin/models/{model}/versions/{version}``: the version takes no new requests and its
   workers drain: those in flight finish on it, then the workers exit.
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from pdfabric import launcher, worker_cli
+from pdfabric import supervisor, worker_cli
 from pdfabric.config import (
     ServeConfig,
     WorkerConfig,
@@ -65,7 +65,7 @@ def test_every_setting_of_the_launch_plan_reaches_the_worker(tmp_path: Path) -> 
     plan = cfg.launch_plan()
     assert [wid for wid, _ in plan] == ["prefill-0", "decode-0", "decode-tight-0"]
     for worker_id, planned in plan:
-        cmd = launcher.worker_command(cfg, planned, "tcp://127.0.0.1:5999", "DEBUG")
+        cmd = supervisor.worker_command(cfg, planned, "tcp://127.0.0.1:5999", "DEBUG")
         assert cmd[3:5] == ["worker", "--worker-config"]  # one serialized config, no per-setting flags
         got = worker_cli.config_from_args(parse(cmd[4:]))
         assert got == replace(planned, join="tcp://127.0.0.1:5999")
@@ -78,7 +78,7 @@ def test_every_setting_of_the_launch_plan_reaches_the_worker(tmp_path: Path) -> 
 def test_the_launcher_gives_each_worker_its_share_of_the_cores() -> None:
     cfg = ServeConfig(prefill=1, decode=1)
     (_, planned), _ = cfg.launch_plan()
-    cmd = launcher.worker_command(cfg, planned, "tcp://127.0.0.1:1", "INFO")
+    cmd = supervisor.worker_command(cfg, planned, "tcp://127.0.0.1:1", "INFO")
     assert worker_cli.config_from_args(parse(cmd[4:])).threads == max(1, (os.cpu_count() or 1) // 2)
 
 
@@ -146,7 +146,7 @@ def test_a_worker_process_sends_heartbeats_at_its_configured_interval() -> None:
     planned = WorkerConfig(kind="colocated", worker_id="hb-0", num_blocks=32, profile_seconds=0.0,
                            heartbeat_s=30.0, threads=1, device="cpu")  # fmt: skip
     cfg = ServeConfig(prefill=0, decode=0, colocated=1, worker=planned)
-    cmd = launcher.worker_command(cfg, planned, f"tcp://127.0.0.1:{port}", "WARNING")
+    cmd = supervisor.worker_command(cfg, planned, f"tcp://127.0.0.1:{port}", "WARNING")
     proc = subprocess.Popen(cmd)
     try:
         poller = zmq.Poller()
