@@ -9,6 +9,7 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pdfabric.cluster_config import AutoscaleConfig, RayConfig
 from pdfabric.control import KINDS
 from pdfabric.kvtransfer.config import CHOICES as KV_TRANSPORTS
 from pdfabric.router.routes import PredictorConfig
@@ -180,6 +181,8 @@ class ServeConfig:
     models: tuple[ModelConfig, ...] = ()  # [[models]]: named models with versions and workers of their own
     routing: AdmissionConfig = field(default_factory=AdmissionConfig)  # [routing]: budgets, pools, queue
     predictor: PredictorConfig = field(default_factory=PredictorConfig)  # [routing] prediction settings
+    ray: RayConfig = field(default_factory=RayConfig)  # [ray]: workers placed on a Ray cluster
+    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)  # [autoscale]: pools resized
 
     def __post_init__(self) -> None:
         if min(self.prefill, self.decode, self.colocated) < 0:
@@ -248,6 +251,10 @@ class ServeConfig:
 
         return out + [p for m in self.models for v in m.versions for p in version_plan(m, v)]
 
+    def pool_worker(self, kind: str, worker_id: str) -> WorkerConfig:
+        """The config of one more ``kind`` worker of the default pool (a scaler adds these)."""
+        return replace(self.worker, kind=kind, worker_id=worker_id, model=self.model, dtype=self.dtype)
+
 
 def load_serve_config(path: str | Path | None, overrides: dict[str, Any]) -> ServeConfig:
     """Reads a TOML deployment config (``[serve]``, ``[worker]``, ``[routing]``, ``[[workers]]`` and
@@ -258,10 +265,10 @@ def load_serve_config(path: str | Path | None, overrides: dict[str, Any]) -> Ser
     if path is not None:
         with open(path, "rb") as f:
             data = tomllib.load(f)
-        unknown = set(data) - {"serve", "worker", "routing", "workers", "models"}
+        unknown = set(data) - {"serve", "worker", "routing", "workers", "models", "ray", "autoscale"}
         if unknown:
             raise ValueError(f"{path}: unknown table(s) {', '.join(sorted(unknown))}")
-    tables = {"worker", "groups", "routing", "predictor", "models"}
+    tables = {"worker", "groups", "routing", "predictor", "models", "ray", "autoscale"}
     serve_keys = {f.name for f in fields(ServeConfig)} - tables
     serve = dict(data.get("serve", {}))
     worker = dict(data.get("worker", {}))
@@ -270,6 +277,7 @@ def load_serve_config(path: str | Path | None, overrides: dict[str, Any]) -> Ser
         raise ValueError(f"{path}: unknown key(s) in [serve]: {', '.join(sorted(bad))}")
     given = {k: v for k, v in overrides.items() if v is not None}
     policy = given.pop("routing_policy", None)
+    ray_address = given.pop("ray_address", None)
     counts = ("prefill", "decode", "colocated")
     if any(k in given for k in counts):  # the command line's deployment replaces the file's
         for k in counts:
@@ -289,11 +297,16 @@ def load_serve_config(path: str | Path | None, overrides: dict[str, Any]) -> Ser
         routing, predictor = _routing(data.get("routing", {}))
         if policy is not None:
             routing = replace(routing, policy=policy)
+        ray = RayConfig.from_mapping(data.get("ray", {}))
+        if ray_address is not None:
+            ray = replace(ray, address=ray_address)
+        autoscale = AutoscaleConfig.from_mapping(data.get("autoscale", {}))
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{path}: {exc}" if path is not None else str(exc)) from None
     return ServeConfig(
-        **serve, worker=base, groups=groups, models=models, routing=routing, predictor=predictor
-    )
+        **serve, worker=base, groups=groups, models=models, routing=routing, predictor=predictor, ray=ray,
+        autoscale=autoscale,
+    )  # fmt: skip
 
 
 def _group(base: WorkerConfig, table: Any) -> WorkerGroup:

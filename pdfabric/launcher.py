@@ -22,6 +22,7 @@ import signal
 import sys
 import time
 
+from pdfabric import ray_launch
 from pdfabric.config import ServeConfig, load_serve_config, worker_default
 from pdfabric.supervisor import StartupError, Workers, local_starter
 
@@ -62,6 +63,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("budget", "round_robin", "least_loaded"),
         help="how the router picks routes (default: the config's [routing] policy, else budget)",
     )
+    parser.add_argument(
+        "--ray",
+        nargs="?",
+        const="auto",
+        metavar="ADDRESS",
+        dest="ray_address",
+        help="start each worker on a Ray cluster (needs pdfabric[ray]): ADDRESS is the head's HOST:PORT; "
+        "without it, the cluster this host is part of (see docs/scale-out.md)",
+    )
     parser.add_argument("--ready-timeout", type=float, default=120.0, help="seconds to wait for workers")
     parser.add_argument(
         "--log-level", default="WARNING", help="router and worker log level (default WARNING)"
@@ -96,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
             "served_model_name",
             "profile_seconds",
             "routing_policy",
+            "ray_address",
         )
     }
     try:
@@ -128,7 +139,7 @@ async def serve(
 
     # Builds each preset once, before the workers, and loads each checkpoint's tokenizer.
     catalog = await asyncio.to_thread(catalog_.from_config, cfg, time.monotonic())
-    address = f"tcp://{cfg.host}:{cfg.control_port}"
+    address = f"tcp://{cfg.ray.control_host or cfg.host}:{cfg.control_port}"
     dispatcher = Dispatcher(
         address,
         cfg.worker_timeout_s,
@@ -137,9 +148,12 @@ async def serve(
         max_failovers=cfg.max_failovers,
     )
     await dispatcher.start()
-    workers = Workers(dispatcher.address, local_starter(cfg, log_level))
     runner: web.AppRunner | None = None
+    workers = Workers(dispatcher.address, local_starter(cfg, log_level))
     try:
+        if cfg.ray.enabled:
+            ray_launch.connect(cfg)  # in the main thread, where Ray sets its signal handlers
+            workers.starter = ray_launch.ray_starter(cfg, log_level)
         workers.start(cfg.launch_plan())
         await workers.wait_ready(dispatcher, ready_timeout)
         app = build_app(cfg, dispatcher, catalog, workers)
@@ -153,7 +167,8 @@ async def serve(
         names = ", ".join(repr(n) for n in catalog.names())
         print(
             f"pdfabric: serving {names} on {url} ({cfg.count('prefill')} prefill, "
-            f"{cfg.count('decode')} decode, {cfg.count('colocated')} colocated workers)",
+            f"{cfg.count('decode')} decode, {cfg.count('colocated')} colocated workers"
+            f"{' on Ray' if cfg.ray.enabled else ''})",
             file=sys.stderr,
             flush=True,
         )
@@ -173,6 +188,8 @@ async def serve(
             await runner.cleanup()
         await dispatcher.close(shutdown=workers.ids())
         await asyncio.to_thread(workers.stop_all)
+        if cfg.ray.enabled:
+            ray_launch.disconnect()
 
 
 async def _until_signal() -> asyncio.Event:

@@ -157,7 +157,7 @@ class Workers:
             code = w.proc.poll()
             if code is not None and not w.exited:
                 w.exited = True
-                why = f"process exited with code {code}"
+                why = getattr(w.proc, "exit_reason", "") or f"process exited with code {code}"
                 dispatcher.worker_gone(w.worker_id, why)
                 if code == 0:  # it drained and left on purpose (SIGTERM or Drain): not restarted
                     dispatcher.down[w.worker_id] = "drained: it exited on its own (SIGTERM or an admin drain)"
