@@ -172,7 +172,9 @@ async def serve(
             file=sys.stderr,
             flush=True,
         )
-        monitor = asyncio.create_task(workers.monitor(dispatcher))
+        tasks = [asyncio.create_task(workers.monitor(dispatcher))]
+        if cfg.autoscale.enabled:
+            tasks.append(asyncio.create_task(_autoscaler(cfg, app, dispatcher, workers).run()))
         try:
             if once is not None:
                 first = next(iter(catalog.models.values()))
@@ -182,7 +184,8 @@ async def serve(
             await _drain_requests(app[LIFECYCLE], dispatcher, cfg.shutdown_drain_s, again)
             return 0
         finally:
-            monitor.cancel()
+            for task in tasks:
+                task.cancel()
     finally:
         if runner is not None:
             await runner.cleanup()
@@ -190,6 +193,16 @@ async def serve(
         await asyncio.to_thread(workers.stop_all)
         if cfg.ray.enabled:
             ray_launch.disconnect()
+
+
+def _autoscaler(cfg: ServeConfig, app, dispatcher, workers: Workers):  # noqa: ANN001, ANN202
+    from pdfabric.autoscale import Autoscaler
+    from pdfabric.router.admin import AUDIT
+    from pdfabric.router.app import METRICS, OBSERVED
+
+    audit = app[AUDIT]
+    on_event = lambda action, target, details: audit.write("router", action, target, 0, details)  # noqa: E731
+    return Autoscaler(cfg, dispatcher, workers, app[OBSERVED], app[METRICS].registry, on_event)
 
 
 async def _until_signal() -> asyncio.Event:

@@ -116,6 +116,7 @@ class Workers:
         self.join, self.starter = join, starter
         self.policy = policy or RestartPolicy()
         self.procs: list[WorkerProcess] = []
+        self.retiring: set[str] = set()  # drained on purpose (scaled in): gone for good once they exit
 
     def start(self, plan: list[tuple[str, WorkerConfig]]) -> None:
         """Starts each (worker id, config) of ``plan``; they are watched from now on."""
@@ -126,6 +127,20 @@ class Workers:
 
     def ids(self) -> set[str]:
         return {w.worker_id for w in self.procs}
+
+    def retire(self, worker_id: str) -> None:
+        """The worker was told to drain and leave: once it exits it is forgotten, not restarted nor
+        listed as down."""
+        self.retiring.add(worker_id)
+
+    def live(self, kind: str, pool: str = "default") -> list[WorkerProcess]:
+        """The workers of ``kind`` in ``pool`` of the deployment's own model that are running or due
+        to restart, retiring ones not counted."""
+        return [
+            w for w in self.procs
+            if w.kind == kind and w.worker.pool == pool and not w.worker.served
+            and w.worker_id not in self.retiring and (not w.exited or w.restart_at is not None)
+        ]  # fmt: skip
 
     async def wait_ready(self, dispatcher, timeout: float) -> None:  # noqa: ANN001
         """Until every worker has registered; ``StartupError`` when one exits or time runs out."""
@@ -153,12 +168,17 @@ class Workers:
     def check(self, dispatcher, now: float) -> None:  # noqa: ANN001
         """One pass of ``monitor``."""
         policy = self.policy
-        for w in self.procs:
+        for w in list(self.procs):
             code = w.proc.poll()
             if code is not None and not w.exited:
                 w.exited = True
                 why = getattr(w.proc, "exit_reason", "") or f"process exited with code {code}"
                 dispatcher.worker_gone(w.worker_id, why)
+                if w.worker_id in self.retiring:
+                    log.warning("worker %s retired (%s)", w.worker_id, why)
+                    self.procs.remove(w)
+                    self.retiring.discard(w.worker_id)
+                    continue
                 if code == 0:  # it drained and left on purpose (SIGTERM or Drain): not restarted
                     dispatcher.down[w.worker_id] = "drained: it exited on its own (SIGTERM or an admin drain)"
                     log.warning("worker %s drained and exited", w.worker_id)

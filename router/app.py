@@ -37,13 +37,16 @@ from pdfabric.router.dispatcher import Dispatcher, RequestStream
 from pdfabric.router.metrics import RouterMetrics
 from pdfabric.router.openapi import openapi_document
 from pdfabric.router.registry import has_route
+from pdfabric.router.routes import Budgets
 from pdfabric.router.routing import Rejected
+from pdfabric.router.scaler import Finished, Observations
 from pdfabric.router.slo import BudgetError, resolve
 from pdfabric.router.tenants import LimitError
 
 CONFIG = web.AppKey("config", ServeConfig)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 CATALOG = web.AppKey("catalog", Catalog)
+OBSERVED = web.AppKey("observed", Observations)  # recent requests: what the pool scaler reads
 METRICS = web.AppKey("metrics", RouterMetrics)
 IDEMPOTENCY = web.AppKey("idempotency", idem.IdempotencyStore)
 
@@ -55,6 +58,7 @@ def build_app(
     starts the workers of versions added through the admin API (None: it cannot)."""
     app = web.Application(client_max_size=16 * 2**20)
     app[CONFIG], app[DISPATCHER], app[CATALOG] = cfg, dispatcher, catalog
+    app[OBSERVED] = Observations(cfg.autoscale.window_s)
     app[IDEMPOTENCY] = idem.IdempotencyStore(cfg.idempotency_ttl_s, cfg.idempotency_max_entries)
     app[ACCESS] = platform = access.Access(cfg.routing, catalog)
     app[METRICS] = metrics_ = RouterMetrics(
@@ -234,6 +238,7 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     except Rejected as err:
         _release(app, submitted, tenant, admitted, streams, model, failed=True)
         metrics_.rejections.labels(err.reason).inc()
+        app[OBSERVED].add(Finished(time.monotonic(), sum(map(len, prompts)), 0, False, None))
         return responses.error_response(err)
     except LimitError as err:
         metrics_.rejections.labels(f"tenant_{err.limit}").inc()
@@ -286,9 +291,26 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     finally:
         failed = outcome in ("error", "abort")
         _release(app, submitted, tenant, admitted, streams, model, failed)
-        app[MODELS].observe(version, outcome != "error", *times.latencies(arrival))
+        ttft, itl = times.latencies(arrival)
+        app[MODELS].observe(version, outcome != "error", ttft, itl)
+        app[OBSERVED].add(_finished(resolved.budgets, prompts, streams, ttft, itl, dispatched - arrival))
         metrics_.requests.labels(model, outcome).inc()
         metrics_.e2e.labels(model).observe(time.monotonic() - arrival)
+
+
+def _finished(
+    budgets: Budgets,
+    prompts: list[list[int]],
+    streams: list[RequestStream],
+    ttft: float | None,
+    itl: float | None,
+    wait_s: float,
+) -> Finished:
+    """An answered request as the pool scaler counts it: its sizes and whether it met its budgets."""
+    ttft_ok = None if ttft is None else ttft * 1e3 <= budgets.ttft_ms
+    itl_ok = None if itl is None else itl * 1e3 <= budgets.itl_ms
+    generated = sum(st.generated for st in streams)
+    return Finished(time.monotonic(), sum(map(len, prompts)), generated, ttft_ok, itl_ok, wait_s)
 
 
 def _release(
