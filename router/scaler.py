@@ -9,7 +9,8 @@ workers' fitted profiles) and, for each pool that ``[autoscale]`` lets it scale:
    utilization;
 2. asks for one more worker than it has when the signals say it is short whatever the model says:
    TTFT attainment (requests refused for capacity count as misses) or the router's queue wait for the
-   pool that prefills, ITL attainment or KV use for the pool that decodes;
+   pool that prefills, ITL attainment or KV use for the pool that decodes; and never to fewer
+   workers than the sequences they run now (or a non-empty queue) need at the target utilization;
 3. moves toward that size with hysteresis: up (straight to the size) once the need has held for
    ``up_after_s``, down (one worker at a time) once the surplus has held for ``down_after_s``, and no
    change to a pool within ``cooldown_s`` of the last one.
@@ -72,6 +73,7 @@ class Pool:
     profile: WorkerProfile | None = None
     max_running: int = 1
     chunk_tokens: int = 512
+    running: int = 0  # sequences its workers hold now, from their heartbeats
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,8 @@ class Scaler:
             if short:
                 want = max(want, pool.workers + 1)
             want = min(hi, max(lo, want))
+            if want < pool.workers and self._busy(pool, s.queue_waiting):
+                want = pool.workers  # what runs now would not fit in fewer: no request is recent enough
             reason = short or (
                 f"{rate:.2f} req/s of {mean_in:.0f} prompt and {mean_out:.0f} output tokens "
                 f"needs {want} at {cfg.target_utilization:.0%} utilization"
@@ -154,6 +158,12 @@ class Scaler:
             if decision is not None:
                 out.append(decision)
         return out
+
+    def _busy(self, pool: Pool, waiting: int) -> bool:
+        """Whether one worker fewer would be over the target utilization with what runs now (or
+        requests wait in the router): the recent window may not show requests still running."""
+        room = (pool.workers - 1) * max(1, pool.max_running) * self.config.target_utilization
+        return waiting > 0 or pool.running > room
 
     def _short(
         self, kind: str, pool: Pool, ttft: float | None, itl: float | None, queue_ms: float, waiting: int

@@ -113,3 +113,15 @@ def test_observations_forget_what_left_the_window() -> None:
 def test_bad_autoscale_tables_are_refused(table: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         AutoscaleConfig.from_mapping(table)
+
+
+def test_no_scale_in_while_what_runs_would_not_fit_in_fewer_workers() -> None:
+    """Long requests still running finish no request in the window: the rate looks like 0, but the
+    sequences the workers hold now (or a waiting queue) keep the pool from shrinking."""
+    cfg = AutoscaleConfig(enabled=True, min_decode=1, max_decode=4, down_after_s=0, cooldown_s=0)
+    s = Scaler(cfg, {"decode": 1})
+    busy = {"decode": Pool(3, 0.2, PROFILE, 8, 512, running=12)}  # 2 workers x 8 x 70% = 11.2 < 12
+    assert s.decide(Signals(0.0, [], 10.0, 0, busy)) == []
+    assert s.decide(Signals(1.0, [], 10.0, 2, {"decode": Pool(3, 0.2, PROFILE, 8, 512)})) == []
+    calm = {"decode": Pool(3, 0.2, PROFILE, 8, 512, running=11)}
+    assert [d.target for d in s.decide(Signals(2.0, [], 10.0, 0, calm))] == [2]
