@@ -154,6 +154,7 @@ async def serve(
         if cfg.ray.enabled:
             ray_launch.connect(cfg)  # in the main thread, where Ray sets its signal handlers
             workers.starter = ray_launch.ray_starter(cfg, log_level)
+            workers.join = ray_launch.join_address(dispatcher.address)
         workers.start(cfg.launch_plan())
         await workers.wait_ready(dispatcher, ready_timeout)
         app = build_app(cfg, dispatcher, catalog, workers)

@@ -47,6 +47,15 @@ def connect(cfg: ServeConfig) -> None:
     log.warning("joined Ray cluster %s: %d nodes alive", cfg.ray.address, len(nodes))
 
 
+def join_address(bound: str) -> str:
+    """The control address workers on other nodes join: ``bound``, with a wildcard host (0.0.0.0)
+    replaced by this node's IP as Ray sees it."""
+    head, _, port = bound.rpartition(":")
+    if head.endswith("//0.0.0.0") or head.endswith("//*"):
+        return f"tcp://{_ray().util.get_node_ip_address()}:{port}"
+    return bound
+
+
 def disconnect() -> None:
     """Leaves the cluster; the workers' actors (owned by this driver) end with it."""
     ray = _ray()

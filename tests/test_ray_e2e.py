@@ -175,3 +175,11 @@ def test_a_lost_node_fails_over_and_its_worker_returns_on_a_new_node(
         back = _wait_back(url, "decode-1", old, 90)
         assert _raylet_of(back["pid"]) == nodes.raylet(nodes.decode[-1])
         wait_blocks_free(url)
+
+
+def test_a_wildcard_control_address_is_joined_at_this_nodes_ip() -> None:
+    from pdfabric.ray_launch import join_address
+
+    assert join_address("tcp://127.0.0.1:5555") == "tcp://127.0.0.1:5555"
+    host = join_address("tcp://0.0.0.0:5555").removeprefix("tcp://").rsplit(":", 1)
+    assert host[1] == "5555" and host[0] not in ("0.0.0.0", "")
