@@ -17,12 +17,11 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
-import sys
 from dataclasses import replace
 from typing import Any
 
 from pdfabric.config import ServeConfig, WorkerConfig, worker_config_from_json
-from pdfabric.supervisor import Proc, Starter, StartupError
+from pdfabric.supervisor import Proc, Starter, StartupError, worker_argv
 
 log = logging.getLogger("pdfabric.serve")
 LOST = -9  # the exit code reported for a worker whose actor (or node) died under it
@@ -74,11 +73,7 @@ class WorkerHost:
             worker = replace(worker, kv_host=ray.util.get_node_ip_address())
         cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0)
         threads = worker.threads or max(1, int(cpus) or os.cpu_count() or 1)
-        whole = replace(worker, threads=threads)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdfabric.cli", "worker", "--worker-config", whole.to_json(),
-             "--parent-pid", str(os.getpid()), "--log-level", log_level]
-        )  # fmt: skip
+        self.proc = subprocess.Popen(worker_argv(replace(worker, threads=threads), os.getpid(), log_level))
 
     def wait(self) -> int:
         return self.proc.wait()

@@ -44,24 +44,20 @@ class Proc(Protocol):
 Starter = Callable[[str, WorkerConfig], Proc]
 
 
-def worker_command(
-    cfg: ServeConfig,
-    w: WorkerConfig,
-    join: str,
-    log_level: str,
-    parent_pid: int | None = None,
-    cores: int = 0,
-) -> list[str]:
-    """The command that starts one worker of the launch plan: its whole config as one JSON object
-    (``pdfabric worker --worker-config``), with the router's address and its share of ``cores``
-    (default: this host's); it exits when ``parent_pid`` (default: this process) is gone."""
+def worker_argv(whole: WorkerConfig, parent_pid: int, log_level: str) -> list[str]:
+    """The command that starts a worker from its whole config (``pdfabric worker --worker-config``);
+    it exits when ``parent_pid`` is gone."""
+    return [sys.executable, "-m", "pdfabric.cli", "worker", "--worker-config", whole.to_json(),
+            "--parent-pid", str(parent_pid), "--log-level", log_level]  # fmt: skip
+
+
+def worker_command(cfg: ServeConfig, w: WorkerConfig, join: str, log_level: str) -> list[str]:
+    """The command that starts one worker of the launch plan as a child of this process, with the
+    router's address and its share of this host's cores."""
     # Workers on one host share its cores; each taking all of them oversubscribes the CPU badly.
     workers = sum(cfg.count(kind) for kind in KINDS)
-    threads = w.threads or max(1, (cores or os.cpu_count() or 1) // workers)
-    whole = replace(w, join=join, threads=threads)
-    pid = os.getpid() if parent_pid is None else parent_pid
-    return [sys.executable, "-m", "pdfabric.cli", "worker", "--worker-config", whole.to_json(),
-            "--parent-pid", str(pid), "--log-level", log_level]  # fmt: skip
+    threads = w.threads or max(1, (os.cpu_count() or 1) // workers)
+    return worker_argv(replace(w, join=join, threads=threads), os.getpid(), log_level)
 
 
 def local_starter(cfg: ServeConfig, log_level: str) -> Starter:

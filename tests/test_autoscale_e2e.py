@@ -51,21 +51,21 @@ max_queue_ms = 100
 PROMPT = [5, 17, 99, 3, 42, 8, 150, 61]
 
 
-def _decisions(url: str) -> dict[str, float]:
+def decisions(url: str) -> dict[str, float]:
     return metric_values(url, "pdfabric_scale_decisions_total")
 
 
-def _ids(url: str) -> list[str]:
+def worker_ids(url: str) -> list[str]:
     return sorted(w["id"] for w in get_json(url + "/health")[1]["workers"])
 
 
-def _serving(url: str) -> bool:
+def serving(url: str) -> bool:
     """Whether the scaler's second worker has registered and taken requests."""
     queries = metric_values(url, "pdfabric_prefix_cache_queries_total")
     return any('worker="colocated-1"' in k and v > 0 for k, v in queries.items())
 
 
-async def _load(url: str, until: float) -> int:
+async def load_step(url: str, until: float) -> int:
     """Eight clients in a loop, each request 64 tokens, until the scaler's new worker serves (or
     ``until``); returns how many requests were sent."""
     sent = 0
@@ -83,7 +83,7 @@ async def _load(url: str, until: float) -> int:
 
     async def watch() -> None:
         while not stop.is_set() and time.monotonic() < until:
-            if await asyncio.to_thread(_serving, url):
+            if await asyncio.to_thread(serving, url):
                 stop.set()
             await asyncio.sleep(0.2)
 
@@ -96,11 +96,11 @@ def test_a_load_step_scales_the_pool_up_and_back_down(tmp_path: Path) -> None:
     path = tmp_path / "scale.toml"
     path.write_text(CONFIG.format(audit=audit))
     with running_fabric("--config", str(path), timeout=30) as url:
-        assert _ids(url) == ["colocated-0"]
-        sent = asyncio.run(_load(url, time.monotonic() + 60))
-        assert _serving(url), (sent, _decisions(url))
-        assert _decisions(url) == {'{direction="up",kind="colocated"}': 1.0}, sent
-        assert _ids(url) == ["colocated-0", "colocated-1"]
+        assert worker_ids(url) == ["colocated-0"]
+        sent = asyncio.run(load_step(url, time.monotonic() + 60))
+        assert serving(url), (sent, decisions(url))
+        assert decisions(url) == {'{direction="up",kind="colocated"}': 1.0}, sent
+        assert worker_ids(url) == ["colocated-0", "colocated-1"]
         assert metric_values(url, "pdfabric_pool_target_workers") == {'{kind="colocated"}': 2.0}
         # The fabric still answers token-exact.
         expected = ReferenceEngine("tiny").generate(PROMPT, SamplingParams(16, ignore_eos=True)).token_ids
@@ -119,10 +119,10 @@ def test_a_load_step_scales_the_pool_up_and_back_down(tmp_path: Path) -> None:
             assert status == 200 and body["choices"][0]["token_ids"] == list(expected), body
         # Idle now: after the window forgets the misses and the surplus holds, one worker drains.
         deadline = time.monotonic() + 30
-        while _ids(url) != ["colocated-0"]:
-            assert time.monotonic() < deadline, (_ids(url), _decisions(url))
+        while worker_ids(url) != ["colocated-0"]:
+            assert time.monotonic() < deadline, (worker_ids(url), decisions(url))
             time.sleep(0.2)
-        assert _decisions(url) == {
+        assert decisions(url) == {
             '{direction="up",kind="colocated"}': 1.0,
             '{direction="down",kind="colocated"}': 1.0,
         }
@@ -130,7 +130,7 @@ def test_a_load_step_scales_the_pool_up_and_back_down(tmp_path: Path) -> None:
         assert health["down"] == [], health
         wait_blocks_free(url)
         time.sleep(1.0)  # the retired worker is not started again
-        assert _ids(url) == ["colocated-0"]
+        assert worker_ids(url) == ["colocated-0"]
     entries = [json.loads(line) for line in audit.read_text().splitlines()]
     scale = [
         (e["audit"], e["target"], e["from"], e["to"]) for e in entries if e["audit"].startswith("scale_")

@@ -20,6 +20,8 @@ import pytest
 from pdfabric.engine.generate import ReferenceEngine
 from pdfabric.engine.sampling_params import SamplingParams
 from tests.fabric import get_json, metric_values, running_fabric, wait_blocks_free
+from tests.test_autoscale_e2e import CONFIG as SCALE
+from tests.test_autoscale_e2e import decisions, load_step, serving, worker_ids
 
 cluster_utils = pytest.importorskip("ray.cluster_utils", reason="needs pdfabric[ray]")
 
@@ -183,3 +185,22 @@ def test_a_wildcard_control_address_is_joined_at_this_nodes_ip() -> None:
     assert join_address("tcp://127.0.0.1:5555") == "tcp://127.0.0.1:5555"
     host = join_address("tcp://0.0.0.0:5555").removeprefix("tcp://").rsplit(":", 1)
     assert host[1] == "5555" and host[0] not in ("0.0.0.0", "")
+
+
+@pytest.mark.slow
+def test_the_scaler_adds_and_drains_a_ray_worker(nodes: Nodes, tmp_path: Path) -> None:
+    """The load step of ``test_autoscale_e2e`` on the Ray cluster: the scaler's new worker is a Ray
+    actor on a node with a free CPU, and its drain gives the CPU back."""
+    path = tmp_path / "scale.toml"
+    path.write_text(SCALE.format(audit=tmp_path / "audit.jsonl"))
+    with running_fabric("--config", str(path), "--ray", nodes.cluster.address, timeout=90) as url:
+        sent = asyncio.run(load_step(url, time.monotonic() + 60))
+        assert serving(url), (sent, decisions(url))
+        workers = _workers(url)
+        raylets = {nodes.raylet(nodes.cluster.head_node)} | {nodes.raylet(n) for n in nodes.decode}
+        assert {_raylet_of(w["pid"]) for w in workers.values()} <= raylets
+        deadline = time.monotonic() + 40
+        while worker_ids(url) != ["colocated-0"]:
+            assert time.monotonic() < deadline, (worker_ids(url), decisions(url))
+            time.sleep(0.2)
+        assert set(decisions(url).values()) == {1.0} and len(decisions(url)) == 2
