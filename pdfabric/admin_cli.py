@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--steps", default="5,25,50,100", help="the canary's percent per step (default %(default)s)"
     )
     r.add_argument("--step-s", type=float, default=60.0, help="least seconds per step (default %(default)s)")
-    for name in ("max_error_rate", "max_ttft_ratio", "max_itl_ratio"):
+    for name in ("max_error_rate", "max_ttft_ratio", "max_itl_ratio", "max_cost_ratio"):
         r.add_argument("--" + name.replace("_", "-"), type=float, help="guardrail (see docs/platform.md)")
     r.add_argument("--min-requests", type=int, help="canary requests per step before it is judged")
     s = sub.add_parser("rollout-stop", help="stop a rollout; the incumbents get their weights back")
@@ -93,7 +93,8 @@ def request(args: argparse.Namespace) -> tuple[str, str, Any]:
         return "POST", f"/admin/models/{args.model}/versions", body
     if a == "rollout":
         guard = {
-            k: getattr(args, k) for k in ("max_error_rate", "max_ttft_ratio", "max_itl_ratio", "min_requests")
+            k: getattr(args, k)
+            for k in ("max_error_rate", "max_ttft_ratio", "max_itl_ratio", "max_cost_ratio", "min_requests")
         }
         spec = {
             "canary": args.canary,

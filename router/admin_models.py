@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import statistics
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
@@ -33,14 +34,16 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from pdfabric.config import ServeConfig, WorkerConfig
+from pdfabric.control import PREFILL
 from pdfabric.engine.sampling_params import SamplingParams
 from pdfabric.model_versions import ModelConfig, check_name, parse_version, version_plan
+from pdfabric.profile import WorkerProfile
 from pdfabric.router.admin import AUDIT, unauthorized
 from pdfabric.router.catalog import FAILED, READY, RETIRED, WARMING, Catalog, Version, load_tokenizer
 from pdfabric.router.dispatcher import Dispatcher
 from pdfabric.router.openai_api import ApiError
-from pdfabric.router.registry import has_route
-from pdfabric.router.rollout import Rollout, RolloutSpec
+from pdfabric.router.registry import WorkerInfo, has_route
+from pdfabric.router.rollout import Rollout, RolloutSpec, token_cost
 from pdfabric.router.slo import resolve
 
 log = logging.getLogger("pdfabric.router")
@@ -100,6 +103,7 @@ class Models:
             await asyncio.sleep(TICK_S)
             if self.rollouts.get(rollout.spec.model) is not rollout:
                 return
+            rollout.observe_cost(*self._costs(rollout))
             if rollout.tick(time.monotonic()):
                 self.catalog.set_weights(rollout.spec.model, rollout.weights())
                 label = f"{rollout.spec.model}@{rollout.spec.canary}"
@@ -107,6 +111,26 @@ class Models:
                 log.warning("rollout of %s: %s %s", label, rollout.state, now_at)
                 details = {"reason": rollout.reason, "weights": rollout.weights()}
                 self.on_event(f"rollout_{rollout.state}", label, details)
+
+    def _costs(self, rollout: Rollout) -> tuple[float | None, float | None]:
+        """The canary's and the incumbents' cost per token (``rollout.token_cost``), both at the
+        incumbents' mean decode batch and context per sequence now."""
+        model = self.catalog.models[rollout.spec.model]
+        routing = self.cfg.routing
+
+        def decoders(names: list[str]) -> list[WorkerInfo]:
+            keys = {model.versions[n].key for n in names if n in model.versions}
+            return [w for k in keys for w in self.dispatcher.registry.serving(k) if w.reg.kind != PREFILL]
+
+        def priced(workers: list[WorkerInfo]) -> list[tuple[WorkerProfile, float]]:
+            return [(w.load.profile, routing.pool(w.reg.kind, w.reg.pool).cost) for w in workers if w.load]
+
+        incumbents = decoders(list(rollout.incumbents))
+        busy = [w.load for w in incumbents if w.load is not None and w.load.running]
+        batch = round(statistics.fmean(h.running for h in busy)) if busy else 1
+        context = round(statistics.fmean(h.context_tokens / h.running for h in busy)) if busy else 1
+        canary = token_cost(priced(decoders([rollout.spec.canary])), batch, context)
+        return canary, token_cost(priced(incumbents), batch, context)
 
     def stop_rollout(self, model: str) -> Rollout:
         rollout = self.rollouts.get(model)

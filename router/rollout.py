@@ -8,12 +8,18 @@ A rollout's life:
    inter-token latency. ``tick`` judges the current step's samples:
    - the canary's error rate over ``max_error_rate`` (once it has ``min_requests``), or its median
      TTFT or ITL over ``max_ttft_ratio`` / ``max_itl_ratio`` times the incumbents' (once both have
-     ``min_requests`` successes), rolls back: the canary gets no traffic, the incumbents their old
-     weights;
+     ``min_requests`` successes), or its cost per generated token over ``max_cost_ratio`` times the
+     incumbents' (once it has ``min_requests`` requests), rolls back: the canary gets no traffic, the
+     incumbents their old weights;
    - after ``step_s`` with ``min_requests`` canary requests and no guardrail crossed, the next step;
      after the last (100%), the canary is promoted: it takes all traffic.
 3. A rollout ends ``promoted``, ``rolled_back`` or ``stopped`` (by the operator, which also rolls
    back). Requests keep the version they started on whatever the weights become.
+
+Cost per token is compared at one operating point for both sides, so that the canary's small share
+of traffic (small batches) does not make it look dear: the caller computes it with ``token_cost``
+from each side's fitted step-time profiles at the incumbents' current batch and context, times
+their pool's relative cost, and hands both figures to ``observe_cost``.
 
 Nothing here reads a clock or touches the catalog: the caller applies ``weights()`` after each
 ``tick`` that returns True.
@@ -26,6 +32,8 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pdfabric.profile import WorkerProfile
+
 RAMPING, PROMOTED, ROLLED_BACK, STOPPED = "ramping", "promoted", "rolled_back", "stopped"
 
 
@@ -34,10 +42,11 @@ class Guardrails:
     max_error_rate: float = 0.05  # the canary's failed / finished requests in a step
     max_ttft_ratio: float = 2.0  # the canary's median TTFT over the incumbents'
     max_itl_ratio: float = 2.0  # the same for the mean inter-token latency of each request
+    max_cost_ratio: float = 0.0  # the canary's cost per generated token over the incumbents' (0: off)
     min_requests: int = 10  # canary requests a step needs before it is judged or passed
 
     def __post_init__(self) -> None:
-        for name in ("max_error_rate", "max_ttft_ratio", "max_itl_ratio"):
+        for name in ("max_error_rate", "max_ttft_ratio", "max_itl_ratio", "max_cost_ratio"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
                 raise ValueError(f"guardrails.{name} must be a number >= 0, got {value!r}")
@@ -111,6 +120,7 @@ class Rollout:
         self.reason = ""
         self.history: list[dict[str, Any]] = [{"at": now, "event": "start", "percent": spec.steps[0]}]
         self._samples: dict[str, _Samples] = {}
+        self.cost: dict[str, float] = {}  # seconds of work per token: "canary", "incumbents"
 
     @property
     def done(self) -> bool:
@@ -138,6 +148,10 @@ class Rollout:
             s.ttft.append(ttft_s)
         if itl_s is not None:
             s.itl.append(itl_s)
+
+    def observe_cost(self, canary: float | None, incumbents: float | None) -> None:
+        """The latest cost per generated token of each side (``token_cost``; None: not known yet)."""
+        self.cost = {k: v for k, v in (("canary", canary), ("incumbents", incumbents)) if v is not None}
 
     def tick(self, now: float) -> bool:
         """Judges the current step; True when the weights changed (the caller applies them)."""
@@ -168,6 +182,7 @@ class Rollout:
         return {
             "model": self.spec.model, "canary": self.spec.canary, "state": self.state, "reason": self.reason,
             "step": self.step, "percent": self.weights()[self.spec.canary], "weights": self.weights(),
+            "cost_per_token_s": dict(self.cost),
             "spec": {**asdict(self.spec)}, "history": self.history,
             "samples": {k or "incumbents": asdict(v) | {"ttft": len(v.ttft), "itl": len(v.itl)}
                         for k, v in self._samples.items()},
@@ -187,11 +202,27 @@ class Rollout:
             ratio = _ratio(statistics.median(mine), statistics.median(theirs))
             if ratio > limit:
                 return f"median {name.upper()} {ratio:.2f}x the incumbents' > {limit:g}x"
+        mine, theirs = self.cost.get("canary"), self.cost.get("incumbents")
+        if g.max_cost_ratio and canary.requests >= g.min_requests and mine and theirs:
+            ratio = mine / theirs
+            if ratio > g.max_cost_ratio:
+                return f"cost per token {ratio:.2f}x the incumbents' > {g.max_cost_ratio:g}x"
         return ""
 
     def _end(self, state: str, now: float, why: str) -> None:
         self.state, self.reason = state, why
         self.history.append({"at": now, "event": state, "reason": why})
+
+
+def token_cost(profiles: list[tuple[WorkerProfile, float]], batch: int, context: int) -> float | None:
+    """Seconds of work per generated token on these decoding workers, each a (fitted profile, its
+    pool's relative cost): one decode step of ``batch`` sequences of ``context`` tokens each, over
+    the batch, averaged over the workers (None: no worker has measured a decode step yet)."""
+    b = max(1, batch)
+    costs = [
+        cost * p.decode_step_seconds(b, b * max(1, context)) / b for p, cost in profiles if p.decode_samples
+    ]
+    return sum(costs) / len(costs) if costs else None
 
 
 def _ratio(a: float, b: float) -> float:

@@ -320,6 +320,10 @@ def test_a_new_version_warms_up_and_a_failing_canary_is_rolled_back(fabric: tupl
     }
     status, body = post_json(url + "/admin/models/chat/rollout", spec, headers=ADMIN)
     assert status == 202 and body["weights"] == {"v1": 35.0, "v2": 15.0, "v3": 50.0}, body
+    # Both sides are priced per token from their workers' profiles (the cost guardrail is off).
+    wait_for(lambda: len(models(url)["chat@v3"]["rollout"]["cost_per_token_s"]) == 2, 10, "the costs")
+    costs = models(url)["chat@v3"]["rollout"]["cost_per_token_s"]
+    assert all(c > 0 for c in costs.values()), costs
     # The canary breaks: its worker leaves. Requests that land on it fail until the guardrail trips.
     assert post_json(url + "/admin/workers/colocated-chat-v3-0/drain", {}, headers=ADMIN)[0] == 202
     wait_for(lambda: models(url)["chat@v3"]["workers"] == [], what="the canary's worker to leave")

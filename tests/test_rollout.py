@@ -7,7 +7,17 @@ import argparse
 import pytest
 
 from pdfabric import admin_cli
-from pdfabric.router.rollout import PROMOTED, RAMPING, ROLLED_BACK, STOPPED, Guardrails, Rollout, RolloutSpec
+from pdfabric.profile import WorkerProfile
+from pdfabric.router.rollout import (
+    PROMOTED,
+    RAMPING,
+    ROLLED_BACK,
+    STOPPED,
+    Guardrails,
+    Rollout,
+    RolloutSpec,
+    token_cost,
+)
 
 
 def _rollout(**guard: float) -> Rollout:
@@ -64,6 +74,35 @@ def test_within_the_ratios_it_passes_and_the_operator_can_stop_it() -> None:
     assert r.tick(30.0) and r.state == RAMPING
     r.stop(31.0, "stopped by the operator")
     assert r.state == STOPPED and r.weights()["v2"] == 0.0
+
+
+def test_a_dearer_canary_is_rolled_back_by_its_cost_per_token() -> None:
+    r = _rollout(max_cost_ratio=1.5)
+    _feed(r, "v1", 4)
+    _feed(r, "v2", 3)
+    r.observe_cost(2.0e-3, 1.0e-3)  # 2x the incumbents' work per token
+    assert not r.tick(1.0)  # too few canary requests to judge
+    r.observe_cost(None, 1.0e-3)  # the canary has not measured a decode step yet: not judged
+    _feed(r, "v2", 1)
+    assert not r.tick(1.0)
+    r.observe_cost(2.0e-3, 1.0e-3)
+    assert r.tick(1.0) and r.state == ROLLED_BACK
+    assert r.reason == "cost per token 2.00x the incumbents' > 1.5x"
+    assert r.report()["cost_per_token_s"] == {"canary": 2.0e-3, "incumbents": 1.0e-3}
+
+
+def test_cost_per_token_is_priced_at_one_operating_point() -> None:
+    """Decode work per token at the given batch and context, times the pool's cost, averaged over
+    the workers that measured a decode step."""
+    fast = WorkerProfile(decode=(0.02, 0.001, 0.0), decode_samples=5)  # 20 ms + 1 ms per sequence
+    dear = WorkerProfile(decode=(0.04, 0.002, 0.0), decode_samples=5)
+    unmeasured = WorkerProfile(decode=(9.0, 9.0, 9.0))
+    assert token_cost([(fast, 1.0)], 8, 100) == pytest.approx(0.028 / 8)
+    assert token_cost([(fast, 1.0), (dear, 1.0), (unmeasured, 1.0)], 8, 100) == pytest.approx(
+        (0.028 + 0.056) / 2 / 8
+    )
+    assert token_cost([(fast, 2.0)], 8, 100) == pytest.approx(0.056 / 8)  # a pool twice as dear
+    assert token_cost([(unmeasured, 1.0)], 8, 100) is None and token_cost([], 1, 1) is None
 
 
 def test_specs_and_bodies_are_checked() -> None:
