@@ -118,7 +118,7 @@ def test_workers_on_three_nodes_serve_token_exact_and_fail_over(
 ) -> None:
     path = tmp_path / "ray.toml"
     path.write_text(CONFIG)
-    bodies = [{"prompt": [9 + i] * (6 + 7 * i), "max_tokens": 120, "ignore_eos": True, "temperature": 0.0}
+    bodies = [{"prompt": [9 + i] * (6 + 7 * i), "max_tokens": 800, "ignore_eos": True, "temperature": 0.0}
               for i in range(6)]  # fmt: skip
     with running_fabric("--config", str(path), "--ray", nodes.cluster.address, timeout=90) as url:
         workers = _workers(url)
@@ -128,13 +128,18 @@ def test_workers_on_three_nodes_serve_token_exact_and_fail_over(
         decode_raylets = {_raylet_of(workers[w]["pid"]) for w in ("decode-0", "decode-1")}
         assert decode_raylets == {nodes.raylet(n) for n in nodes.decode}
 
-        victim = workers["decode-0"]["pid"]
         started = [asyncio.Event() for _ in bodies]
+        victim: dict = {}
 
         async def run_all() -> list[list[int]]:
             tasks = [asyncio.create_task(_stream(url, b, e)) for b, e in zip(bodies, started, strict=True)]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
-            os.kill(victim, signal.SIGKILL)  # a node's worker dies mid-stream
+            # The decode worker holding the most streams dies mid-stream (the router may have put
+            # them all on one).
+            now = await asyncio.to_thread(_workers, url)
+            victim.update(max((now[w] for w in ("decode-0", "decode-1")), key=lambda w: w["requests"]))
+            assert victim["requests"] >= 1, now
+            os.kill(victim["pid"], signal.SIGKILL)
             return await asyncio.wait_for(asyncio.gather(*tasks), 120)
 
         results = asyncio.run(run_all())
@@ -142,9 +147,10 @@ def test_workers_on_three_nodes_serve_token_exact_and_fail_over(
             assert ids == _expected(reference, body)
         assert sum(metric_values(url, "pdfabric_failovers_total").values()) >= 1
         # Its actor reported the exit; a new actor took the node's freed decode resource.
-        back = _wait_back(url, "decode-0", victim, 60)
+        back = _wait_back(url, victim["id"], victim["pid"], 60)
         assert _raylet_of(back["pid"]) in decode_raylets
-        assert metric_values(url, "pdfabric_worker_restarts_total") == {'{worker="decode-0"}': 1.0}
+        restarts = metric_values(url, "pdfabric_worker_restarts_total")
+        assert restarts == {f'{{worker="{victim["id"]}"}}': 1.0}, restarts
         wait_blocks_free(url)
         body = {**bodies[0], "max_tokens": 24}
         assert asyncio.run(_stream(url, body)) == _expected(reference, body)
