@@ -62,7 +62,8 @@ from pdfabric.control import COLOCATED, DECODE, KINDS, PREFILL, TokenDelta
 from pdfabric.core import CoreSpec
 from pdfabric.engine.sampling_params import SamplingParams
 from pdfabric.profile import WorkerProfile
-from pdfabric.router.core import Deliver, Effect, Refused, RouterCore, Send
+from pdfabric.router.core import RouterCore
+from pdfabric.router.effects import Deliver, Effect, Refused, Send
 from pdfabric.router.routes import PredictorConfig
 from pdfabric.router.slo import AdmissionConfig, resolve
 

@@ -40,7 +40,7 @@ import heapq
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from pdfabric.control import (
     Abort,
@@ -58,6 +58,7 @@ from pdfabric.control import (
 )
 from pdfabric.engine.sampling_params import SamplingParams
 from pdfabric.router.admission import ADMIT, REJECT, Outcome, Ticket
+from pdfabric.router.effects import Deliver, Effect, FailedOver, Refused, Send, Started, Transferred
 from pdfabric.router.holders import Holders
 from pdfabric.router.registry import Registry, has_route
 from pdfabric.router.request import RouterRequest
@@ -65,68 +66,6 @@ from pdfabric.router.routes import Budgets, Choice, PredictorConfig
 from pdfabric.router.routing import Routing, route_of
 from pdfabric.router.slo import AdmissionConfig
 
-# --- effects ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Send:
-    """Send ``msg`` to the worker."""
-
-    worker_id: str
-    msg: object
-
-
-@dataclass(frozen=True)
-class Started:
-    """The request is on a route: ``choice`` (with its predicted latencies), ``route`` for logs."""
-
-    request_id: str
-    choice: Choice
-    route: str
-    waited_ms: float  # time spent waiting for admission
-
-
-@dataclass(frozen=True)
-class Refused:
-    """The request never started: 429 (admission control turned it away; ``outcome`` says why) or
-    503 (no worker could take it; ``message`` says why)."""
-
-    request_id: str
-    status: int
-    message: str
-    outcome: Outcome | None = None
-
-
-@dataclass(frozen=True)
-class Deliver:
-    """The request's next delta in output order; one with a finish reason is its last."""
-
-    request_id: str
-    delta: TokenDelta
-
-
-@dataclass(frozen=True)
-class Transferred:
-    """The prefill worker handed the request's KV to its decode worker."""
-
-    request_id: str
-    msg: HandedOff
-
-
-@dataclass(frozen=True)
-class FailedOver:
-    """The request left a failed attempt (``cause``: ``worker_gone`` or ``error``; ``worker_id`` the
-    worker that failed) and resumes on other workers after ``resumed_at`` delivered tokens (over all
-    its outputs)."""
-
-    request_id: str
-    cause: str
-    worker_id: str
-    message: str
-    resumed_at: int
-
-
-Effect = Send | Started | Refused | Deliver | Transferred | FailedOver
 WORKER_GONE, ERROR = "worker_gone", "error"  # failover causes
 _ANY = Budgets(3_600_000.0, 3_600_000.0)  # a failover takes any route that can hold it
 

@@ -26,7 +26,8 @@ import zmq.asyncio
 
 from pdfabric.control import HandedOff, Register, Shutdown, TokenDelta
 from pdfabric.engine.sampling_params import SamplingParams
-from pdfabric.router.core import Deliver, Effect, FailedOver, Refused, RouterCore, Send, Started, Transferred
+from pdfabric.router.core import RouterCore
+from pdfabric.router.effects import Deliver, Effect, FailedOver, Refused, Send, Started, Transferred
 from pdfabric.router.openai_api import ApiError
 from pdfabric.router.registry import WorkerInfo
 from pdfabric.router.routes import Choice, PredictorConfig

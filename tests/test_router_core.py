@@ -20,7 +20,8 @@ from pdfabric.control import (
 )
 from pdfabric.engine.sampling_params import SamplingParams
 from pdfabric.profile import WorkerProfile
-from pdfabric.router.core import Deliver, FailedOver, Refused, RouterCore, Send, Started, Transferred
+from pdfabric.router.core import RouterCore
+from pdfabric.router.effects import Deliver, FailedOver, Refused, Send, Started, Transferred
 from pdfabric.router.routes import Budgets
 from pdfabric.router.slo import AdmissionConfig, SloClass
 
