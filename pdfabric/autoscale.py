@@ -67,7 +67,8 @@ class Autoscaler:
     def signals(self, now: float) -> Signals:
         pools = {kind: self._pool(kind) for kind in self.scaler.bounds}
         recent = self.observed.recent(now)
-        return Signals(now, recent, self.observed.window_s, len(self.dispatcher.routing.queue), pools)
+        waiting = len(self.dispatcher.routing.queue)
+        return Signals(now, recent, self.observed.window_s, waiting, pools, len(self.dispatcher.core))
 
     def _pool(self, kind: str) -> Pool:
         live = {w.worker_id for w in self.workers.live(kind)}

@@ -10,7 +10,8 @@ workers' fitted profiles) and, for each pool that ``[autoscale]`` lets it scale:
 2. asks for one more worker than it has when the signals say it is short whatever the model says:
    TTFT attainment (requests refused for capacity count as misses) or the router's queue wait for the
    pool that prefills, ITL attainment or KV use for the pool that decodes; and never to fewer
-   workers than the sequences they run now (or a non-empty queue) need at the target utilization;
+   workers than the sequences they run now (or a non-empty queue) need at the target utilization,
+   nor fewer at all while requests are in flight and none ended within the window (no evidence);
 3. moves toward that size with hysteresis: up (straight to the size) once the need has held for
    ``up_after_s``, down (one worker at a time) once the surplus has held for ``down_after_s``, and no
    change to a pool within ``cooldown_s`` of the last one.
@@ -83,6 +84,7 @@ class Signals:
     window_s: float
     queue_waiting: int
     pools: dict[str, Pool] = field(default_factory=dict)
+    in_flight: int = 0  # requests the router holds now (waiting or running)
 
 
 @dataclass(frozen=True)
@@ -148,8 +150,8 @@ class Scaler:
             if short:
                 want = max(want, pool.workers + 1)
             want = min(hi, max(lo, want))
-            if want < pool.workers and self._busy(pool, s.queue_waiting):
-                want = pool.workers  # what runs now would not fit in fewer: no request is recent enough
+            if want < pool.workers and (self._busy(pool, s.queue_waiting) or (s.in_flight and not done)):
+                want = pool.workers  # what runs now would not fit in fewer, or nothing ended to judge by
             reason = short or (
                 f"{rate:.2f} req/s of {mean_in:.0f} prompt and {mean_out:.0f} output tokens "
                 f"needs {want} at {cfg.target_utilization:.0%} utilization"

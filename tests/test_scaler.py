@@ -124,4 +124,6 @@ def test_no_scale_in_while_what_runs_would_not_fit_in_fewer_workers() -> None:
     assert s.decide(Signals(0.0, [], 10.0, 0, busy)) == []
     assert s.decide(Signals(1.0, [], 10.0, 2, {"decode": Pool(3, 0.2, PROFILE, 8, 512)})) == []
     calm = {"decode": Pool(3, 0.2, PROFILE, 8, 512, running=11)}
+    # Requests in flight and none ended in the window (a starved machine): no evidence, no change.
+    assert s.decide(Signals(2.0, [], 10.0, 0, calm, in_flight=5)) == []
     assert [d.target for d in s.decide(Signals(2.0, [], 10.0, 0, calm))] == [2]
