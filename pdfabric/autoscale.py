@@ -79,8 +79,10 @@ class Autoscaler:
         used = total - sum(i.free_blocks for i in infos)
         if not infos:
             return Pool(len(live))
+        # The profile fitted from the most steps: a worker just added may have profiled on a busy CPU.
+        profiles = [i.load.profile if i.load is not None else i.reg.profile for i in infos]
+        profile = max(profiles, key=lambda p: p.prefill_samples + p.decode_samples)
         info = infos[0]
-        profile = info.load.profile if info.load is not None else info.reg.profile
         return Pool(
             len(live),
             used / total if total else 0.0,
