@@ -237,8 +237,8 @@ def capacity_estimate(candidate: Candidate, profiles: Sequence[ProfileFile], wor
     b = candidate.max_running
     kinds = ("colocated",) if candidate.colocated else ("prefill", "decode")
     prof = {k: _profile(profiles, k).profile for k in kinds}  # type: ignore[union-attr]
-    step = prof[kinds[-1]].decode_step_seconds(b, int(b * (mean_in + mean_out / 2)))
-    decode_s = mean_out * step / b  # decode time per request, amortised over a full batch
+    # decode time per request, amortised over a full batch
+    decode_s = mean_out * prof[kinds[-1]].decode_seconds_per_token(b, mean_in + mean_out / 2)
     prefill_s = prof[kinds[0]].prefill_seconds(round(mean_in), candidate.chunk_tokens)
     if candidate.colocated:
         per = prefill_s + decode_s

@@ -102,6 +102,11 @@ class WorkerProfile:
         """One decode step for ``batch`` sequences holding ``context_tokens`` tokens in all."""
         return self.step_seconds(StepShape(batch=batch, context_tokens=context_tokens))
 
+    def decode_seconds_per_token(self, batch: int, context_each: float) -> float:
+        """One sequence's share of a decode step of ``batch`` sequences holding ``context_each``
+        tokens each: the decode time of one token when the batch is full."""
+        return self.decode_step_seconds(batch, int(batch * context_each)) / batch
+
     def prefill_seconds(self, tokens: int, chunk_tokens: int, attention: float | None = None) -> float:
         """Prefill compute of ``tokens`` prompt tokens run in steps of at most ``chunk_tokens``.
 

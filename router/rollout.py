@@ -220,7 +220,7 @@ def token_cost(profiles: list[tuple[WorkerProfile, float]], batch: int, context:
     the batch, averaged over the workers (None: no worker has measured a decode step yet)."""
     b = max(1, batch)
     costs = [
-        cost * p.decode_step_seconds(b, b * max(1, context)) / b for p, cost in profiles if p.decode_samples
+        cost * p.decode_seconds_per_token(b, max(1, context)) for p, cost in profiles if p.decode_samples
     ]
     return sum(costs) / len(costs) if costs else None
 

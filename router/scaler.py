@@ -112,8 +112,7 @@ def sized(kind: str, pool: Pool, rate: float, mean_in: float, mean_out: float, u
         return 0
     b = max(1, pool.max_running)
     prefill_s = p.prefill_seconds(max(1, round(mean_in)), pool.chunk_tokens)
-    step_s = p.decode_step_seconds(b, int(b * (mean_in + mean_out / 2)))
-    decode_s = mean_out * step_s / b  # one request's share of a full batch's decode
+    decode_s = mean_out * p.decode_seconds_per_token(b, mean_in + mean_out / 2)  # in a full batch
     busy = {PREFILL: prefill_s, DECODE: decode_s, COLOCATED: prefill_s + decode_s}[kind]
     return math.ceil(rate * busy / utilization)
 
