@@ -31,6 +31,7 @@ PAYLOAD = (4, 16, 8, 32)  # layers, block_size, kv_heads, head_dim: 64 KiB per b
 CPU_SMALL = (12, 16, 8, 64)  # 24576 bytes per token
 CPU_SMALL_PARAMS = 12 * (2 * 1024 * 1024 + 2 * 1024 * 512 + 3 * 1024 * 2816)  # matmul weights
 TRANSPORTS = ("tcp-raw", "zmq-tcp", "zmq-ipc", "shm", "dist")
+LAYERWISE_TOKENS = 2048  # the layer-wise row's prompt
 RAW = "tcp-raw"  # the loopback ceiling: one plain TCP socket pair, bytes received straight into place
 
 
@@ -96,43 +97,52 @@ def _open_receiver(
 
 
 def receiver_main(conn: Connection, dist_port: int) -> None:
-    """The receiving process: serves setup / expect / teardown requests while polling its receiver."""
+    """The receiving process: serves setup / expect / raw / teardown requests while polling its
+    receiver. A request that raises is answered ``("error", text)``, which the parent raises."""
     import torch
     import zmq
 
     torch.set_num_threads(1)
-    receiver: Any = None
-    shm: Any = None
+    state: dict[str, Any] = {"receiver": None, "shm": None, "off_socket": False}
     poller = zmq.Poller()
     poller.register(conn.fileno(), zmq.POLLIN)
-    off_socket = False  # dist: chunk completions end off the socket, so a busy receiver polls each 1 ms
     while True:  # sleep until the sender or the parent says something
+        receiver = state["receiver"]
         if receiver is not None:
             poller.register(receiver.sock, zmq.POLLIN)
-        ready = dict(poller.poll(1 if off_socket and receiver.busy else 50))
+        # dist: chunk completions end off the socket, so a busy receiver polls each 1 ms
+        ready = dict(poller.poll(1 if state["off_socket"] and receiver.busy else 50))
         if receiver is not None:
             receiver.poll()
             poller.unregister(receiver.sock)
         if conn.fileno() not in ready:
             continue
         cmd, *rest = conn.recv()
-        if cmd == "setup":
-            receiver, shm = _open_receiver(dist_port, *rest)
-            off_socket = rest[0] == "dist"
-            conn.send(receiver.endpoint)
-        elif cmd == "expect":
-            receiver.expect(*rest)
-            conn.send("ok")
-        elif cmd == "raw":
-            conn.send(_raw_server(*rest))
-        elif cmd == "teardown":
-            receiver.close()
-            if shm is not None:
-                shm.close()
-            receiver, shm, off_socket = None, None, False
-            conn.send("ok")
-        elif cmd == "quit":
+        if cmd == "quit":
             return
+        try:
+            conn.send(_receiver_request(state, dist_port, cmd, rest))
+        except Exception as exc:
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def _receiver_request(state: dict[str, Any], dist_port: int, cmd: str, rest: list[Any]) -> Any:
+    if cmd == "setup":
+        state["receiver"], state["shm"] = _open_receiver(dist_port, *rest)
+        state["off_socket"] = rest[0] == "dist"
+        return state["receiver"].endpoint
+    if cmd == "expect":
+        state["receiver"].expect(*rest)
+        return "ok"
+    if cmd == "raw":
+        return _raw_server(*rest)
+    if cmd == "teardown":
+        state["receiver"].close()
+        if state["shm"] is not None:
+            state["shm"].close()
+        state.update(receiver=None, shm=None, off_socket=False)
+        return "ok"
+    raise ValueError(f"unknown request {cmd!r}")
 
 
 def _raw_server(nbytes: int) -> int:
@@ -207,7 +217,7 @@ def bench_session(kinds: list[str], repeats: int, checksum: bool, progress: Any)
     child.start()
     try:
         with tempfile.TemporaryDirectory(prefix="pdfabric-kv-") as tmpdir:
-            yield TransferBench(torch, here, repeats, checksum, tmpdir, dist_port, progress)
+            yield TransferBench(torch, (here, child), repeats, checksum, tmpdir, dist_port, progress)
     finally:
         if child.is_alive():
             here.send(("quit",))
@@ -222,14 +232,15 @@ class TransferBench:
     def __init__(
         self,
         torch: Any,
-        conn: Connection,
+        receiver: tuple[Connection, Any],
         repeats: int,
         checksum: bool,
         tmpdir: str,
         dist_port: int,
         progress: Any,
     ) -> None:
-        self.torch, self.conn, self.tmpdir = torch, conn, tmpdir
+        self.torch, self.tmpdir = torch, tmpdir
+        self.conn, self.child = receiver  # the pipe to the receiver process, and the process
         self.repeats, self.checksum = repeats, checksum
         self.dist_port, self.progress = dist_port, progress
         self.count = 0
@@ -256,7 +267,8 @@ class TransferBench:
             return
         with contextlib.ExitStack() as stack:
             raw = stack.enter_context(self._raw_pair(dims, rows)) if raw_beside else None
-            sender, endpoint = self.open(kind, dims, max(n for _, n in rows))
+            most = max([n for _, n in rows] + [LAYERWISE_TOKENS // dims[1]] * (prefill_ms > 0))
+            sender, endpoint = self.open(kind, dims, most)
             stack.callback(self._call, "teardown")
             stack.callback(sender.close)
             self.transfer(sender, endpoint, 1)  # warm up: handshake and connection
@@ -311,9 +323,20 @@ class TransferBench:
 
     def _call(self, *msg: Any) -> Any:
         self.conn.send(msg)
-        if not self.conn.poll(120):
-            raise RuntimeError(f"receiver process did not answer {msg[0]!r}")
-        return self.conn.recv()
+        return self._answer(msg[0])
+
+    def _answer(self, what: str) -> Any:
+        deadline = time.monotonic() + 120
+        while not self.conn.poll(0.5):
+            if not self.child.is_alive():
+                code = self.child.exitcode
+                raise RuntimeError(f"receiver process exited ({code}) before answering {what!r}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"receiver process did not answer {what!r}")
+        reply = self.conn.recv()
+        if isinstance(reply, tuple) and reply[:1] == ("error",):
+            raise RuntimeError(f"receiver process failed {what!r}: {reply[1]}")
+        return reply
 
     def open(self, kind: str, dims: tuple[int, int, int, int], blocks: int) -> tuple[Any, str]:
         from pdfabric.kvtransfer.config import TransferConfig
@@ -326,9 +349,7 @@ class TransferBench:
         self.conn.send(("setup", kind, self.checksum, dims, blocks, bind))
         if kind == "dist":  # joined only now, so the gloo group is idle for the other transports
             _init_dist(self.dist_port, rank=0)
-        if not self.conn.poll(120):
-            raise RuntimeError("receiver process did not answer 'setup'")
-        endpoint = self.conn.recv()
+        endpoint = self._answer("setup")
         caches = [self.torch.randn(2, blocks, bs, heads, dim).to(self.torch.bfloat16) for _ in range(layers)]
         cfg = TransferConfig(transport=kind.split("-")[0], timeout_s=120, checksum=self.checksum)
         return KVSender(caches, cfg), endpoint
@@ -399,7 +420,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     prefill_ms = args.prefill_ms
     if prefill_ms is None:
-        prefill_ms = 2 * CPU_SMALL_PARAMS * 2048 / _gemm_flops(torch) * 1e3
+        prefill_ms = 2 * CPU_SMALL_PARAMS * LAYERWISE_TOKENS / _gemm_flops(torch) * 1e3
     progress = Progress(len(kinds) * len(rows), "transfer", enabled=not args.no_progress)
     try:
         paired = RAW in kinds and "zmq-tcp" in kinds  # tcp-raw is then timed beside zmq-tcp
@@ -433,7 +454,8 @@ def _layerwise(
     bench: TransferBench, sender: Any, endpoint: str, kind: str, prefill_ms: float
 ) -> dict[str, Any]:
     """A 2048-token prompt: compute stand-in then send (whole) vs send each layer as computed."""
-    n, spin = 2048 // 16, prefill_ms / 1e3 / sender.layout.num_layers
+    n = LAYERWISE_TOKENS // sender.layout.block_size
+    spin = prefill_ms / 1e3 / sender.layout.num_layers
     layered = bench.transfer(sender, endpoint, n, spin_per_layer_s=spin)
     t0 = time.perf_counter()
     end = t0 + prefill_ms / 1e3
@@ -442,7 +464,7 @@ def _layerwise(
     whole = (time.perf_counter() - t0) + bench.transfer(sender, endpoint, n)
     return {
         "transport": kind,
-        "tokens": 2048,
+        "tokens": LAYERWISE_TOKENS,
         "prefill_ms": prefill_ms,
         "layerwise_total_ms": layered * 1e3,
         "layerwise_overhead": layered * 1e3 / prefill_ms - 1,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -40,3 +41,30 @@ def test_bench_transfer_rejects_unknown_transport() -> None:
     parser = argparse.ArgumentParser()
     transfer.add_arguments(parser)
     assert transfer.run(parser.parse_args(["--transports", "rdma"])) == 2
+
+
+def test_bench_transfer_layerwise_row_beside_small_prompts(tmp_path: Path) -> None:
+    """The layer-wise row's 2048-token prompt needs more blocks than a 16-token row: the receiver's
+    cache is sized for both (it was sized for the rows alone and refused the layer-wise transfer)."""
+    parser = argparse.ArgumentParser()
+    transfer.add_arguments(parser)
+    out = tmp_path / "transfer.json"
+    args = parser.parse_args(
+        ["--sizes", "", "--prompts", "16", "--transports", "shm", "--repeats", "1", "--prefill-ms", "12"]
+        + ["--no-progress", "--json", str(out)]
+    )
+    assert transfer.run(args) == 0
+    (row,) = json.loads(out.read_text())["layerwise"]
+    assert row["transport"] == "shm" and row["tokens"] == 2048 and row["layerwise_total_ms"] >= 12
+
+
+def test_bench_transfer_raises_the_receivers_error() -> None:
+    """A request the receiver process refuses comes back as its error, at once, not as a timeout."""
+    from pdfabric.bench.progress import Progress
+
+    with transfer.bench_session(["shm"], 1, False, Progress(1, "t", enabled=False)) as bench:
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="block id out of range"):
+            bench._call("setup", "shm", False, transfer.PAYLOAD, 2, f"ipc://{bench.tmpdir}/kv.sock")
+            bench._call("expect", "r1", (0, 5))
+        assert time.monotonic() - started < 30
