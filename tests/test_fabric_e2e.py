@@ -19,6 +19,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import torch
 
 from pdfabric.engine.generate import ReferenceEngine
 from pdfabric.engine.sampling_params import SamplingParams
@@ -90,7 +91,8 @@ def test_concurrent_greedy_requests_match_reference(fabric: str, reference: Refe
     if "prefill" in kinds:  # every request's KV crossed from the prefill to the decode worker
         transfers = metric_values(fabric, "pdfabric_kv_transfer_bytes_count")
         assert sum(transfers.values()) >= len(bodies)
-        # ... over shared memory (one host), and the prefill worker's heartbeats report its rate
+        # ... over shared memory (one host, caches in host memory; a GPU's caches go over ZeroMQ),
+        # and the prefill worker's heartbeats report its rate
         deadline = time.monotonic() + 10
         while True:
             workers = get_json(fabric + "/health")[1]["workers"]
@@ -98,7 +100,8 @@ def test_concurrent_greedy_requests_match_reference(fabric: str, reference: Refe
             if pre["kv_rates"] or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
-        assert set(pre["kv_rates"]) == {"shm"} and pre["kv_bytes_per_s"] > 0, pre
+        want = {"zmq"} if torch.cuda.is_available() else {"shm"}  # workers take the GPU when there is one
+        assert set(pre["kv_rates"]) == want and pre["kv_bytes_per_s"] > 0, pre
 
 
 def test_seeded_sampling_is_reproducible(fabric: str, reference: ReferenceEngine) -> None:

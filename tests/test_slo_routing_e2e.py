@@ -232,15 +232,19 @@ def test_tight_itl_lands_in_the_small_batch_pool(fabric: str) -> None:
             responses = []
             for _ in range(BACKGROUND):  # a big batch on the bulk pool, left running
                 r = await session.post(fabric + "/v1/completions", json=background_body)
-                assert r.status == 200
+                assert r.status == 200, await r.text()
                 await r.content.readline()
                 responses.append(r)
             try:
                 loaded = await _usage(session, fabric, {"prompt": [23] * 32, "max_tokens": 4, "slo": {}})
                 p_idle = idle["pdfabric"]["predicted"]["itl_ms"]
                 p_loaded = loaded["pdfabric"]["predicted"]["itl_ms"]
-                assert p_loaded > 3 * p_idle, (p_idle, p_loaded)
-                budget = p_loaded / 2  # far below the bulk batch, far above a batch of one
+                # A big batch costs 3x and more a single sequence on a CPU, about 2x on a GPU (where a
+                # step of the tiny model is bound by kernel launches). The budget lies well below the
+                # one and well above the other: half the big batch's ITL, or nearer the middle (their
+                # geometric mean) where the two are close.
+                assert p_loaded > 1.8 * p_idle, (p_idle, p_loaded)
+                budget = max(p_loaded / 2, (p_idle * p_loaded) ** 0.5)
                 # sampled, not greedy: without ignore_eos an early end of sequence leaves no gap to measure
                 body = {"prompt": [25] * 32, "max_tokens": 4, "ignore_eos": True, "slo": {"itl_ms": budget}}
                 tight = await _usage(session, fabric, body)
