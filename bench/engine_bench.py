@@ -1,10 +1,12 @@
 """``pdfabric bench engine``: prefill throughput and decode step time beside the machine's floors.
 
-Floors are measured in the same run: GEMMs in the model's dtype give the compute rate, a large copy
-gives the memory bandwidth. Both are the best of several tries (a floor is what the machine can do,
-and a busy moment only ever makes a try slower), while the model's own points are medians. Prefill
-is reported as achieved FLOP/s over the GEMM rate; a decode step as its time over the time to read
-the weights (and the batch's KV) once at that bandwidth.
+Floors are measured in the same run: GEMMs in the model's dtype give the compute rate, a sum over
+a large buffer gives the memory's read bandwidth (a large copy's is printed beside it). Both are the
+best of several tries (a floor is what the machine can do, and a busy moment only ever makes a try
+slower), while the model's own points are medians. Prefill is reported as achieved FLOP/s over the
+GEMM rate; a decode step as its time over the time to read what it must read once at that
+bandwidth: every weight it multiplies (the head included: a tied head reads the embedding table)
+and the batch's KV.
 """
 
 from __future__ import annotations
@@ -17,9 +19,15 @@ import sys
 import time
 from collections.abc import Callable
 
+LINEAR_KINDS = ("invariant", "onednn")  # kernels/linear_cpu.py's, named here so --help imports no torch
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="cpu-small", help="model directory or preset (default cpu-small)")
+    parser.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="model directory or preset (default smollm2-135m: 30 layers, a 49,152-token vocabulary)",
+    )
     parser.add_argument(
         "--prefill-tokens",
         default="256,512,1024,2048",
@@ -38,6 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
     parser.add_argument(
+        "--linears",
+        choices=LINEAR_KINDS,
+        default="invariant",
+        help="linear-layer kernel on the CPU: invariant (what pdfabric serves: a row's sums in one order "
+        "whatever the batch) or onednn (oneDNN's packed GEMM, for comparison)",
+    )
+    parser.add_argument(
         "--repeats", type=int, default=5, help="timed repetitions per point (median reported)"
     )
     parser.add_argument(
@@ -45,8 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         metavar="N",
-        help="also profile one step of the longest prefill and of the largest decode batch with the "
-        "torch profiler and print the N ops with the most self time",
+        help="also profile one step of the longest prefill and of the smallest and largest decode "
+        "batches with the torch profiler and print the N ops with the most self time",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
 
@@ -81,10 +96,18 @@ def _gemm_rate(dtype: object, repeats: int) -> float:
         a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
         best = max(best, 2 * n**3 / _best_time(lambda a=a, b=b: a @ b, max(repeats, 5)))
         layer = torch.nn.Linear(n, n, bias=False, dtype=dtype)
-        if can_pack(layer):  # the GEMM the model runs; on some CPUs (MKL on AMD) faster than a @ b
+        if can_pack(layer, "onednn"):  # on some CPUs (MKL on AMD) faster than a @ b
             packed = PackedLinear(layer)
             best = max(best, 2 * n**3 / _best_time(lambda a=a, f=packed: f(a), max(repeats, 5)))
     return best
+
+
+def _read_rate(repeats: int, nbytes: int = 512 * 2**20) -> float:
+    """Memory read bandwidth: bytes summed per second over a buffer far larger than the caches."""
+    import torch
+
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    return nbytes / _best_time(lambda: src.sum(), max(2 * repeats, 10))
 
 
 def _copy_rate(repeats: int, nbytes: int = 256 * 2**20) -> float:
@@ -134,26 +157,33 @@ def run(args: argparse.Namespace) -> int:
     matmul_params = sum(
         p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in name
     )
-    weight_bytes = sum(
+    embed = model.model.embed_tokens.weight
+    head_bytes = embed.numel() * embed.element_size() if cfg.tie_word_embeddings else 0
+    weight_bytes = head_bytes + sum(
         p.numel() * p.element_size() for name, p in model.named_parameters() if "embed_tokens" not in name
     )
     block = 16
     per_seq_blocks = -(-max(max(prefill_lens), args.context + 1) // block)
-    runner = ModelRunner(model, num_blocks=per_seq_blocks * max(batch_sizes) + 1, block_size=block)
+    runner = ModelRunner(
+        model, num_blocks=per_seq_blocks * max(batch_sizes) + 1, block_size=block, linears=args.linears
+    )
 
     _progress("floors: GEMM")
     gemm_flops = _gemm_rate(dtype, args.repeats)
-    _progress("floors: copy")
+    _progress("floors: memory")
     copy_bw = _copy_rate(args.repeats)
+    read_bw = _read_rate(args.repeats)
 
     results: dict[str, object] = {
         "model": str(args.model),
         "dtype": cfg.dtype,
         "threads": torch.get_num_threads(),
         "kernel_backend": get_backend(),
+        "linears": args.linears,
         "cpu": _cpu_name(),
         "gemm_flops": gemm_flops,
         "copy_bytes_per_s": copy_bw,
+        "read_bytes_per_s": read_bw,
         "weight_bytes": weight_bytes,
         "prefill": [],
         "decode": [],
@@ -175,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
                 "ratio_to_gemm": flops / t / gemm_flops,
             }
         )
+    batches = {}
     for bs in batch_sizes:
         _progress(f"decode batch {bs}")
         entries = []
@@ -182,9 +213,10 @@ def run(args: argparse.Namespace) -> int:
             table = tuple(range(s * per_seq_blocks, (s + 1) * per_seq_blocks))
             runner.step([StepEntry(token * args.context, 0, table, needs_logits=False)])
             entries.append(StepEntry(token, args.context, table))
+        batches[bs] = entries
         t = _median_time(lambda es=entries: runner.step(es), args.repeats)
         kv_bytes = bs * (args.context + 1) * cfg.kv_bytes_per_token
-        floor = (weight_bytes + kv_bytes) / copy_bw
+        floor = (weight_bytes + kv_bytes) / read_bw
         results["decode"].append(
             {
                 "batch": bs,
@@ -199,9 +231,10 @@ def run(args: argparse.Namespace) -> int:
         _progress("op profile")
         prefill = StepEntry(token * prefill_lens[-1], 0, tuple(range(-(-prefill_lens[-1] // block))))
         results["op_profile"] = {
-            f"prefill {prefill_lens[-1]} tokens": _op_profile(runner, [prefill], args.op_profile),
-            f"decode batch {batch_sizes[-1]}": _op_profile(runner, entries, args.op_profile),
+            f"prefill {prefill_lens[-1]} tokens": _op_profile(runner, [prefill], args.op_profile)
         }
+        for bs in sorted({min(batch_sizes), max(batch_sizes)}):
+            results["op_profile"][f"decode batch {bs}"] = _op_profile(runner, batches[bs], args.op_profile)
     _progress("")
     _print_table(results)
     if args.json:
@@ -233,11 +266,15 @@ def _op_profile(runner: object, entries: list, top: int, steps: int = 3) -> list
 
 
 def _print_table(r: dict) -> None:
-    print(f"model {r['model']} ({r['dtype']}), {r['threads']} threads, kernels {r['kernel_backend']}")
+    print(
+        f"model {r['model']} ({r['dtype']}), {r['threads']} threads, kernels {r['kernel_backend']}, "
+        f"linears {r['linears']}"
+    )
     print(f"cpu: {r['cpu']}")
     print(
-        f"floors: GEMM {r['gemm_flops'] / 1e9:.1f} GFLOP/s, copy {r['copy_bytes_per_s'] / 1e9:.2f} GB/s "
-        f"(read+write), weights {r['weight_bytes'] / 2**20:.0f} MiB"
+        f"floors: GEMM {r['gemm_flops'] / 1e9:.1f} GFLOP/s, read {r['read_bytes_per_s'] / 1e9:.1f} GB/s "
+        f"(copy {r['copy_bytes_per_s'] / 1e9:.1f} GB/s read+write), weights read per step "
+        f"{r['weight_bytes'] / 2**20:.0f} MiB"
     )
     print(f"\n{'prefill tokens':>14} {'ms':>9} {'tok/s':>9} {'GFLOP/s':>9} {'of GEMM':>8}")
     for p in r["prefill"]:

@@ -168,7 +168,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [N, hidden] -> logits [N, vocab] in float32
+        # hidden: [N, hidden] -> logits [N, vocab] in float32, rounded to the model dtype first (as Hugging
+        # Face computes them). A tied head multiplies by the embedding table unless a runner packed it.
         if self.lm_head is None:
             return nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
         return self.lm_head(hidden).float()

@@ -11,12 +11,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from pdfabric.engine.block_pool import blocks_for
 from pdfabric.engine.kv_cache import allocate_kv_cache
 from pdfabric.engine.model import LlamaForCausalLM
 from pdfabric.kernels import AttentionMetadata, get_backend
-from pdfabric.kernels.linear_cpu import pack_linears
+from pdfabric.kernels.linear_cpu import can_pack, pack_linears, packed
 
 
 @dataclass(frozen=True)
@@ -41,13 +42,16 @@ class PreparedStep:
 class ModelRunner:
     """Owns the model and its KV-cache tensors on one device.
 
-    On the CPU it packs the model's linear layers for oneDNN (``kernels/linear_cpu.py``) unless the
-    kernel backend is ``torch`` (the plain reference path); the model passed in is changed in place.
+    On the CPU it packs the model's linear layers and its head once (``kernels/linear_cpu.py``; by
+    default the batch-invariant kernel, ``linears="onednn"`` for measuring oneDNN's) unless the kernel
+    backend is ``torch`` (the plain reference path); the model passed in is changed in place.
     """
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, num_blocks: int, block_size: int, linears: str = "invariant"
+    ) -> None:
         if get_backend() != "torch":
-            pack_linears(model)
+            _pack_model(model, linears)
         self.model = model
         self.config = model.config
         self.block_size = block_size
@@ -102,3 +106,15 @@ class ModelRunner:
             prepared.input_ids, prepared.positions, self.kv_caches, prepared.meta, after_layer
         )
         return self.model.compute_logits(hidden[prepared.logits_indices])
+
+
+def _pack_model(model: LlamaForCausalLM, kind: str) -> None:
+    """Packs the linear layers, and a tied head as a layer of its own: the head then runs the same
+    kernel as every other projection (a copy of the embedding table, which the lookup keeps using)."""
+    pack_linears(model, kind)
+    if model.lm_head is None:
+        embed = model.model.embed_tokens.weight
+        head = nn.Linear(embed.shape[1], embed.shape[0], bias=False, device="meta")
+        head.weight = embed
+        if can_pack(head, kind):
+            model.lm_head = packed(head, kind)

@@ -1,23 +1,60 @@
-"""Linear layers whose weights are laid out once, at start-up, for oneDNN, the CPU's GEMM library.
+"""Linear layers on the CPU, with weights laid out once at start-up for the kernel that multiplies them.
 
-``F.linear`` on the CPU hands oneDNN a plain row-major weight, which it re-blocks on every call. A
-weight reordered once into oneDNN's own blocked layout (the same ops PyTorch's compiler uses when it
-freezes a model) skips that work. Measured on a 2-core AMD EPYC with AVX512-BF16, 24 weights of
-2816 x 1024 streamed from memory (``docs/engine.md``): bfloat16 1.4x faster at 1 row, 1.9x at
-32 rows, 1.6x at 512 rows; float32 1.6x to 2.9x. The results equal ``F.linear``'s in bfloat16 and
-agree to rounding in float32.
+Two kernels, one seam (``pack_linears``):
+
+- ``invariant`` (the default): ``csrc/linear_cpu.c``. Every output is one float32 sum over the inputs in
+  a fixed order, whatever the number of rows, the thread count or the kind of step, so a token's
+  logits are the same to the bit alone, in any batch, in a prefill chunk or a decode step. Measured on
+  a 2-core AMD EPYC with AVX512-BF16 on SmolLM2-135M's shapes (``docs/engine.md``): faster than
+  oneDNN at 1 to 32 rows (it reads the weight panels at memory speed with no per-call set-up), 0 to
+  15% slower at 512 rows.
+- ``onednn``: the weight reordered once into oneDNN's blocked layout (the ops PyTorch's compiler uses
+  when it freezes a model). oneDNN picks its blocking per shape; on SmolLM2's down projection
+  (K = 1536) a row's sum changes with the rows beside it, so greedy text changed with the batch.
+  Kept for measurement (``pdfabric bench engine --linears onednn``), not served.
+
+Both take CPU tensors in float32, or in bfloat16 on a CPU that multiplies it natively (AVX512-BF16;
+elsewhere bfloat16 checkpoints are computed in float32, ``engine/loader.py``). Layers that neither
+can take stay ``nn.Linear``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import torch
 from torch import nn
 
+from pdfabric.kernels import cpu_build
+
+LINEAR_KINDS = ("invariant", "onednn")
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _half_math() -> bool:
+    from pdfabric.engine.loader import cpu_has_half_math
+
+    return cpu_has_half_math()
+
 
 @functools.cache
-def _ops_available() -> bool:
+def _library() -> ctypes.CDLL | None:
+    lib = cpu_build.load("linear_cpu")
+    if lib is not None:
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.pd_linear.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, i32, i32]
+        lib.pd_linear_pack.argtypes = [p, i64, i64, i64, i32, p]
+        lib.pd_linear_packed_elems.argtypes = [i64, i64, i32]
+        lib.pd_linear_packed_elems.restype = i64
+        lib.pd_linear_supported.argtypes = [i32]
+        for fn in (lib.pd_linear, lib.pd_linear_pack, lib.pd_linear_supported):
+            fn.restype = ctypes.c_int
+    return lib
+
+
+@functools.cache
+def _onednn_available() -> bool:
     return (
         torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
@@ -25,15 +62,69 @@ def _ops_available() -> bool:
     )
 
 
-def can_pack(linear: nn.Linear) -> bool:
-    """Whether ``linear`` can be packed: a CPU float32 layer, or a bfloat16 one on a CPU that multiplies
-    bfloat16 natively."""
-    from pdfabric.engine.loader import cpu_has_half_math
-
+def can_pack(linear: nn.Linear, kind: str = "invariant") -> bool:
+    """Whether ``linear``'s weight can be packed for ``kind``: a CPU float32 weight, or a bfloat16 one
+    on a CPU that multiplies bfloat16 natively, and a kernel that built (or oneDNN) here."""
+    if kind not in LINEAR_KINDS:
+        raise ValueError(f"unknown linear kernel {kind!r}; expected one of {', '.join(LINEAR_KINDS)}")
     w = linear.weight
-    if w.device.type != "cpu" or not _ops_available():
+    if w.device.type != "cpu" or w.dtype not in DTYPE_CODES:
         return False
-    return w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and cpu_has_half_math())
+    if w.dtype == torch.bfloat16 and not _half_math():
+        return False
+    if kind == "onednn":
+        return _onednn_available()
+    lib = _library()
+    return lib is not None and bool(lib.pd_linear_supported(DTYPE_CODES[w.dtype]))
+
+
+class InvariantLinear(nn.Module):
+    """``y = x W^T + b`` by ``csrc/linear_cpu.c``: each output summed in one fixed order; inference only."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        # weight: [out_features, in_features]; bias: [out_features] or None, both in the compute dtype
+        self.out_features, self.in_features = weight.shape
+        self.dtype_code = DTYPE_CODES[weight.dtype]
+        weight = weight.detach()
+        if weight.stride(1) != 1:
+            weight = weight.contiguous()
+        lib = _library()
+        size = lib.pd_linear_packed_elems(self.out_features, self.in_features, self.dtype_code)
+        packed = torch.empty(size, dtype=weight.dtype)  # 64-column panels, see linear_cpu.c
+        status = lib.pd_linear_pack(
+            weight.data_ptr(), weight.stride(0), self.out_features, self.in_features, self.dtype_code,
+            packed.data_ptr(),
+        )  # fmt: skip
+        if status != 0:
+            raise ValueError(f"pd_linear_pack rejected a {tuple(weight.shape)} weight")
+        self.register_buffer("packed_weight", packed)
+        self.register_buffer("bias", None if bias is None else bias.detach().to(weight.dtype).contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in_features] -> [..., out_features]
+        if x.dim() != 2:
+            return self.forward(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
+        if x.shape[1] != self.in_features or DTYPE_CODES.get(x.dtype) != self.dtype_code:
+            raise ValueError(f"input {tuple(x.shape)} {x.dtype} does not fit {self.extra_repr()}")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+        bias = None if self.bias is None else self.bias.data_ptr()
+        with cpu_build.profiled("linear_cpu"):
+            status = _library().pd_linear(
+                x.data_ptr(), x.stride(0), self.packed_weight.data_ptr(), bias, out.data_ptr(),
+                out.stride(0), x.shape[0], self.out_features, self.in_features, self.dtype_code,
+                torch.get_num_threads(),
+            )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"pd_linear failed with status {status} (1: bad arguments, 3: unsupported)")
+        return out
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        )
 
 
 class PackedLinear(nn.Module):
@@ -57,14 +148,21 @@ class PackedLinear(nn.Module):
         )
 
 
-def pack_linears(module: nn.Module) -> int:
-    """Replaces every packable ``nn.Linear`` under ``module`` by a ``PackedLinear``; returns how many.
+def packed(linear: nn.Linear, kind: str = "invariant") -> nn.Module:
+    """``linear`` packed for ``kind`` (the caller checks ``can_pack`` first)."""
+    if kind == "onednn":
+        return PackedLinear(linear)
+    return InvariantLinear(linear.weight, linear.bias)
+
+
+def pack_linears(module: nn.Module, kind: str = "invariant") -> int:
+    """Replaces every packable ``nn.Linear`` under ``module`` by its packed form; returns how many.
     The plain weights are released, so the model's weights stay in memory once."""
     count = 0
     for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear) and can_pack(child):
-            setattr(module, name, PackedLinear(child))
+        if isinstance(child, nn.Linear) and can_pack(child, kind):
+            setattr(module, name, packed(child, kind))
             count += 1
         else:
-            count += pack_linears(child)
+            count += pack_linears(child, kind)
     return count

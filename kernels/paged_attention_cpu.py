@@ -1,8 +1,12 @@
 """Paged attention on the CPU: C kernels for one-token rows and for bfloat16 prompt chunks.
 
-Decode rows (sequences with one new token) go to ``csrc/paged_decode_cpu.c``, which reads each
+In bfloat16 on a CPU with AVX512-BF16, decode rows (sequences with one new token) and prompt chunks
+both run ``csrc/paged_prefill_cpu.c``'s arithmetic (a decode row is a one-token chunk), so a
+position's attention is the same to the bit in a decode step, in a prompt chunk of any size, alone
+or in any batch. Other decode rows go to ``csrc/paged_decode_cpu.c``, which reads each
 sequence's keys and values in place through its block table: no gathered copy, no float32 copy of
-the cache, no padding to the longest sequence, and a row's result does not depend on the batch.
+the cache, no padding to the longest sequence, and a row's result does not depend on the batch (but
+differs in the last bits from a prompt chunk's).
 Prompt chunks in bfloat16 on a CPU with AVX512-BF16 go to ``csrc/paged_prefill_cpu.c``: it packs the
 sequence's keys and values once through the block table and runs tiled Q K^T, an exact softmax and
 P V on VDPBF16PS, four to seven times PyTorch's fused CPU attention. Float32 chunks go to its plain-C
@@ -55,6 +59,11 @@ def _prefill_library(dtype: torch.dtype) -> ctypes.CDLL | None:
         lib.attention = fn
         getattr(lib, ok_name).argtypes = [i32]
         lib.supported = getattr(lib, ok_name)
+        if hasattr(lib, "pd_paged_decode_rows"):
+            lib.pd_paged_decode_rows.argtypes = [
+                p, i64, p, p, p, i64, p, p, p, p, i32, i32, i32, i32, i32, ctypes.c_float, i32,
+            ]  # fmt: skip
+            lib.pd_paged_decode_rows.restype = ctypes.c_int
     return lib
 
 
@@ -108,6 +117,19 @@ def decode_rows(
         q = q.contiguous()
     rows = meta.single_query_rows
     tables = meta.block_tables
+    if prefill_supported(q, kv_cache) and hasattr(_prefill_library(q.dtype), "pd_paged_decode_rows"):
+        # bfloat16: the prompt kernel's own arithmetic, so a position's result is the same in a decode
+        # step as in any prompt chunk (a failover's re-prefill, a chunked prompt, a cache hit)
+        with cpu_build.profiled("paged_decode_rows_cpu"):
+            status = _prefill_library(q.dtype).pd_paged_decode_rows(
+                q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), tables.data_ptr(),
+                tables.stride(0), rows.token.data_ptr(), rows.seq.data_ptr(), rows.ctx_len.data_ptr(),
+                out.data_ptr(), len(rows.seqs_host), q.shape[1], kv_heads, head_dim, block_size, scale,
+                torch.get_num_threads(),
+            )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"paged_decode_rows failed with status {status} (1: bad arguments, 2: memory)")
+        return
     with cpu_build.profiled("paged_decode_cpu"):
         status = _library().pd_paged_decode_attention(
             q.data_ptr(),

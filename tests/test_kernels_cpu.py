@@ -16,7 +16,7 @@ from pdfabric.kernels import cpu_build, dispatch, paged_attention
 from pdfabric.kernels.attention_ref import paged_attention_ref, store_kv_ref
 from pdfabric.kernels.layer_ops_cpu import can_store_kv, rms_norm_cpu, rope_cpu, silu_mul_cpu, store_kv_cpu
 from pdfabric.kernels.layer_ops_ref import rms_norm_ref, rope_ref, silu_mul_ref
-from pdfabric.kernels.linear_cpu import PackedLinear, can_pack, pack_linears
+from pdfabric.kernels.linear_cpu import LINEAR_KINDS, InvariantLinear, can_pack, pack_linears, packed
 from pdfabric.kernels.paged_attention_cpu import (
     paged_attention_cpu,
     prefill_rows,
@@ -150,6 +150,35 @@ def test_prefill_kernel_reads_strided_queries_and_ignores_the_thread_count(dtype
     assert_close(runs[0], paged_attention_ref(q, kv, meta, 0.125))
 
 
+@pytest.mark.parametrize(
+    "shape", [(9, 3, 64, 16), (16, 8, 64, 16), (8, 2, 128, 16), (4, 4, 64, 4), (16, 1, 64, 1)]
+)
+def test_a_decode_row_equals_the_same_position_in_any_prompt_chunk(shape: tuple) -> None:
+    """Bit for bit, in bfloat16: the attention of the last token of a sequence is the same computed as a
+    decode row (alone or among others) as inside a prompt chunk of any length ending there, so a
+    sequence's KV and logits do not depend on how its tokens were split into steps (chunked prefill, a
+    prefix-cache hit, a failover's re-prefill of prompt and streamed tokens)."""
+    q_heads, kv_heads, head_dim, block = shape
+    seq_len = 150  # past two 64-key panels and not a multiple of 16
+    q, kv, meta = make_batch([seq_len], [seq_len], q_heads, kv_heads, head_dim, block, torch.bfloat16, seed=4)
+    _need_prefill_kernel(q, kv)
+    table = meta.block_tables[0].tolist()
+    build = type(meta).build
+    for last in (seq_len, 149, 97, 64, 17, 1):  # the position whose row is compared
+        want = None
+        for chunk in (1, 2, 15, 16, 33, last):
+            if chunk > last:
+                continue
+            chunk_meta = build([chunk], [last], [table], block)
+            got = paged_attention_cpu(q[last - chunk : last], kv, chunk_meta, 0.125)[-1]
+            want = got if want is None else want
+            assert torch.equal(got, want), (last, chunk)
+        # and as one decode row among others of other lengths
+        rows = build([1, 1, 1], [5, last, 120], [table, table, table], block)
+        batched = paged_attention_cpu(torch.stack([q[4], q[last - 1], q[119]]), kv, rows, 0.125)
+        assert torch.equal(batched[1], want), last
+
+
 def test_prefill_kernel_declines_what_it_cannot_do() -> None:
     # bfloat16 head_dim 32 is below one 64-dim register block, float32 head_dim 8 below a 16-float
     # vector; float16 has no kernel. They take SDPA.
@@ -271,35 +300,75 @@ def test_a_failing_build_falls_back(fresh_build: Path, monkeypatch: pytest.Monke
     assert not list(fresh_build.glob("*.so"))
 
 
+@pytest.mark.parametrize("kind", LINEAR_KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_linear(dtype: torch.dtype, bias: bool) -> None:
+def test_packed_linear_matches_linear(kind: str, dtype: torch.dtype, bias: bool) -> None:
     torch.manual_seed(0)
-    layer = nn.Linear(96, 80, bias=bias).to(dtype)
-    if not can_pack(layer):
-        pytest.skip(f"{dtype} layers are not packed on this CPU")
-    packed = PackedLinear(layer)
-    for rows in (1, 7, 64):
-        x = torch.randn(rows, 96, dtype=dtype)
+    # 80 outputs: one full 64-column panel and a part one; 97 inputs: an odd count (a bfloat16 pair short)
+    layer = nn.Linear(97, 80, bias=bias).to(dtype)
+    if not can_pack(layer, kind):
+        pytest.skip(f"{dtype} layers are not packed for {kind} on this CPU")
+    packed_layer = packed(layer, kind)
+    for rows in (1, 7, 64, 200):
+        x = torch.randn(rows, 97, dtype=dtype)
+        bias_ = None if layer.bias is None else layer.bias.double()
+        want = F.linear(x.double(), layer.weight.double(), bias_)
         tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
-        torch.testing.assert_close(packed(x), F.linear(x, layer.weight, layer.bias), **tol)
+        torch.testing.assert_close(packed_layer(x).double(), want, **tol)
 
 
-def test_pack_linears_replaces_every_linear_and_keeps_the_output() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_invariant_linear_gives_a_row_the_same_bits_in_any_batch(dtype: torch.dtype) -> None:
+    """A row's output alone, among 2 to 300 rows (several register tiles and row blocks), at any offset
+    and on one or two threads is the same to the bit: its sum never changes order. oneDNN fails this
+    for a 1536-input projection (the row alone is summed in another order than in a batch)."""
+    torch.manual_seed(0)
+    layer = nn.Linear(1536, 200).to(dtype)
+    if not can_pack(layer, "invariant"):
+        pytest.skip(f"{dtype} layers are not packed on this CPU")
+    packed_layer = InvariantLinear(layer.weight, layer.bias)
+    x = torch.randn(300, 1536, dtype=dtype)
+    alone = torch.cat([packed_layer(x[i : i + 1]) for i in range(300)])
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for start, rows in ((0, 2), (5, 7), (1, 33), (0, 97), (3, 200), (0, 300)):
+                got = packed_layer(x[start : start + rows])
+                assert torch.equal(got, alone[start : start + rows]), (count, start, rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_invariant_linear_rejects_an_input_that_does_not_fit() -> None:
+    layer = nn.Linear(32, 16)
+    if not can_pack(layer, "invariant"):
+        pytest.skip("the linear kernel cannot be built here")
+    packed_layer = InvariantLinear(layer.weight, layer.bias)
+    with pytest.raises(ValueError, match="does not fit"):
+        packed_layer(torch.randn(3, 31))
+    with pytest.raises(ValueError, match="does not fit"):
+        packed_layer(torch.randn(3, 32, dtype=torch.float64))
+    assert packed_layer(torch.randn(2, 5, 32)).shape == (2, 5, 16)
+
+
+@pytest.mark.parametrize("kind", LINEAR_KINDS)
+def test_pack_linears_replaces_every_linear_and_keeps_the_output(kind: str) -> None:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(32, 48), nn.SiLU(), nn.Sequential(nn.Linear(48, 16, bias=False)))
-    if not can_pack(net[0]):
-        pytest.skip("float32 layers are not packed here (no oneDNN)")
+    if not can_pack(net[0], kind):
+        pytest.skip(f"float32 layers are not packed for {kind} here")
     x = torch.randn(5, 32)
     with torch.inference_mode():
         want = net(x)
-        assert pack_linears(net) == 2
+        assert pack_linears(net, kind) == 2
         assert not any(isinstance(m, nn.Linear) for m in net.modules())
         torch.testing.assert_close(net(x), want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(
-    "name", ["paged_decode_cpu", "paged_prefill_cpu", "paged_prefill_f32_cpu", "layer_ops_cpu"]
+    "name", ["paged_decode_cpu", "paged_prefill_cpu", "paged_prefill_f32_cpu", "layer_ops_cpu", "linear_cpu"]
 )
 def test_the_c_source_compiles_without_warnings(tmp_path: Path, name: str) -> None:
     """The runtime build tolerates warnings (a newer compiler must not turn the kernel off), so this

@@ -10,8 +10,10 @@
  *      then an exact softmax per row (its causal limit applied), then P V with P in bfloat16;
  *   3. the output row is divided by the row's float32 sum and rounded to bfloat16.
  * A tile sees all its keys at once (scores for 2 x 16 rows of a 2048-token prompt are 256 KiB, in
- * L2), so there is no online rescaling, and every sum has a fixed order: the result does not depend
- * on the thread count.
+ * L2), so there is no online rescaling, and every sum has a fixed order: a row's result depends only
+ * on its query and the keys and values it sees, not on the chunk around it nor the thread count.
+ * pd_paged_decode_rows runs decode rows through the same steps as one-token chunks, so a position
+ * gets the same bits whether it was decoded or prefilled.
  *
  * Layouts (element strides):
  *   q:      [q_len, q_heads, head_dim] bfloat16, token stride q_stride, heads contiguous
@@ -102,22 +104,91 @@ typedef struct {
 static inline int64_t kp_size(const job_t *j) { return j->keys_padded * (j->head_dim / 2); }
 static inline int64_t vp_size(const job_t *j) { return j->keys_padded / 2 * j->head_dim; }
 
-/* Step 1 for kv head h: keys to panels [key / PANEL][dim pair][key % PANEL], values to
- * [key pair][dim] with the even key in the low half; zeros past seq_len. */
-static void pack_head(const job_t *j, int h) {
-    const int d = j->head_dim, pairs = d / 2;
-    uint32_t *kp = j->kp + h * kp_size(j), *vp = j->vp + h * vp_size(j);
-    memset(kp, 0, (size_t)kp_size(j) * sizeof *kp);
-    memset(vp, 0, (size_t)vp_size(j) * sizeof *vp);
-    for (int t = 0; t < j->seq_len; t++) {
-        const int64_t row = ((int64_t)j->table[t / j->block_size] * j->block_size + t % j->block_size) *
-                                j->kv_heads + h;
-        const uint32_t *krow = (const uint32_t *)(j->k + row * d);
+/* The 16 x 16 transpose of 32-bit words: r[i] holds row i on entry and column i on return. */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* u[4i + c]'s 128-bit lane L: column 4L + c of rows 4i .. 4i + 3 */
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        const __m512i x0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), x1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);
+        const __m512i y0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+        const __m512i y1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
+        r[c] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+        r[4 + c] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+        r[8 + c] = _mm512_shuffle_i32x4(x0, y0, 0xdd);
+        r[12 + c] = _mm512_shuffle_i32x4(x1, y1, 0xdd);
+    }
+}
+
+/* Where token t's row of kv head h starts in the cache (in elements). */
+static inline int64_t cache_row(const job_t *j, int t, int h) {
+    return (((int64_t)j->table[t / j->block_size] * j->block_size + t % j->block_size) * j->kv_heads + h) *
+           j->head_dim;
+}
+
+/* Asks for the cache lines of tokens [t, t + 16) before n, every kv head's: block tables scatter a
+ * sequence over memory, so the hardware prefetcher loses the stream at each block. A decode row packs
+ * its heads one after the other, so the first head's pass brings the others' rows along. */
+static inline void prefetch_rows(const job_t *j, const uint16_t *base, int t, int n) {
+    const int64_t bytes = (int64_t)j->kv_heads * j->head_dim * 2;
+    for (int u = t; u < t + 16 && u < n; u++) {
+        const char *row = (const char *)(base + cache_row(j, u, 0));
+        for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(row + off, 0, 3);
+    }
+}
+
+/* Step 1 for kv head h into kp and vp: keys to panels [key / PANEL][dim pair][key % PANEL], values to
+ * [key pair][dim] with the even key in the low half; zeros past seq_len. Sixteen keys that share a
+ * cache block go through a register transpose, two values' rows through one interleave. */
+static void pack_head(const job_t *j, int h, uint32_t *kp, uint32_t *vp) {
+    const int d = j->head_dim, pairs = d / 2, n = j->seq_len;
+    const int64_t key_words = (int64_t)(n + PANEL - 1) / PANEL * PANEL * pairs;
+    memset(kp + (int64_t)n / PANEL * PANEL * pairs, 0, (size_t)(key_words - (int64_t)n / PANEL * PANEL * pairs) * 4);
+    int t = 0;
+    for (; t + 16 <= n && j->block_size % 16 == 0; t += 16) { /* 16 keys, all in one block */
+        if (h == 0) prefetch_rows(j, j->k, t + 16, n);
+        const uint32_t *rows = (const uint32_t *)(j->k + cache_row(j, t, h));
+        const int64_t stride = (int64_t)j->kv_heads * pairs; /* words from one token's row to the next */
+        uint32_t *panel = kp + (int64_t)(t / PANEL) * PANEL * pairs + t % PANEL;
+        for (int p0 = 0; p0 < pairs; p0 += 16) {
+            __m512i r[16];
+            for (int u = 0; u < 16; u++) r[u] = _mm512_loadu_si512(rows + u * stride + p0);
+            transpose16(r);
+            for (int p = 0; p < 16; p++) _mm512_storeu_si512(panel + (int64_t)(p0 + p) * PANEL, r[p]);
+        }
+    }
+    for (; t < n; t++) { /* the rest one key at a time */
+        const uint32_t *krow = (const uint32_t *)(j->k + cache_row(j, t, h));
         uint32_t *panel = kp + (int64_t)(t / PANEL) * PANEL * pairs + t % PANEL;
         for (int p = 0; p < pairs; p++) panel[p * PANEL] = krow[p];
-        const uint16_t *vrow = j->v + row * d;
-        uint16_t *dst = (uint16_t *)(vp + (int64_t)(t / 2) * d) + (t & 1);
-        for (int c = 0; c < d; c++) dst[2 * c] = vrow[c];
+    }
+    /* values: words 0..15 of a 32-dim chunk take dims 0..15 of the even and odd key, words 16..31 the rest */
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                        37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int t2 = 0; t2 < j->keys_padded; t2 += 2) {
+        uint32_t *dst = vp + (int64_t)(t2 / 2) * d;
+        if (t2 >= n) {
+            memset(dst, 0, (size_t)d * 4);
+            continue;
+        }
+        if (h == 0 && t2 % 16 == 0) prefetch_rows(j, j->v, t2 + 16, n);
+        const uint16_t *even = j->v + cache_row(j, t2, h);
+        const uint16_t *odd = t2 + 1 < n ? j->v + cache_row(j, t2 + 1, h) : NULL;
+        for (int c = 0; c < d; c += 32) {
+            const __m512i a = _mm512_loadu_si512(even + c);
+            const __m512i b = odd ? _mm512_loadu_si512(odd + c) : _mm512_setzero_si512();
+            _mm512_storeu_si512(dst + c, _mm512_permutex2var_epi16(a, lo, b));
+            _mm512_storeu_si512(dst + c + 16, _mm512_permutex2var_epi16(a, hi, b));
+        }
     }
 }
 
@@ -166,9 +237,9 @@ static inline void pv_block(const uint32_t *p, int64_t ldp, int key_pairs, const
         for (int x = 0; x < 4; x++) _mm512_storeu_ps(o + m * ldo + c0 + 16 * x, acc[m][x]);
 }
 
-/* Step 2 and 3 for one work item: kv head h, query tokens [t0, t0 + TILE_TOKENS). */
-static void attend_tile(const job_t *j, int h, int t0, float *scores, uint16_t *probs, uint32_t *qpack,
-                        float *o, float *inv) {
+/* Step 2 and 3 for one work item: kv head h (packed in kp, vp), query tokens [t0, t0 + TILE_TOKENS). */
+static void attend_tile(const job_t *j, int h, int t0, const uint32_t *kp, const uint32_t *vp, float *scores,
+                        uint16_t *probs, uint32_t *qpack, float *o, float *inv) {
     const int d = j->head_dim, pairs = d / 2, group = j->q_heads / j->kv_heads;
     const int tokens = j->q_len - t0 < TILE_TOKENS ? j->q_len - t0 : TILE_TOKENS;
     const int rows = tokens * group, rows_padded = (rows + MR - 1) / MR * MR;
@@ -183,7 +254,6 @@ static void attend_tile(const job_t *j, int h, int t0, float *scores, uint16_t *
         const uint16_t *src = j->q + (int64_t)(t0 + r / group) * j->q_stride + (int64_t)(h * group + r % group) * d;
         memcpy(qpack + (int64_t)r * pairs, src, (size_t)d * sizeof *src);
     }
-    const uint32_t *kp = j->kp + h * kp_size(j), *vp = j->vp + h * vp_size(j);
     for (int m = 0; m < rows_padded; m += MR)
         for (int b = 0; b < panels; b++)
             qk_block(qpack + (int64_t)m * pairs, pairs, kp + (int64_t)b * PANEL * pairs, j->scale,
@@ -235,7 +305,7 @@ int pd_paged_prefill_attention(const void *q, int64_t q_stride, const void *k, c
 #pragma omp parallel num_threads(threads) reduction(| : status)
     {
 #pragma omp for schedule(static)
-        for (int h = 0; h < kv_heads; h++) pack_head(&job, h);
+        for (int h = 0; h < kv_heads; h++) pack_head(&job, h, job.kp + h * kp_size(&job), job.vp + h * vp_size(&job));
         float *scores = (float *)malloc(rows_padded * (lds * sizeof(float) + lds * sizeof(uint16_t) +
                                                        (size_t)head_dim * (2 + sizeof(float)) + sizeof(float)));
         if (scores == NULL) status = 2;
@@ -248,7 +318,9 @@ int pd_paged_prefill_attention(const void *q, int64_t q_stride, const void *k, c
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < kv_heads * tiles; item++) {
             const int h = item / tiles, tile = tiles - 1 - item % tiles;
-            if (scores != NULL) attend_tile(&job, h, tile * TILE_TOKENS, scores, probs, qpack, o, inv);
+            if (scores != NULL)
+                attend_tile(&job, h, tile * TILE_TOKENS, job.kp + h * kp_size(&job), job.vp + h * vp_size(&job),
+                            scores, probs, qpack, o, inv);
         }
         free(scores);
     }
@@ -256,6 +328,72 @@ int pd_paged_prefill_attention(const void *q, int64_t q_stride, const void *k, c
     return status;
 #else
     (void)q, (void)k, (void)v, (void)table, (void)out, (void)scale, (void)threads;
+    return 3;
+#endif
+}
+
+/* Decode rows with this kernel's arithmetic: row r is token row_token[r] of q, the last of the
+ * ctx_lens[r] cached tokens of sequence row_seq[r] (block table tables[row_seq[r]]). For each of a
+ * row's kv heads, its thread packs the head's keys and values into scratch and runs the
+ * tile of a one-token chunk, so a decode row gets to the bit what a prompt chunk ending at the same
+ * token gets: a sequence's KV and logits do not depend on how its tokens were split into steps.
+ * Layouts as pd_paged_decode_attention's (paged_decode_cpu.c); bfloat16 only. Returns 0 on success,
+ * 1 on bad arguments, 2 when memory could not be had, 3 when this CPU or head_dim is not supported. */
+int pd_paged_decode_rows(const void *q, int64_t q_stride, const void *k, const void *v, const int32_t *tables,
+                         int64_t tables_stride, const int32_t *row_token, const int32_t *row_seq,
+                         const int32_t *ctx_lens, void *out, int rows, int q_heads, int kv_heads, int head_dim,
+                         int block_size, float scale, int threads) {
+    if (rows < 0 || kv_heads <= 0 || q_heads % kv_heads != 0 || q_heads / kv_heads > MAX_GROUP ||
+        block_size <= 0 || q_stride < (int64_t)q_heads * head_dim)
+        return 1;
+    if (!pd_prefill_supported(head_dim)) return 3;
+#ifdef HAVE_AVX512_BF16
+    int longest = 0;
+    for (int r = 0; r < rows; r++) {
+        if (ctx_lens[r] <= 0) return 1;
+        if (ctx_lens[r] > longest) longest = ctx_lens[r];
+    }
+    if (threads < 1) threads = 1;
+    /* A row's kv heads go to one thread, one after the other, so its tokens' cache lines (all heads of a
+     * token lie together) come from memory once; with fewer rows than threads, each head is an item. */
+    const int parts = rows >= threads ? 1 : kv_heads, items = rows * parts;
+    const int group = q_heads / kv_heads, rows_padded = (group + MR - 1) / MR * MR;
+    if (items < threads) threads = items > 0 ? items : 1;
+    const size_t lds = (size_t)(longest + PANEL - 1) / PANEL * PANEL;
+    const size_t packed = lds * (size_t)head_dim; /* words of packed keys plus packed values */
+    const size_t tile = rows_padded * (lds * sizeof(float) + lds * sizeof(uint16_t) +
+                                       (size_t)head_dim * (2 + sizeof(float)) + sizeof(float));
+    int status = 0;
+#pragma omp parallel num_threads(threads) reduction(| : status)
+    {
+        uint32_t *kp = (uint32_t *)malloc(packed * sizeof(uint32_t) + tile);
+        if (kp == NULL) status = 2;
+        uint32_t *vp = kp + lds * (size_t)head_dim / 2;
+        float *scores = (float *)(vp + lds * (size_t)head_dim / 2);
+        uint16_t *probs = (uint16_t *)(scores + rows_padded * lds);
+        uint32_t *qpack = (uint32_t *)(probs + rows_padded * lds);
+        float *o = (float *)(qpack + rows_padded * (size_t)head_dim / 2);
+        float *inv = o + rows_padded * (size_t)head_dim;
+#pragma omp for schedule(static)
+        for (int item = 0; item < items; item++) {
+            const int r = item / parts, h0 = parts == 1 ? 0 : item % parts, h1 = parts == 1 ? kv_heads : h0 + 1;
+            const int n = ctx_lens[r];
+            const job_t job = {(const uint16_t *)q + (int64_t)row_token[r] * q_stride, k, v,
+                               tables + (int64_t)row_seq[r] * tables_stride,
+                               (uint16_t *)out + (int64_t)row_token[r] * q_heads * head_dim, q_stride, 1, n, q_heads,
+                               kv_heads, head_dim, block_size, scale, (int64_t)(n + PANEL - 1) / PANEL * PANEL,
+                               NULL, NULL};
+            for (int h = h0; h < h1 && kp != NULL; h++) {
+                pack_head(&job, h, kp, vp);
+                attend_tile(&job, h, 0, kp, vp, scores, probs, qpack, o, inv);
+            }
+        }
+        free(kp);
+    }
+    return status;
+#else
+    (void)q, (void)q_stride, (void)k, (void)v, (void)tables, (void)tables_stride, (void)row_token, (void)row_seq;
+    (void)ctx_lens, (void)out, (void)scale, (void)threads;
     return 3;
 #endif
 }

@@ -1,0 +1,123 @@
+"""Batch-invariant numerics on a real model in bfloat16: SmolLM2-135M-Instruct (30 layers, 9 query and
+3 KV heads, a 49,152-token vocabulary, a tied head).
+
+A sequence's logits are the same to the bit whatever it is computed with: alone or in a batch of any
+size and order, beside a long prompt chunk, its prompt in one chunk or many, its prefix computed or
+taken from the cache, a token decoded or prefilled (a failover re-prefills prompt and streamed tokens
+on another worker). Float32 and a tiny vocabulary hide reduction-order differences; this does not.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from pdfabric.engine.default_model import resolve_model
+from pdfabric.engine.loader import load_model
+from pdfabric.engine.runner import ModelRunner, StepEntry
+from tests.test_gguf import packaged
+
+pytestmark = packaged
+BLOCK = 16
+SEQ_BLOCKS = 40  # blocks a test sequence may use: 640 tokens
+
+
+@pytest.fixture(scope="module")
+def runner() -> ModelRunner:
+    model = load_model(resolve_model("smollm2-135m"), None)
+    if model.model.norm.weight.dtype != torch.bfloat16:
+        pytest.skip("bfloat16 is computed in float32 on a CPU without native bfloat16")
+    return ModelRunner(model, num_blocks=24 * SEQ_BLOCKS, block_size=BLOCK)
+
+
+class Tables:
+    """Hands out disjoint block tables (a sequence's own blocks), in scattered order like a pool's."""
+
+    def __init__(self) -> None:
+        self.free = list(range(24 * SEQ_BLOCKS))
+        random.Random(3).shuffle(self.free)
+
+    def take(self) -> tuple[int, ...]:
+        table, self.free = self.free[:SEQ_BLOCKS], self.free[SEQ_BLOCKS:]
+        return tuple(table)
+
+
+@pytest.fixture
+def tables() -> Iterator[Tables]:
+    yield Tables()
+
+
+def prompts(count: int, seed: int = 0) -> list[tuple[int, ...]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [23 + 29 * i % 140 for i in range(count)]
+    return [tuple(torch.randint(0, 49152, (n,), generator=gen).tolist()) for n in lengths]
+
+
+def prefill(
+    runner: ModelRunner, prompt: tuple[int, ...], table: tuple[int, ...], chunks: list[int]
+) -> torch.Tensor:
+    """Prefills ``prompt`` in chunks of the given sizes (the last takes the rest); its last logits."""
+    done = 0
+    for size in chunks:
+        runner.step([StepEntry(prompt[done : done + size], done, table, needs_logits=False)])
+        done += size
+    return runner.step([StepEntry(prompt[done:], done, table)])[0]
+
+
+def test_prompts_alone_and_batched_in_any_size_and_order(runner: ModelRunner, tables: Tables) -> None:
+    ps = prompts(6)
+    alone = [prefill(runner, p, tables.take(), []) for p in ps]
+    for order in ([0, 1], [5, 2, 0], [3, 1, 4, 0, 5, 2]):
+        got = runner.step([StepEntry(ps[i], 0, tables.take()) for i in order])
+        for row, i in enumerate(order):
+            assert torch.equal(got[row], alone[i]), (order, i)
+
+
+def test_a_prompt_in_any_chunks_and_after_a_cache_hit(runner: ModelRunner, tables: Tables) -> None:
+    prompt = prompts(1, seed=1)[0] * 4  # 92 tokens
+    want = prefill(runner, prompt, tables.take(), [])
+    for chunks in ([1], [16], [37, 20], [5, 5, 5, 5, 50], [90]):
+        assert torch.equal(prefill(runner, prompt, tables.take(), chunks), want), chunks
+    # a cache hit: the first 64 tokens' blocks were computed by another sequence, this one reuses them
+    other, mine = tables.take(), tables.take()
+    runner.step([StepEntry(prompt[:64] + (7, 8, 9), 0, other, needs_logits=False)])
+    shared = other[:4] + mine[4:]
+    assert torch.equal(runner.step([StepEntry(prompt[64:], 64, shared)])[0], want)
+
+
+def test_decoded_tokens_equal_a_re_prefill_of_prompt_and_output(runner: ModelRunner, tables: Tables) -> None:
+    """A failover's recovery: the surviving stream is re-prefilled elsewhere as prompt + tokens so far
+    and must continue as the fault-free stream would."""
+    ps = prompts(5, seed=2)
+    seqs = [(p, tables.take()) for p in ps]
+    first = runner.step([StepEntry(p, 0, t) for p, t in seqs])
+    outputs = [[int(row.argmax())] for row in first]
+    decoded = []
+    for _ in range(8):  # decode all five together, as a decode worker does
+        entries = [
+            StepEntry((out[-1],), len(p) + len(out) - 1, t) for (p, t), out in zip(seqs, outputs, strict=True)
+        ]
+        decoded = runner.step(entries)
+        for out, row in zip(outputs, decoded, strict=True):
+            out.append(int(row.argmax()))
+    for (p, _), out, logits in zip(seqs, outputs, decoded, strict=True):
+        again = prefill(runner, p + tuple(out[:-1]), tables.take(), [])
+        assert torch.equal(again, logits)
+
+
+def test_decode_rows_beside_a_long_prompt_chunk(runner: ModelRunner, tables: Tables) -> None:
+    """Colocated steps mix decode rows with a prompt chunk of hundreds of tokens: the matmuls then see
+    600 rows instead of 4, and a row's sums must not change with them."""
+    ps = prompts(4, seed=3)
+    seqs = [(p, tables.take()) for p in ps]
+    for p, t in seqs:
+        runner.step([StepEntry(p[:-1], 0, t, needs_logits=False)])
+    alone = [runner.step([StepEntry(p[-1:], len(p) - 1, t)])[0] for p, t in seqs]
+    long_prompt = prompts(1, seed=4)[0] * 30
+    entries = [StepEntry(p[-1:], len(p) - 1, t) for p, t in seqs]
+    mixed = runner.step(entries[:2] + [StepEntry(long_prompt[:600], 0, tables.take())] + entries[2:])
+    for row, want in zip((0, 1, 3, 4), alone, strict=True):
+        assert torch.equal(mixed[row], want)
