@@ -50,22 +50,39 @@ def sample(
 ) -> list[Sampled]:
     """One token per row of ``logits`` ``[S, vocab]`` (float32); ``indices[s]`` is the output index of
     the token being sampled for row ``s`` (0 for the first token after the prompt). ``histories[s]`` is
-    needed for a row whose parameters change its logits (``SamplingParams.changes_logits``)."""
-    logprobs = torch.log_softmax(logits, dim=-1)  # [S, vocab]: the model's own, before any change
-    out: list[Sampled] = []
+    needed for a row whose parameters change its logits (``SamplingParams.changes_logits``).
+
+    A large vocabulary is read a few times per row, never copied whole: the greedy rows' tokens come
+    from one batched argmax, each row's log-probabilities from one log-normaliser (``logsumexp``), top
+    log-probabilities and top-k / top-p from partial sorts (``_sample_row``)."""
+    scores = logits
+    if any(p.changes_logits for p in params):
+        scores = logits.clone()
+        for row, (p, index) in enumerate(zip(params, indices, strict=True)):
+            if p.changes_logits:
+                history = histories[row] if histories is not None else None
+                if history is None:
+                    raise ValueError("penalties, logit_bias and min_tokens need the row's token history")
+                scores[row] = process_logits(logits[row], p, index, history)
+    tokens = [0] * len(params)
+    greedy = [row for row, p in enumerate(params) if p.greedy]
+    if greedy:
+        rows = scores if len(greedy) == len(params) else scores[greedy]
+        for row, token in zip(greedy, rows.argmax(dim=-1).tolist(), strict=True):
+            tokens[row] = token
     for row, (p, index) in enumerate(zip(params, indices, strict=True)):
-        scores = logits[row]
-        if p.changes_logits:
-            history = histories[row] if histories is not None else None
-            if history is None:
-                raise ValueError("penalties, logit_bias and min_tokens need the row's token history")
-            scores = process_logits(scores, p, index, history)
-        token = int(scores.argmax()) if p.greedy else _sample_row(scores, p, index)
+        if not p.greedy:
+            tokens[row] = _sample_row(scores[row], p, index)
+    # The model's own log-probabilities, before any change: logit minus the row's log-normaliser.
+    norms = torch.logsumexp(logits, dim=-1).tolist()  # [S]
+    chosen = logits.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
+    out: list[Sampled] = []
+    for row, p in enumerate(params):
         top: tuple[tuple[int, float], ...] = ()
         if p.logprobs:
-            values, ids = logprobs[row].topk(p.logprobs)
-            top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
-        out.append(Sampled(token, float(logprobs[row, token]), top))
+            values, ids = logits[row].topk(p.logprobs)
+            top = tuple(zip(ids.tolist(), (values - norms[row]).tolist(), strict=True))
+        out.append(Sampled(tokens[row], chosen[row] - norms[row], top))
     return out
 
 
@@ -114,21 +131,53 @@ def _ids(ids: Iterable[int], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(list(ids), dtype=torch.long, device=like.device)
 
 
+# Top-p without top-k looks for the nucleus among this many likeliest tokens first (partial sorts);
+# only a flatter distribution than that sorts the whole vocabulary.
+TOP_P_CANDIDATES = (64, 1024)
+
+
 def _sample_row(logits: torch.Tensor, p: SamplingParams, index: int) -> int:
     # logits: [vocab] float32
+    vocab = logits.numel()
     scaled = logits / p.temperature
-    if p.top_k and p.top_k < scaled.numel():
-        kth = scaled.topk(p.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
+    key = step_seed(choice_seed(p.seed, p.choice), index)
+    if p.top_k and p.top_k < vocab:
+        values, ids = scaled.topk(p.top_k)  # descending
+        probs = torch.softmax(values, dim=-1)  # renormalised over the k kept
+    elif p.top_p < 1.0:
+        norm = torch.logsumexp(scaled, dim=-1)
+        for count in (*TOP_P_CANDIDATES, vocab):  # the fewest likeliest tokens that hold the nucleus
+            values, ids = scaled.topk(count) if count < vocab else scaled.sort(descending=True)
+            probs = (values - norm).exp()
+            if count >= vocab or float(probs.sum()) >= p.top_p:
+                break
+    else:
+        ids = torch.arange(vocab, device=logits.device)
+        probs = torch.softmax(scaled, dim=-1)
     if p.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
-        sorted_probs[drop] = 0.0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    # The noise is always drawn on the CPU, so a seed gives the same tokens on CPU and GPU workers.
-    gen = torch.Generator().manual_seed(step_seed(choice_seed(p.seed, p.choice), index))
+        probs = probs.masked_fill(probs.cumsum(0) - probs >= p.top_p, 0.0)
     # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p without a cumsum search.
-    noise = torch.empty(probs.shape).exponential_(generator=gen).to(probs.device)
-    return int((probs / noise).argmax())
+    return int(ids[(probs / exponential_noise(key, ids)).argmax()])
+
+
+def exponential_noise(key: int, ids: torch.Tensor) -> torch.Tensor:
+    """Exp(1) noise for the token ids ``ids``, a function of (``key``, token id) alone: a seeded draw
+    is the same whichever candidates a row keeps, on any device and in any batch, and costs nothing
+    for the tokens it does not keep. Computed on the CPU (splitmix64 of key and id, 53 bits)."""
+    x = ids.to("cpu", torch.int64) * _signed(_GOLDEN) + _signed(key & 0xFFFFFFFFFFFFFFFF)
+    x = (x ^ _shift(x, 30)) * _signed(0xBF58476D1CE4E5B9)
+    x = (x ^ _shift(x, 27)) * _signed(0x94D049BB133111EB)
+    x = x ^ _shift(x, 31)
+    uniform = (_shift(x, 11).double() + 0.5) / 2.0**53  # in (0, 1)
+    return (-uniform.log()).float().to(ids.device)
+
+
+def _signed(value: int) -> int:
+    """A 64-bit pattern as the int64 that holds it (torch's int64 arithmetic wraps like uint64)."""
+    return value - 2**64 if value >= 2**63 else value
+
+
+def _shift(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """A logical right shift of int64 ``x`` (``>>`` on int64 keeps the sign)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)

@@ -123,3 +123,53 @@ def test_penalised_rows_need_their_history_and_logprobs_stay_the_models_own() ->
     model = torch.log_softmax(logits[0], -1)
     assert got.logprob == pytest.approx(float(model[0]))
     assert [t for t, _ in got.top_logprobs] == [1, 2]  # the model's own ranking, before the bias
+
+
+def _full_vocabulary_draw(logits: torch.Tensor, p: SamplingParams, index: int) -> int:
+    """The textbook draw over the whole vocabulary (mask, softmax, sort, cumulative sum), with the same
+    per-token noise: what the sampler's partial sorts must reproduce."""
+    from pdfabric.engine.sampler import choice_seed, exponential_noise, step_seed
+
+    scaled = logits / p.temperature
+    if p.top_k:
+        kth = scaled.topk(p.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled.double(), dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        sorted_probs[sorted_probs.cumsum(0) - sorted_probs >= p.top_p] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    key = step_seed(choice_seed(p.seed, p.choice), index)
+    return int((probs / exponential_noise(key, torch.arange(logits.numel())).double()).argmax())
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"top_k": 40},
+        {"top_p": 0.9},  # a peaked row: the nucleus lies within the first partial sort
+        {"top_p": 0.995},  # past it: a wider partial sort or the whole vocabulary
+        {"top_k": 200, "top_p": 0.7},
+        {},
+    ],
+)
+def test_partial_sorts_draw_what_the_whole_vocabulary_draws(kwargs: dict) -> None:
+    gen = torch.Generator().manual_seed(9)
+    vocab = 49152  # SmolLM2's
+    mismatches = 0
+    for seed in range(40):
+        row = torch.randn(vocab, generator=gen) * (4.0 if seed % 2 else 1.0)  # peaked and flat rows
+        p = SamplingParams(temperature=0.7, seed=seed, **kwargs)
+        got = sample(row[None], [p], [seed])[0].token_id
+        mismatches += got != _full_vocabulary_draw(row, p, seed)
+    assert mismatches == 0
+
+
+def test_noise_is_a_function_of_the_token_id_alone() -> None:
+    from pdfabric.engine.sampler import exponential_noise
+
+    full = exponential_noise(77, torch.arange(5000))
+    some = torch.tensor([4999, 3, 1024, 17])
+    assert torch.equal(exponential_noise(77, some), full[some])
+    assert not torch.equal(exponential_noise(78, some), full[some])
+    assert 0.95 < float(full.mean()) < 1.05 and float(full.min()) > 0
