@@ -332,6 +332,21 @@ int pd_paged_prefill_attention(const void *q, int64_t q_stride, const void *k, c
 #endif
 }
 
+/* A buffer of at least `bytes` that this thread keeps from call to call (decode steps come 30 times a
+ * step, and a fresh allocation of this size is a fresh mapping whose pages fault in on every call);
+ * NULL when it cannot grow. */
+static void *thread_scratch(size_t bytes) {
+    static __thread void *buffer = NULL;
+    static __thread size_t capacity = 0;
+    if (bytes > capacity) {
+        free(buffer);
+        capacity = bytes + bytes / 4;
+        buffer = malloc(capacity);
+        if (buffer == NULL) capacity = 0;
+    }
+    return buffer;
+}
+
 /* Decode rows with this kernel's arithmetic: row r is token row_token[r] of q, the last of the
  * ctx_lens[r] cached tokens of sequence row_seq[r] (block table tables[row_seq[r]]). For each of a
  * row's kv heads, its thread packs the head's keys and values into scratch and runs the
@@ -366,7 +381,7 @@ int pd_paged_decode_rows(const void *q, int64_t q_stride, const void *k, const v
     int status = 0;
 #pragma omp parallel num_threads(threads) reduction(| : status)
     {
-        uint32_t *kp = (uint32_t *)malloc(packed * sizeof(uint32_t) + tile);
+        uint32_t *kp = (uint32_t *)thread_scratch(packed * sizeof(uint32_t) + tile);
         if (kp == NULL) status = 2;
         uint32_t *vp = kp + lds * (size_t)head_dim / 2;
         float *scores = (float *)(vp + lds * (size_t)head_dim / 2);
@@ -388,7 +403,6 @@ int pd_paged_decode_rows(const void *q, int64_t q_stride, const void *k, const v
                 attend_tile(&job, h, 0, kp, vp, scores, probs, qpack, o, inv);
             }
         }
-        free(kp);
     }
     return status;
 #else
