@@ -332,6 +332,7 @@ int pd_paged_prefill_attention(const void *q, int64_t q_stride, const void *k, c
 #endif
 }
 
+#ifdef HAVE_AVX512_BF16
 /* A buffer of at least `bytes` that this thread keeps from call to call (decode steps come 30 times a
  * step, and a fresh allocation of this size is a fresh mapping whose pages fault in on every call);
  * NULL when it cannot grow. */
@@ -346,6 +347,7 @@ static void *thread_scratch(size_t bytes) {
     }
     return buffer;
 }
+#endif
 
 /* Decode rows with this kernel's arithmetic: row r is token row_token[r] of q, the last of the
  * ctx_lens[r] cached tokens of sequence row_seq[r] (block table tables[row_seq[r]]). For each of a

@@ -1,0 +1,32 @@
+"""`pdfabric bench engine` end to end on the tiny model: a run, its floors, its table and its JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_bench_engine_reports_both_phases_against_their_floors(tmp_path: Path) -> None:
+    linears = "onednn"  # the comparison kernel: the default one runs in every other engine test
+    out = tmp_path / "engine.json"
+    done = subprocess.run(
+        [
+            sys.executable, "-m", "pdfabric.cli", "bench", "engine", "--model", "tiny",
+            "--prefill-tokens", "16,48", "--batch-sizes", "1,3", "--context", "40", "--repeats", "1",
+            "--linears", linears, "--op-profile", "3", "--json", str(out),
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"linears {linears}" in done.stdout
+    r = json.loads(out.read_text())
+    assert r["linears"] == linears and r["read_bytes_per_s"] > 0 and r["gemm_flops"] > 0
+    assert [p["tokens"] for p in r["prefill"]] == [16, 48]
+    assert [d["batch"] for d in r["decode"]] == [1, 3]
+    assert all(d["floor_seconds"] > 0 and d["ratio_to_floor"] > 0 for d in r["decode"])
+    assert set(r["op_profile"]) == {"prefill 48 tokens", "decode batch 1", "decode batch 3"}
