@@ -75,7 +75,8 @@ def sample(
             tokens[row] = _sample_row(scores[row], p, index)
     # The model's own log-probabilities, before any change: logit minus the row's log-normaliser.
     norms = torch.logsumexp(logits, dim=-1).tolist()  # [S]
-    chosen = logits.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
+    chosen = logits.gather(1, torch.tensor(tokens, dtype=torch.long, device=logits.device)[:, None])
+    chosen = chosen[:, 0].tolist()
     out: list[Sampled] = []
     for row, p in enumerate(params):
         top: tuple[tuple[int, float], ...] = ()

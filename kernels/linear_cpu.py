@@ -100,21 +100,27 @@ class InvariantLinear(nn.Module):
             raise ValueError(f"pd_linear_pack rejected a {tuple(weight.shape)} weight")
         self.register_buffer("packed_weight", packed)
         self.register_buffer("bias", None if bias is None else bias.detach().to(weight.dtype).contiguous())
+        # Plain attributes for the hot path (a module's buffer lookup costs about a microsecond a call);
+        # buffers never move, and the model is not moved after packing (CPU only).
+        self._dtype = weight.dtype
+        self._weight_ptr = self.packed_weight.data_ptr()
+        self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
+        self._kernel = lib.pd_linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features]
         if x.dim() != 2:
             return self.forward(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
-        if x.shape[1] != self.in_features or DTYPE_CODES.get(x.dtype) != self.dtype_code:
+        rows, width = x.shape
+        if width != self.in_features or x.dtype != self._dtype:
             raise ValueError(f"input {tuple(x.shape)} {x.dtype} does not fit {self.extra_repr()}")
         if x.stride(1) != 1:
             x = x.contiguous()
-        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
-        bias = None if self.bias is None else self.bias.data_ptr()
+        out = torch.empty((rows, self.out_features), dtype=x.dtype)
         with cpu_build.profiled("linear_cpu"):
-            status = _library().pd_linear(
-                x.data_ptr(), x.stride(0), self.packed_weight.data_ptr(), bias, out.data_ptr(),
-                out.stride(0), x.shape[0], self.out_features, self.in_features, self.dtype_code,
+            status = self._kernel(
+                x.data_ptr(), x.stride(0), self._weight_ptr, self._bias_ptr, out.data_ptr(),
+                self.out_features, rows, self.out_features, self.in_features, self.dtype_code,
                 torch.get_num_threads(),
             )  # fmt: skip
         if status != 0:
