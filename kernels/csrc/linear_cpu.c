@@ -291,11 +291,20 @@ int pd_linear(const void *x, int64_t x_stride, const void *packed, const void *b
     const int64_t panels = (n + COLS - 1) / COLS, blocks = (m + ROW_BLOCK - 1) / ROW_BLOCK;
     const int64_t items = panels * blocks;
     if (threads < 1 || m * n * k < SERIAL_MACS) threads = 1;
-    /* Item i is row block i / panels and panel i % panels: with few rows, each thread streams its own
-     * contiguous run of panels; with many, the threads share the row blocks. */
+    /* Item i is row block i / panels and panel i % panels. With one row block, each thread streams its
+     * own contiguous run of panels; with several, items are handed out as threads come free, since the
+     * last row block is usually short (512 rows are five blocks of 96 and one of 32: split by count,
+     * one thread would get 22% fewer rows). Neither changes a sum's order. */
+    if (blocks == 1) {
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(threads) schedule(static)
 #endif
-    for (int64_t i = 0; i < items; i++) run_item(&job, i / panels, i % panels);
+        for (int64_t i = 0; i < items; i++) run_item(&job, 0, i);
+    } else {
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+#endif
+        for (int64_t i = 0; i < items; i++) run_item(&job, i / panels, i % panels);
+    }
     return 0;
 }
