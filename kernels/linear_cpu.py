@@ -6,8 +6,8 @@ Two kernels, one seam (``pack_linears``):
   a fixed order, whatever the number of rows, the thread count or the kind of step, so a token's
   logits are the same to the bit alone, in any batch, in a prefill chunk or a decode step. Measured on
   a 2-core AMD EPYC with AVX512-BF16 on SmolLM2-135M's shapes (``docs/engine.md``): faster than
-  oneDNN at 1 to 32 rows (it reads the weight panels at memory speed with no per-call set-up), 0 to
-  15% slower at 512 rows.
+  oneDNN at 1 to 32 rows (it reads the weight panels at memory speed with no per-call set-up), as
+  fast at 512 rows.
 - ``onednn``: the weight reordered once into oneDNN's blocked layout (the ops PyTorch's compiler uses
   when it freezes a model). oneDNN picks its blocking per shape; on SmolLM2's down projection
   (K = 1536) a row's sum changes with the rows beside it, so greedy text changed with the batch.
