@@ -12,6 +12,7 @@ imported. Kernel modules are imported on first use, so a CPU-only process never 
 from __future__ import annotations
 
 import functools
+from types import ModuleType
 
 import torch
 
@@ -63,11 +64,17 @@ def _use_cpu_attention(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
 
 
 def _use_cpu_layer_ops(x: torch.Tensor) -> bool:
-    if _backend not in ("auto", "cpu") or x.device.type != "cpu":
+    if _backend not in ("auto", "cpu") or not x.is_cpu:
         return False
-    from pdfabric.kernels.layer_ops_cpu import supports
+    return _layer_ops().supports(x)
 
-    return supports(x)
+
+@functools.cache
+def _layer_ops() -> ModuleType:
+    """``layer_ops_cpu``, imported on first use (a decode step asks about 150 times)."""
+    from pdfabric.kernels import layer_ops_cpu
+
+    return layer_ops_cpu
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

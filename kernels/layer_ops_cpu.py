@@ -31,12 +31,7 @@ def _library() -> ctypes.CDLL | None:
 def supports(x: torch.Tensor) -> bool:
     """Whether ``x`` can take these kernels: a CPU tensor of a supported dtype whose last dimension is
     contiguous, and a library that built on this machine."""
-    return (
-        x.device.type == "cpu"
-        and x.dtype in DTYPE_CODES
-        and x.stride(-1) == 1
-        and _library() is not None
-    )
+    return x.is_cpu and x.dtype in DTYPE_CODES and x.stride(-1) == 1 and _library() is not None
 
 
 def _check(status: int, name: str) -> None:
@@ -46,7 +41,8 @@ def _check(status: int, name: str) -> None:
 
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # x: [T, hidden] with contiguous rows; weight: [hidden] in x's dtype
-    weight = weight.to(x.dtype).contiguous()
+    if weight.dtype != x.dtype or not weight.is_contiguous():
+        weight = weight.to(x.dtype).contiguous()
     out = torch.empty(x.shape, dtype=x.dtype)
     with cpu_build.profiled("rms_norm_cpu"):
         status = _library().pd_rms_norm(
@@ -99,11 +95,14 @@ def store_kv_cpu(
     _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
     if value.stride(1) != head_dim or value.stride(2) != 1:
         value = value.contiguous()
-    slots = slot_mapping.to(torch.int64).contiguous()
+    slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.to(torch.int64)
+    slots = slots.contiguous()
+    keys = kv_cache.data_ptr()  # the cache is contiguous (can_store_kv): values start one half later
+    values = keys + kv_cache.stride(0) * kv_cache.element_size()
     with cpu_build.profiled("store_kv_cpu"):
         status = _library().pd_store_kv(
-            key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), kv_cache[0].data_ptr(),
-            kv_cache[1].data_ptr(), slots.data_ptr(), num_blocks * block_size, key.shape[0],
+            key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), keys,
+            values, slots.data_ptr(), num_blocks * block_size, key.shape[0],
             kv_heads * head_dim, key.element_size(), torch.get_num_threads(),
         )  # fmt: skip
     _check(status, "pd_store_kv")
