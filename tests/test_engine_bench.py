@@ -30,3 +30,11 @@ def test_bench_engine_reports_both_phases_against_their_floors(tmp_path: Path) -
     assert [d["batch"] for d in r["decode"]] == [1, 3]
     assert all(d["floor_seconds"] > 0 and d["ratio_to_floor"] > 0 for d in r["decode"])
     assert set(r["op_profile"]) == {"prefill 48 tokens", "decode batch 1", "decode batch 3"}
+
+
+def test_bench_names_the_linear_kernels_the_runner_knows() -> None:
+    """The bench spells the kinds out so that its --help imports no torch; they must stay the same."""
+    from pdfabric.bench.engine_bench import LINEAR_KINDS as bench_kinds
+    from pdfabric.kernels.linear_cpu import LINEAR_KINDS
+
+    assert bench_kinds == LINEAR_KINDS

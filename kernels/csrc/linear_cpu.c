@@ -156,7 +156,6 @@ static inline __attribute__((always_inline)) void tile_bf16(const job_t *j, int6
                                                             int64_t i1, float *acc, const int rows) {
     const int64_t kp = pairs_of(j->k), full = j->k / 2;
     const uint16_t *panel = (const uint16_t *)j->packed + p * kp * COLS * 2;
-    (void)kp;
     const pair_t *x[ROWS];
     for (int r = 0; r < rows; r++) x[r] = (const pair_t *)((const uint16_t *)j->x + (m0 + r) * j->x_stride);
     __m512 sum[ROWS][4];
@@ -230,30 +229,29 @@ static inline __attribute__((always_inline)) void tile_f32(const job_t *j, int64
 }
 #endif
 
-/* The register tile for `rows` rows over the inputs (pairs, in bfloat16) [i0, i1), continuing the sums
- * in `acc` unless i0 is 0. Its row count is a constant in each branch so that the sums stay in
- * registers; every branch adds each output's products in the same order. */
-static void tile(const job_t *j, int64_t m0, int rows, int64_t p, int64_t i0, int64_t i1, float *acc) {
+/* The register tile for `rows` (a constant after inlining) rows over the inputs (pairs, in bfloat16)
+ * [i0, i1), continuing the sums in `acc` unless i0 is 0. */
+static inline __attribute__((always_inline)) void tile_rows(const job_t *j, int64_t m0, int64_t p, int64_t i0,
+                                                            int64_t i1, float *acc, const int rows) {
 #ifdef HAVE_AVX512_BF16
     if (j->dtype == 1) {
-        switch (rows) {
-        case 1: tile_bf16(j, m0, p, i0, i1, acc, 1); break;
-        case 2: tile_bf16(j, m0, p, i0, i1, acc, 2); break;
-        case 3: tile_bf16(j, m0, p, i0, i1, acc, 3); break;
-        case 4: tile_bf16(j, m0, p, i0, i1, acc, 4); break;
-        case 5: tile_bf16(j, m0, p, i0, i1, acc, 5); break;
-        default: tile_bf16(j, m0, p, i0, i1, acc, 6); break;
-        }
+        tile_bf16(j, m0, p, i0, i1, acc, rows);
         return;
     }
 #endif
+    tile_f32(j, m0, p, i0, i1, acc, rows);
+}
+
+/* tile_rows with the row count made a constant in each branch, so that the sums stay in registers;
+ * every branch adds each output's products in the same order. */
+static void tile(const job_t *j, int64_t m0, int rows, int64_t p, int64_t i0, int64_t i1, float *acc) {
     switch (rows) {
-    case 1: tile_f32(j, m0, p, i0, i1, acc, 1); break;
-    case 2: tile_f32(j, m0, p, i0, i1, acc, 2); break;
-    case 3: tile_f32(j, m0, p, i0, i1, acc, 3); break;
-    case 4: tile_f32(j, m0, p, i0, i1, acc, 4); break;
-    case 5: tile_f32(j, m0, p, i0, i1, acc, 5); break;
-    default: tile_f32(j, m0, p, i0, i1, acc, 6); break;
+    case 1: tile_rows(j, m0, p, i0, i1, acc, 1); break;
+    case 2: tile_rows(j, m0, p, i0, i1, acc, 2); break;
+    case 3: tile_rows(j, m0, p, i0, i1, acc, 3); break;
+    case 4: tile_rows(j, m0, p, i0, i1, acc, 4); break;
+    case 5: tile_rows(j, m0, p, i0, i1, acc, 5); break;
+    default: tile_rows(j, m0, p, i0, i1, acc, 6); break;
     }
 }
 
