@@ -56,9 +56,11 @@ class DecodeCore(WorkerCore):
         rid = msg.request_id
         seq = Sequence(rid, msg.prompt_ids, msg.params, frozenset(msg.eos_token_ids), branches=msg.branches)
         reason = self.cannot_take(msg)
-        reserved = None if reason else self.scheduler.reserve(seq)
+        if reason:
+            return [Reserved(self.worker_id, rid, (), reason)]
+        reserved = self.scheduler.reserve(seq)
         if reserved is None:
-            return [Reserved(self.worker_id, rid, (), reason or "no free KV blocks")]
+            return [Reserved(self.worker_id, rid, (), "no free KV blocks", no_room=True)]
         table, cached = reserved
         sent = tuple(table[cached:])  # the cached prefix's KV is here already
         return [ExpectKV(rid, sent), Reserved(self.worker_id, rid, sent, cached_blocks=cached)]

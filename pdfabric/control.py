@@ -103,6 +103,7 @@ class Reserved:
     block_ids: tuple[int, ...]  # the blocks the prompt's KV goes into (after those it had cached)
     reason: str = ""
     cached_blocks: int = 0  # the prompt's leading blocks already in its prefix cache: not to be sent
+    no_room: bool = False  # refused for want of free blocks now (worth asking again), not for good
 
 
 @message(6)

@@ -12,7 +12,10 @@ and act on the effects it returns; neither keeps decisions of its own. A request
    disaggregated pair the decode worker is asked to ``Reserve`` blocks and, on a ``Reserved`` reply
    with blocks, the prefill worker gets ``Prefill`` with them. Either way the request is ``Started``.
    A decode worker that refuses, does not answer within ``reserve_timeout_s`` or is gone moves the
-   request to its next route; with none left it is ``Refused`` (503) with every route's reason.
+   request to its next route; with none left it is ``Refused`` (503) with every route's reason, unless
+   a refusal was for want of free blocks (``Reserved.no_room``): the router's view of that worker was
+   stale, so the request asks admission again when the worker next reports (or a worker joins or
+   leaves) and then starts, waits for room or is refused with a 429, a failover's attempt included.
 3. Token deltas come out as ``Deliver`` in output order, each index once, the last with its finish
    reason.
 4. Failover: when a worker holding a started request dies (``worker_gone``) or reports an error (a
@@ -91,6 +94,7 @@ class RouterCore:
         self._requests: dict[str, RouterRequest] = {}
         self._wire: dict[str, RouterRequest] = {}  # every attempt's wire id -> its request
         self._timeouts: list[tuple[float, str, str]] = []  # (deadline, wire id, decode worker id)
+        self._await_report: set[str] = set()  # attempts every route refused for want of KV blocks
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -146,6 +150,7 @@ class RouterCore:
             return []
         out: list[Effect] = []
         self.routing.queue.cancel(req.wire_id)
+        self._await_report.discard(req.wire_id)
         self._forget(req)
         self._drop_attempt(req, abort_reason, out)
         self._poll(out)
@@ -191,10 +196,14 @@ class RouterCore:
                 out.append(Transferred(req.request_id, msg))
             self._poll(out)
         elif isinstance(msg, Heartbeat):
+            info = self.registry.workers.get(msg.worker_id)
+            refused_before = info is not None and info.out_of_blocks
             if not self.registry.heartbeat(msg):  # this router restarted, or gave the worker up
                 out.append(Send(msg.worker_id, Reregister("the router does not know this worker")))
             else:
                 self.routing.on_heartbeat(msg.worker_id, msg.received)
+                if refused_before:
+                    self._reports_changed(out)
                 self._poll(out)
         elif isinstance(msg, Reserved):
             self._on_reserved(msg, out)
@@ -202,6 +211,7 @@ class RouterCore:
             if msg.worker_id in self.registry.workers:  # a new process under the old id: the old is gone
                 out += self.worker_gone(msg.worker_id, "it registered again (restarted)")
             self.registry.register(msg)
+            self._reports_changed(out)
             self._poll(out)
         else:
             raise TypeError(f"unexpected {type(msg).__name__} from a worker")
@@ -230,6 +240,7 @@ class RouterCore:
             if req is not None:
                 req.reasons.append(f"{worker_id} is gone: {why}")
                 self._try_next(req, out)
+        self._reports_changed(out)
         self._poll(out)
         return out
 
@@ -280,6 +291,12 @@ class RouterCore:
             return
         self.routing.forget(rid)
         self.holders.end(rid)  # every route let go of it already
+        if req.no_room and has_route(self.registry, req.ticket.served):
+            # Fuller than the router knew (it saw free blocks): the attempt asks admission again when
+            # a refusing worker next reports how full it is, or a worker joins or leaves.
+            req.no_room = False
+            self._await_report.add(rid)
+            return
         why = "no worker could take the request: " + "; ".join(req.reasons or ["no route fits it"])
         if req.started:  # a failover found no home: the client's stream ends with the error
             self._fail(req, why, out)
@@ -298,6 +315,8 @@ class RouterCore:
         if not reply.block_ids:
             self.holders.done(rid, decode_id)
             req.reasons.append(f"{decode_id}: {reply.reason}")
+            if reply.no_room and decode_id in self.registry.workers:
+                self.registry.workers[decode_id].out_of_blocks = req.no_room = True
             self._try_next(req, out)
             return
         if choice.prefill not in self.registry.workers:
@@ -393,18 +412,40 @@ class RouterCore:
         out.append(FailedOver(req.request_id, cause, worker_id, message, req.delivered))
         # The new attempt asks admission like a new request, so with every worker full it waits for
         # room (until its deadline, or until the client's handler gives up on it) instead of failing.
-        key, prefix = self.routing.prefix_of(req.run_prompt, req.ticket.served)
-        ttft_ms = min(_ANY.ttft_ms, left_s * 1e3)
-        ticket = replace(
-            req.ticket, request_id=req.wire_id, prompt_len=len(req.run_prompt), prefix=prefix,
-            prefix_key=key, budgets=replace(_ANY, ttft_ms=ttft_ms), arrived=self.clock(), max_wait_ms=ttft_ms,
-        )  # fmt: skip
+        ticket = self._retry_ticket(req)
         req.choices, req.tried, req.reasons = (), 0, [message]
         if not has_route(self.registry, req.ticket.served):  # nothing to wait for: no worker pair left
             req.reasons.append("no route fits it (no_workers)")
             self._try_next(req, out)  # fails it, naming the reasons
             return
-        self._settle(self.routing.queue.arrive(ticket, ticket.arrived, self.routing.fit), out)
+        self._readmit(req, ticket, out)
+
+    def _retry_ticket(self, req: RouterRequest) -> Ticket:
+        """The admission ticket of the request's current attempt: its own for a first attempt (its TTFT
+        budget still counts from its arrival); for a failover's, one that takes any route that can
+        hold the prompt and what was delivered, until the request's deadline."""
+        if not req.started:
+            return req.ticket
+        left_s = req.deadline - self.clock() if req.deadline is not None else math.inf
+        key, prefix = self.routing.prefix_of(req.run_prompt, req.ticket.served)
+        ttft_ms = max(1e-3, min(_ANY.ttft_ms, left_s * 1e3))
+        return replace(
+            req.ticket, request_id=req.wire_id, prompt_len=len(req.run_prompt), prefix=prefix,
+            prefix_key=key, budgets=replace(_ANY, ttft_ms=ttft_ms), arrived=self.clock(), max_wait_ms=ttft_ms,
+        )  # fmt: skip
+
+    def _readmit(self, req: RouterRequest, ticket: Ticket, out: list[Effect]) -> None:
+        """Hands the attempt back to admission: it starts when a route fits, waits, or is refused."""
+        self._settle(self.routing.queue.arrive(ticket, self.clock(), self.routing.fit), out)
+
+    def _reports_changed(self, out: list[Effect]) -> None:
+        """A worker reported after refusing for want of blocks, or workers came or went: the attempts
+        held for such news ask admission again."""
+        held, self._await_report = self._await_report, set()
+        for wire_id in sorted(held):
+            req = self._current(wire_id)
+            if req is not None:
+                self._readmit(req, self._retry_ticket(req), out)
 
     def _fail(self, req: RouterRequest, message: str, out: list[Effect]) -> None:
         index = req.outs[0].next_index  # where the first output stopped (a failure ends every output)

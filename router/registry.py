@@ -16,6 +16,7 @@ class WorkerInfo:
     last_seen: float
     load: Heartbeat | None = None
     drain_sent: bool = False  # the router told it to drain (its heartbeats may not say so yet)
+    out_of_blocks: bool = False  # it refused a reservation for want of blocks since its last heartbeat
 
     @property
     def worker_id(self) -> str:
@@ -47,6 +48,7 @@ class Registry:
         if info is None:
             return False
         info.load = hb
+        info.out_of_blocks = False  # the report was sent after the refusal: it says how full it is
         info.last_seen = time.monotonic()
         self.prefixes.update(hb.worker_id, hb.cached, hb.evicted, info.reg.num_blocks)
         return True

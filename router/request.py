@@ -72,6 +72,7 @@ class RouterRequest:
     tried: int = 0  # routes tried so far
     waited_ms: float = 0.0
     reasons: list[str] = field(default_factory=list)  # why each route tried did not take it
+    no_room: bool = False  # a route of this admission refused it for want of free KV blocks
     started: bool = False
     failed: bool = False  # a failure went out: nothing more will
 

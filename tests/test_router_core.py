@@ -165,6 +165,55 @@ def test_a_refused_reservation_tries_the_next_route_and_the_last_refusal_says_wh
     assert refused.message.count("no free blocks") == 2 and len(core.holders) == 0
 
 
+def test_a_reservation_refused_for_want_of_blocks_waits_for_the_workers_next_report() -> None:
+    core, _ = core_with(("p", "prefill"), ("d", "decode"))
+    assert sends(submit(core, "r")) == [("d", Reserve)]
+    out = core.on_message(Reserved("d", "r", (), "no free KV blocks", no_room=True))
+    assert out == [] and "r" in core  # not refused: the worker was fuller than the router knew
+    assert core.registry.workers["d"].out_of_blocks
+    assert sends(submit(core, "s")) == [("d", Reserve)]  # the router knows no better until it reports
+    assert core.on_message(Reserved("d", "s", (), "no free KV blocks", no_room=True)) == []
+    out = core.on_message(heartbeat("d"))  # its report says how full it is: both ask again
+    assert sorted(sends(out)) == [("d", Reserve), ("d", Reserve)]
+    assert not core.registry.workers["d"].out_of_blocks
+    assert sorted(m.msg.request_id for m in out if isinstance(m, Send)) == ["r", "s"]
+    core.on_message(Reserved("d", "r", (3,)))
+    assert sends(core.end("r")) == [("d", Abort), ("p", Abort)]
+    assert sends(core.end("s")) == [("d", Abort)] and len(core.holders) == 0
+
+
+def test_a_failover_refused_for_want_of_blocks_by_a_restarted_worker_waits_instead_of_failing() -> None:
+    core, _ = core_with(("p", "prefill"), ("d0", "decode"), ("d1", "decode"))
+    [(first, _)] = sends(submit(core, "r"))
+    second = "d1" if first == "d0" else "d0"
+    core.on_message(Reserved(first, "r", (3,)))
+    core.on_message(delta("p", "r", 0))
+    core.on_message(delta(first, "r", 1, 2))
+    endpoint = f"kv://{second}"
+    again = Register(second, "decode", "default", "tiny", 4096, 16, 100, endpoint, 2, 64, 512, 1000, PROFILE)
+    core.on_message(again)  # restarted: the router sees it empty until its first heartbeat
+    out = core.worker_gone(first, "killed")
+    assert sends(out) == [("p", Abort), (second, Reserve)]
+    out = core.on_message(Reserved(second, "r~1", (), "no free KV blocks", no_room=True))
+    assert out == [] and "r" in core  # held for the worker's report instead of ending the stream
+    out = core.on_message(heartbeat(second))
+    assert sends(out) == [(second, Reserve)] and out[0].msg.request_id == "r~1"
+    out = core.on_message(Reserved(second, "r~1", (5,)))
+    assert sends(out) == [("p", Prefill)] and out[0].msg.prompt_ids == (1,) * 20 + (7, 7, 7)
+    out = core.on_message(delta("p", "r~1", 0, 1, "length"))
+    [last] = [e.delta for e in out if isinstance(e, Deliver)]
+    assert (last.index, last.finish_reason) == (3, "length")
+    assert sends(core.end("r")) == [(second, Abort)] and len(core.holders) == 0
+
+
+def test_a_request_refused_for_want_of_blocks_ends_if_its_client_leaves_while_held() -> None:
+    core, _ = core_with(("p", "prefill"), ("d", "decode"))
+    submit(core, "r")
+    core.on_message(Reserved("d", "r", (), "no free KV blocks", no_room=True))
+    assert core.end("r") == [] and "r" not in core
+    assert sends(core.on_message(heartbeat("d"))) == [] and len(core.holders) == 0
+
+
 def test_a_dead_workers_reservations_move_on_and_a_request_with_nowhere_to_go_fails_once() -> None:
     core, _ = core_with(("p", "prefill"), ("d0", "decode"), ("d1", "decode"))
     [(first, _)] = sends(submit(core, "r"))

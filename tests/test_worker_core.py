@@ -128,9 +128,10 @@ def test_decode_core_refuses_without_room_and_oversized_prompts() -> None:
     params = SamplingParams(max_tokens=2)
     (big,) = dec.handle(Reserve("big", tuple(range(200)), params, ()))
     assert isinstance(big, Reserved) and big.block_ids == () and "does not fit" in big.reason
+    assert not big.no_room  # never worth asking again
     assert len(dec.handle(Reserve("a", tuple(range(16)), params, ()))) == 2
     (full,) = dec.handle(Reserve("b", (1, 2), params, ()))
-    assert full.block_ids == () and full.reason == "no free KV blocks"
+    assert full.block_ids == () and full.reason == "no free KV blocks" and full.no_room
 
 
 def test_abort_while_kv_is_in_flight_quarantines_blocks_until_released() -> None:
