@@ -1,9 +1,10 @@
 """Paged attention on the CPU: C kernels for one-token rows and for bfloat16 prompt chunks.
 
-In bfloat16 on a CPU with AVX512-BF16, decode rows (sequences with one new token) and prompt chunks
-both run ``csrc/paged_prefill_cpu.c``'s arithmetic (a decode row is a one-token chunk), so a
-position's attention is the same to the bit in a decode step, in a prompt chunk of any size, alone
-or in any batch. Other decode rows go to ``csrc/paged_decode_cpu.c``, which reads each
+In bfloat16 on a CPU with AVX512-BF16, and in float32 on a CPU with AVX-512, decode rows (sequences
+with one new token) and prompt chunks both run the prompt kernel's arithmetic (``csrc/paged_prefill_cpu.c``,
+``csrc/paged_prefill_f32_cpu.c``; a decode row is a one-token chunk), so a position's attention is
+the same to the bit in a decode step, in a prompt chunk of any size, alone or in any batch
+(``decodes_as_prefill``). Other decode rows go to ``csrc/paged_decode_cpu.c``, which reads each
 sequence's keys and values in place through its block table: no gathered copy, no float32 copy of
 the cache, no padding to the longest sequence, and a row's result does not depend on the batch (but
 differs in the last bits from a prompt chunk's).
@@ -117,9 +118,9 @@ def decode_rows(
         q = q.contiguous()
     rows = meta.single_query_rows
     tables = meta.block_tables
-    if prefill_supported(q, kv_cache) and hasattr(_prefill_library(q.dtype), "pd_paged_decode_rows"):
-        # bfloat16: the prompt kernel's own arithmetic, so a position's result is the same in a decode
-        # step as in any prompt chunk (a failover's re-prefill, a chunked prompt, a cache hit)
+    if prefill_supported(q, kv_cache) and decodes_as_prefill(q.dtype):
+        # the prompt kernel's own arithmetic, so a position's result is the same in a decode step as
+        # in any prompt chunk (a failover's re-prefill, a chunked prompt, a cache hit)
         with cpu_build.profiled("paged_decode_rows_cpu"):
             status = _prefill_library(q.dtype).pd_paged_decode_rows(
                 q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), tables.data_ptr(),
@@ -153,6 +154,12 @@ def decode_rows(
         )
     if status != 0:
         raise RuntimeError(f"paged_decode_cpu failed with status {status} (1: bad arguments, 2: no memory)")
+
+
+def decodes_as_prefill(dtype: torch.dtype) -> bool:
+    """Whether decode rows in ``dtype`` run the prompt kernel's arithmetic on this CPU (bfloat16 with
+    AVX512-BF16, float32 with AVX-512; the head size must suit the prompt kernel too)."""
+    return hasattr(_prefill_library(dtype), "pd_paged_decode_rows")
 
 
 def prefill_supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:

@@ -18,6 +18,7 @@ from pdfabric.kernels.layer_ops_cpu import can_store_kv, rms_norm_cpu, rope_cpu,
 from pdfabric.kernels.layer_ops_ref import rms_norm_ref, rope_ref, silu_mul_ref
 from pdfabric.kernels.linear_cpu import LINEAR_KINDS, InvariantLinear, can_pack, pack_linears, packed
 from pdfabric.kernels.paged_attention_cpu import (
+    decodes_as_prefill,
     paged_attention_cpu,
     prefill_rows,
     prefill_supported,
@@ -150,18 +151,21 @@ def test_prefill_kernel_reads_strided_queries_and_ignores_the_thread_count(dtype
     assert_close(runs[0], paged_attention_ref(q, kv, meta, 0.125))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "shape", [(9, 3, 64, 16), (16, 8, 64, 16), (8, 2, 128, 16), (4, 4, 64, 4), (16, 1, 64, 1)]
 )
-def test_a_decode_row_equals_the_same_position_in_any_prompt_chunk(shape: tuple) -> None:
-    """Bit for bit, in bfloat16: the attention of the last token of a sequence is the same computed as a
-    decode row (alone or among others) as inside a prompt chunk of any length ending there, so a
-    sequence's KV and logits do not depend on how its tokens were split into steps (chunked prefill, a
-    prefix-cache hit, a failover's re-prefill of prompt and streamed tokens)."""
+def test_a_decode_row_equals_the_same_position_in_any_prompt_chunk(shape: tuple, dtype: torch.dtype) -> None:
+    """Bit for bit, in bfloat16 and float32: the attention of the last token of a sequence is the same
+    computed as a decode row (alone or among others) as inside a prompt chunk of any length ending
+    there, so a sequence's KV and logits do not depend on how its tokens were split into steps (chunked
+    prefill, a prefix-cache hit, a failover's re-prefill of prompt and streamed tokens)."""
     q_heads, kv_heads, head_dim, block = shape
     seq_len = 150  # past two 64-key panels and not a multiple of 16
-    q, kv, meta = make_batch([seq_len], [seq_len], q_heads, kv_heads, head_dim, block, torch.bfloat16, seed=4)
+    q, kv, meta = make_batch([seq_len], [seq_len], q_heads, kv_heads, head_dim, block, dtype, seed=4)
     _need_prefill_kernel(q, kv)
+    if not decodes_as_prefill(dtype):
+        pytest.skip(f"{dtype} decode rows run the prompt kernel's arithmetic only on CPUs with AVX-512")
     table = meta.block_tables[0].tolist()
     build = type(meta).build
     for last in (seq_len, 149, 97, 64, 17, 1):  # the position whose row is compared

@@ -11,7 +11,9 @@
  *      exact softmax per row with its causal limit, then P V in MR-row x 16-dim blocks (P stays
  *      float32);
  *   3. each output row is divided by its sum.
- * Every sum has a fixed order: the result does not depend on the thread count.
+ * Every sum has a fixed order: the result does not depend on the thread count. pd_paged_decode_rows
+ * (built with AVX-512 only) runs decode rows through the same steps as one-token chunks, so a
+ * position gets the same bits whether it was decoded or prefilled.
  *
  * Layouts (element strides): q [q_len, q_heads, head_dim] with token stride q_stride, heads
  * contiguous; k, v [num_blocks, block_size, kv_heads, head_dim] contiguous; out [q_len, q_heads,
@@ -26,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_avx512.h"
 #include "cpu_scalar.h"
 
 #define TILE_TOKENS 16
@@ -52,19 +55,38 @@ typedef struct {
 
 static inline int64_t head_size(const job_t *j) { return j->keys_padded * j->head_dim; }
 
-/* Step 1 for kv head h: keys to panels [key / PANEL][dim][key % PANEL], values to rows; zero past seq_len. */
-static void pack_head(const job_t *j, int h) {
-    const int d = j->head_dim;
-    float *kp = j->kp + h * head_size(j), *vp = j->vp + h * head_size(j);
-    memset(kp, 0, (size_t)head_size(j) * sizeof *kp);
-    memset(vp, 0, (size_t)head_size(j) * sizeof *vp);
-    for (int t = 0; t < j->seq_len; t++) {
-        const int64_t row = ((int64_t)j->table[t / j->block_size] * j->block_size + t % j->block_size) *
-                                j->kv_heads + h;
-        float *panel = kp + (int64_t)(t / PANEL) * PANEL * d + t % PANEL;
-        for (int c = 0; c < d; c++) panel[c * PANEL] = j->k[row * d + c];
-        memcpy(vp + (int64_t)t * d, j->v + row * d, (size_t)d * sizeof *vp);
+/* Where token t's row of kv head h starts in the cache (in elements). */
+static inline int64_t cache_row(const job_t *j, int t, int h) {
+    return (((int64_t)j->table[t / j->block_size] * j->block_size + t % j->block_size) * j->kv_heads + h) *
+           j->head_dim;
+}
+
+/* Step 1 for kv head h into kp and vp: keys to panels [key / PANEL][dim][key % PANEL] (with AVX-512,
+ * sixteen keys that share a cache block go through a register transpose), values to rows [key][dim];
+ * the keys' last panel is zero past seq_len (values past it are never read). */
+static void pack_head(const job_t *j, int h, float *kp, float *vp) {
+    const int d = j->head_dim, n = j->seq_len;
+    if (n < j->keys_padded) memset(kp + (int64_t)(n / PANEL) * PANEL * d, 0, (size_t)PANEL * d * sizeof *kp);
+    int t = 0;
+#if defined(__AVX512F__)
+    for (; t + PANEL <= n && j->block_size % PANEL == 0; t += PANEL) {
+        const uint32_t *rows = (const uint32_t *)(j->k + cache_row(j, t, h));
+        const int64_t stride = (int64_t)j->kv_heads * d; /* words from one token's row to the next */
+        float *panel = kp + (int64_t)t * d;
+        for (int c0 = 0; c0 < d; c0 += 16) {
+            __m512i r[16];
+            for (int u = 0; u < 16; u++) r[u] = _mm512_loadu_si512(rows + u * stride + c0);
+            transpose16(r);
+            for (int c = 0; c < 16; c++) _mm512_storeu_si512(panel + (int64_t)(c0 + c) * PANEL, r[c]);
+        }
     }
+#endif
+    for (; t < n; t++) {
+        const float *krow = j->k + cache_row(j, t, h);
+        float *panel = kp + (int64_t)(t / PANEL) * PANEL * d + t % PANEL;
+        for (int c = 0; c < d; c++) panel[c * PANEL] = krow[c];
+    }
+    for (t = 0; t < n; t++) memcpy(vp + (int64_t)t * d, j->v + cache_row(j, t, h), (size_t)d * sizeof *vp);
 }
 
 /* 16 floats as one value: one zmm with AVX-512, two ymm with AVX2 (GCC vector extensions); aligned(4)
@@ -103,8 +125,9 @@ static float softmax_row(float *s, int n, int width) {
     return n > 0 ? 1.0f / sum : 0.0f;
 }
 
-/* Steps 2 and 3 for one work item: kv head h, query tokens [t0, t0 + TILE_TOKENS). */
-static void attend_tile(const job_t *j, int h, int t0, float *scores, float *qpack, float *o) {
+/* Steps 2 and 3 for one work item: kv head h (packed in kp, vp), query tokens [t0, t0 + TILE_TOKENS). */
+static void attend_tile(const job_t *j, int h, int t0, const float *kp, const float *vp, float *scores,
+                        float *qpack, float *o) {
     const int d = j->head_dim, group = j->q_heads / j->kv_heads;
     const int tokens = j->q_len - t0 < TILE_TOKENS ? j->q_len - t0 : TILE_TOKENS;
     const int rows = tokens * group, rows_padded = (rows + MR - 1) / MR * MR;
@@ -118,7 +141,6 @@ static void attend_tile(const job_t *j, int h, int t0, float *scores, float *qpa
         const float *src = j->q + (int64_t)(t0 + r / group) * j->q_stride + (int64_t)(h * group + r % group) * d;
         memcpy(qpack + (int64_t)r * d, src, (size_t)d * sizeof *src);
     }
-    const float *kp = j->kp + h * head_size(j), *vp = j->vp + h * head_size(j);
     for (int m = 0; m < rows_padded; m += MR)
         for (int b = 0; b < panels; b++)
             qk_block(qpack + (int64_t)m * d, d, kp + (int64_t)b * PANEL * d, j->scale, scores + m * lds + b * PANEL,
@@ -155,7 +177,7 @@ int pd_paged_prefill_f32(const float *q, int64_t q_stride, const float *k, const
 #pragma omp parallel num_threads(threads) reduction(| : status)
     {
 #pragma omp for schedule(static)
-        for (int h = 0; h < kv_heads; h++) pack_head(&job, h);
+        for (int h = 0; h < kv_heads; h++) pack_head(&job, h, job.kp + h * head_size(&job), job.vp + h * head_size(&job));
         float *scores = (float *)malloc(rows_padded * ((size_t)job.keys_padded + 2 * (size_t)head_dim) * sizeof(float));
         if (scores == NULL) status = 2;
         float *qpack = scores + rows_padded * (size_t)job.keys_padded, *o = qpack + rows_padded * (size_t)head_dim;
@@ -164,10 +186,83 @@ int pd_paged_prefill_f32(const float *q, int64_t q_stride, const float *k, const
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < kv_heads * tiles; item++) {
             const int h = item / tiles, tile = tiles - 1 - item % tiles;
-            if (scores != NULL) attend_tile(&job, h, tile * TILE_TOKENS, scores, qpack, o);
+            if (scores != NULL)
+                attend_tile(&job, h, tile * TILE_TOKENS, job.kp + h * head_size(&job), job.vp + h * head_size(&job),
+                            scores, qpack, o);
         }
         free(scores);
     }
     free(job.kp);
     return status;
 }
+
+#if defined(__AVX512F__)
+/* Decode rows run through this kernel only with AVX-512: on AVX2 the 16-float vectors of its blocks
+ * spill (a decode row took 7 times the decode kernel's time), so there decode rows stay on
+ * paged_decode_cpu.c and the library has no pd_paged_decode_rows. */
+
+/* A buffer of at least `bytes` that this thread keeps from call to call (decode rows come once a layer,
+ * and a fresh allocation of this size is a fresh mapping whose pages fault in on every call); NULL
+ * when it cannot grow. */
+static void *thread_scratch(size_t bytes) {
+    static __thread void *buffer = NULL;
+    static __thread size_t capacity = 0;
+    if (bytes > capacity) {
+        free(buffer);
+        capacity = bytes + bytes / 4;
+        buffer = malloc(capacity);
+        if (buffer == NULL) capacity = 0;
+    }
+    return buffer;
+}
+
+/* Decode rows with this kernel's arithmetic, as pd_paged_decode_rows in paged_prefill_cpu.c: row r is
+ * token row_token[r] of q, the last of the ctx_lens[r] cached tokens of sequence row_seq[r] (block
+ * table tables[row_seq[r]]); each of its kv heads is packed and attended as a one-token chunk, so a
+ * decode row gets to the bit what a prompt chunk ending at the same token gets. Layouts as
+ * pd_paged_decode_attention's (paged_decode_cpu.c). Returns 0 on success, 1 on bad arguments, 2 when
+ * memory could not be had, 3 for an unsupported head_dim. */
+int pd_paged_decode_rows(const float *q, int64_t q_stride, const float *k, const float *v, const int32_t *tables,
+                         int64_t tables_stride, const int32_t *row_token, const int32_t *row_seq,
+                         const int32_t *ctx_lens, float *out, int rows, int q_heads, int kv_heads, int head_dim,
+                         int block_size, float scale, int threads) {
+    if (rows < 0 || kv_heads <= 0 || q_heads % kv_heads != 0 || q_heads / kv_heads > MAX_GROUP ||
+        block_size <= 0 || q_stride < (int64_t)q_heads * head_dim)
+        return 1;
+    if (!pd_prefill_f32_supported(head_dim)) return 3;
+    int longest = 0;
+    for (int r = 0; r < rows; r++) {
+        if (ctx_lens[r] <= 0) return 1;
+        if (ctx_lens[r] > longest) longest = ctx_lens[r];
+    }
+    if (threads < 1) threads = 1;
+    /* a row's kv heads go to one thread, one after the other (a token's heads lie together in the
+     * cache); with fewer rows than threads, each head is an item */
+    const int parts = rows >= threads ? 1 : kv_heads, items = rows * parts;
+    const int group = q_heads / kv_heads, rows_padded = (group + MR - 1) / MR * MR;
+    if (items < threads) threads = items > 0 ? items : 1;
+    const size_t lds = (size_t)(longest + PANEL - 1) / PANEL * PANEL;
+    const size_t floats = 2 * lds * (size_t)head_dim + (size_t)rows_padded * (lds + 2 * (size_t)head_dim);
+    int status = 0;
+#pragma omp parallel num_threads(threads) reduction(| : status)
+    {
+        float *kp = (float *)thread_scratch(floats * sizeof(float));
+        if (kp == NULL) status = 2;
+        float *vp = kp + lds * (size_t)head_dim, *scores = vp + lds * (size_t)head_dim;
+        float *qpack = scores + (size_t)rows_padded * lds, *o = qpack + (size_t)rows_padded * head_dim;
+#pragma omp for schedule(static)
+        for (int item = 0; item < items; item++) {
+            const int r = item / parts, h0 = parts == 1 ? 0 : item % parts, h1 = parts == 1 ? kv_heads : h0 + 1;
+            const int n = ctx_lens[r];
+            const job_t job = {q + (int64_t)row_token[r] * q_stride, k, v, tables + (int64_t)row_seq[r] * tables_stride,
+                               out + (int64_t)row_token[r] * q_heads * head_dim, q_stride, 1, n, q_heads, kv_heads,
+                               head_dim, block_size, scale, (int64_t)(n + PANEL - 1) / PANEL * PANEL, NULL, NULL};
+            for (int h = h0; h < h1 && kp != NULL; h++) {
+                pack_head(&job, h, kp, vp);
+                attend_tile(&job, h, 0, kp, vp, scores, qpack, o);
+            }
+        }
+    }
+    return status;
+}
+#endif /* __AVX512F__ */
