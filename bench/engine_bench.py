@@ -53,6 +53,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "whatever the batch) or onednn (oneDNN's packed GEMM, for comparison)",
     )
     parser.add_argument(
+        "--decoder",
+        choices=("c", "ops"),
+        default="c",
+        help="how decode steps run their layers on the CPU: c (what pdfabric serves: one C call for all "
+        "layers, where every kernel of a layer is a C one) or ops (the model's op-by-op forward, for "
+        "comparison and a per-op profile)",
+    )
+    parser.add_argument(
         "--repeats", type=int, default=5, help="timed repetitions per point (median reported)"
     )
     parser.add_argument(
@@ -167,6 +175,8 @@ def run(args: argparse.Namespace) -> int:
     runner = ModelRunner(
         model, num_blocks=per_seq_blocks * max(batch_sizes) + 1, block_size=block, linears=args.linears
     )
+    if args.decoder == "ops":
+        runner.decoder = None
 
     _progress("floors: GEMM")
     gemm_flops = _gemm_rate(dtype, args.repeats)
@@ -180,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
         "threads": torch.get_num_threads(),
         "kernel_backend": get_backend(),
         "linears": args.linears,
+        "decoder": "c" if runner.decoder is not None else "ops",
         "cpu": _cpu_name(),
         "gemm_flops": gemm_flops,
         "copy_bytes_per_s": copy_bw,
@@ -268,7 +279,7 @@ def _op_profile(runner: object, entries: list, top: int, steps: int = 3) -> list
 def _print_table(r: dict) -> None:
     print(
         f"model {r['model']} ({r['dtype']}), {r['threads']} threads, kernels {r['kernel_backend']}, "
-        f"linears {r['linears']}"
+        f"linears {r['linears']}, decoder {r.get('decoder', 'ops')}"
     )
     print(f"cpu: {r['cpu']}")
     print(

@@ -157,15 +157,20 @@ class LlamaForCausalLM(nn.Module):
         is called once layer ``i`` is done, when its KV for this batch is final.
         """
         # input_ids, positions: [T]
-        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]  # [T, head_dim / 2]
-        cos = freqs.cos().repeat(1, 2)[:, None, :]  # [T, 1, head_dim]
-        sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)[:, None, :]  # first half negated
+        cos, sin = self.rotary(positions)
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
             x = layer(x, cos, sin, kv_cache, meta)
             if after_layer is not None:
                 after_layer(i)
         return self.model.norm(x)
+
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary embedding's ``cos`` and ``sin`` ``[T, 1, head_dim]`` (float32) at ``positions``."""
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]  # [T, head_dim / 2]
+        cos = freqs.cos().repeat(1, 2)[:, None, :]  # [T, 1, head_dim]
+        sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)[:, None, :]  # first half negated
+        return cos, sin
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> logits [N, vocab] in float32, rounded to the model dtype first (as Hugging

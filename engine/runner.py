@@ -17,6 +17,7 @@ from pdfabric.engine.block_pool import blocks_for
 from pdfabric.engine.kv_cache import allocate_kv_cache
 from pdfabric.engine.model import LlamaForCausalLM
 from pdfabric.kernels import AttentionMetadata, get_backend
+from pdfabric.kernels.decoder_cpu import Decoder
 from pdfabric.kernels.linear_cpu import can_pack, pack_linears, packed
 
 
@@ -44,7 +45,9 @@ class ModelRunner:
 
     On the CPU it packs the model's linear layers and its head once (``kernels/linear_cpu.py``; by
     default the batch-invariant kernel, ``linears="onednn"`` for measuring oneDNN's) unless the kernel
-    backend is ``torch`` (the plain reference path); the model passed in is changed in place.
+    backend is ``torch`` (the plain reference path); the model passed in is changed in place. Steps of
+    decode rows only then run their decoder layers in one C call (``kernels/decoder_cpu.py``) where
+    every kernel of a layer is a C one; other steps run the model's forward.
     """
 
     def __init__(
@@ -58,6 +61,18 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.device = model.model.embed_tokens.weight.device
         self.kv_caches = allocate_kv_cache(self.config, num_blocks, block_size, self.device)
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        """One cache tensor per layer, ``[2, num_blocks, block_size, kv_heads, head_dim]``."""
+        return self._kv_caches
+
+    @kv_caches.setter
+    def kv_caches(self, caches: list[torch.Tensor]) -> None:
+        # (a decode worker moves them into shared memory) decode-only steps run their layers in one C
+        # call where every kernel of a layer is a C one; that call holds the caches' addresses
+        self._kv_caches = caches
+        self.decoder = Decoder.build(self.model, caches) if self.device.type == "cpu" else None
 
     def prepare(self, entries: list[StepEntry]) -> PreparedStep:
         ids: list[int] = []
@@ -102,9 +117,16 @@ class ModelRunner:
         entries with ``needs_logits`` (their last token) or ``all_logits`` (each of their tokens), in
         order. ``after_layer(i)``: called as each layer finishes."""
         prepared = self.prepare(entries)
-        hidden = self.model(
-            prepared.input_ids, prepared.positions, self.kv_caches, prepared.meta, after_layer
-        )
+        if self.decoder is not None and prepared.meta.is_decode_only:
+            model = self.model
+            cos, sin = model.rotary(prepared.positions)
+            x = model.model.embed_tokens(prepared.input_ids)  # [T, hidden], updated in place
+            self.decoder(x, cos, sin, prepared.meta, after_layer)
+            hidden = model.model.norm(x)
+        else:
+            hidden = self.model(
+                prepared.input_ids, prepared.positions, self.kv_caches, prepared.meta, after_layer
+            )
         return self.model.compute_logits(hidden[prepared.logits_indices])
 
 

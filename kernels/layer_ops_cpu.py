@@ -28,6 +28,14 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
+def kernel_addresses() -> dict[str, int]:
+    """The addresses of ``pd_rms_norm``, ``pd_rope``, ``pd_silu_mul`` and ``pd_store_kv`` (keys without
+    the prefix), for C code that calls them (``decoder_cpu``); the library must load."""
+    lib = _library()
+    names = ("rms_norm", "rope", "silu_mul", "store_kv")
+    return {n: ctypes.cast(getattr(lib, f"pd_{n}"), ctypes.c_void_p).value for n in names}
+
+
 def supports(x: torch.Tensor) -> bool:
     """Whether ``x`` can take these kernels: a CPU tensor of a supported dtype whose last dimension is
     contiguous, and a library that built on this machine."""

@@ -54,6 +54,11 @@ def _library() -> ctypes.CDLL | None:
 
 
 @functools.cache
+def kernel_address() -> int:
+    """The address of ``pd_linear``, for C code that calls it (``decoder_cpu``); the library must load."""
+    return ctypes.cast(_library().pd_linear, ctypes.c_void_p).value
+
+
 def _onednn_available() -> bool:
     return (
         torch.backends.mkldnn.is_available()

@@ -162,6 +162,12 @@ def decodes_as_prefill(dtype: torch.dtype) -> bool:
     return hasattr(_prefill_library(dtype), "pd_paged_decode_rows")
 
 
+def decode_rows_address(dtype: torch.dtype) -> int:
+    """The address of the prompt kernel's ``pd_paged_decode_rows`` for ``dtype``, for C code that calls
+    it (``decoder_cpu``); ``decodes_as_prefill(dtype)`` must hold."""
+    return ctypes.cast(_prefill_library(dtype).pd_paged_decode_rows, ctypes.c_void_p).value
+
+
 def prefill_supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether prompt chunks take a C prefill kernel: bfloat16 on a CPU with AVX512-BF16 or float32
     anywhere, a head size the kernel handles, and a library that built here."""
