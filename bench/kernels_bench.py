@@ -65,7 +65,7 @@ def _decode_row(torch: Any, args: argparse.Namespace, batch: int, ctx: int) -> d
     t_tri = _time_ms(lambda: paged_attention_triton(q, kv, meta, scale))
     t_sdpa = _time_ms(sdpa)
     t_ref = _time_ms(lambda: paged_attention_ref(q, kv, meta, scale)) if kv_bytes < (4 << 30) else None
-    splits = choose_num_splits(batch * args.kv_heads, ctx, q.device)
+    splits = choose_num_splits(ctx)
     return {
         "batch": batch, "context": ctx, "kv_mb": kv_bytes / 1e6, "splits": splits,
         "triton_us": t_tri * 1e3, "triton_gbs": kv_bytes / t_tri / 1e6,

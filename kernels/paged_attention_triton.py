@@ -11,13 +11,13 @@ tile of its new query tokens, one KV head and one slice ("split") of the context
 3. with one split it writes the normalised output; with several it writes the unnormalised partial
    sum and its running max and denominator, and ``_merge_splits_kernel`` combines the splits.
 
-Split-K keeps the GPU busy when a decode batch has few sequences but long contexts. The reference is
+Split-K keeps the GPU busy when a decode batch has few sequences but long contexts. Splits are a fixed
+``_SPLIT_TOKENS`` keys long, never sized by the batch, so a decode row's sums (and so its result) are
+the same alone or in any batch; an empty split merges in as an exact zero. The reference is
 ``attention_ref.paged_attention_ref``.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -30,8 +30,8 @@ from pdfabric.kernels.metadata import AttentionMetadata
 _LOG2E = 1.4426950408889634
 _BLOCK_N = 64  # keys per inner step
 _PREFILL_ROWS = 64  # query rows (tokens x group heads) per prefill tile
-_MIN_SPLIT_TOKENS = 256  # a split never covers fewer keys than this
-_MAX_SPLITS = 64
+_SPLIT_TOKENS = 512  # keys per split, whatever the batch: a row's sums then do not depend on it
+_MAX_SPLITS = 256
 
 
 @triton.jit
@@ -138,18 +138,20 @@ def _merge_splits_kernel(
 INTERPRETED = isinstance(_paged_attn_kernel, InterpretedFunction)
 
 
-@functools.lru_cache(maxsize=8)
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
+def split_tokens(max_seq_len: int) -> int:
+    """Keys per split for a batch whose longest context is ``max_seq_len``: ``_SPLIT_TOKENS``, fixed so
+    that a row is cut at the same keys alone or in any batch (its partial sums, and so its result,
+    are the same); doubled only when ``_MAX_SPLITS`` such splits cannot cover the longest context
+    (past 131,072 tokens, where a row's sums then depend on the batch's longest context)."""
+    tokens = _SPLIT_TOKENS
+    while tokens * _MAX_SPLITS < max_seq_len:
+        tokens *= 2
+    return tokens
 
 
-def choose_num_splits(programs: int, max_seq_len: int, device: torch.device) -> int:
-    """Enough splits to give the device about two programs per multiprocessor, none shorter than
-    ``_MIN_SPLIT_TOKENS`` keys."""
-    want = -(-2 * _sm_count(device) // max(programs, 1))
-    return max(1, min(want, -(-max_seq_len // _MIN_SPLIT_TOKENS), _MAX_SPLITS))
+def choose_num_splits(max_seq_len: int) -> int:
+    """How many splits a batch whose longest context is ``max_seq_len`` runs (1: no merge)."""
+    return max(1, -(-max_seq_len // split_tokens(max_seq_len)))
 
 
 def _check(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -179,7 +181,8 @@ def paged_attention_triton(
     scale: float,
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``paged_attention_ref``; ``num_splits`` overrides the split-K heuristic."""
+    """Same contract as ``paged_attention_ref``. Contexts are split every ``split_tokens`` keys;
+    ``num_splits`` overrides that (for tests: a row's result then depends on the batch)."""
     # q: [T, q_heads, head_dim]; kv_cache: [2, num_blocks, block_size, kv_heads, head_dim]
     _check(q, kv_cache, meta)
     num_tokens, q_heads, head_dim = q.shape
@@ -196,11 +199,13 @@ def paged_attention_triton(
         block_m = max(_PREFILL_ROWS, triton.next_power_of_2(group))
         tile_tokens = block_m // group
     q_tiles = -(-max_q_len // tile_tokens)
-    programs = meta.num_seqs * q_tiles * kv_heads
-    splits = num_splits or choose_num_splits(programs, meta.max_seq_len, q.device)
-    require(1 <= splits <= _MAX_SPLITS, f"num_splits must be in 1..{_MAX_SPLITS}, got {splits}")
-    split_len = triton.cdiv(triton.cdiv(max(meta.max_seq_len, 1), splits), _BLOCK_N) * _BLOCK_N
-    splits = triton.cdiv(max(meta.max_seq_len, 1), split_len)
+    longest = max(meta.max_seq_len, 1)
+    if num_splits is None:
+        split_len = split_tokens(longest)
+    else:
+        require(1 <= num_splits <= _MAX_SPLITS, f"num_splits must be in 1..{_MAX_SPLITS}, got {num_splits}")
+        split_len = triton.cdiv(triton.cdiv(longest, num_splits), _BLOCK_N) * _BLOCK_N
+    splits = triton.cdiv(longest, split_len)
     use_split = splits > 1
     if use_split:
         part_o = torch.empty((num_tokens, q_heads, splits, head_dim), dtype=torch.float32, device=q.device)

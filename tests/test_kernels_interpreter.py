@@ -24,6 +24,7 @@ import torch
 from pdfabric.kernels import dispatch
 from pdfabric.kernels.attention_ref import paged_attention_ref, store_kv_ref
 from pdfabric.kernels.kv_pack_ref import gather_blocks_ref, scatter_blocks_ref
+from pdfabric.kernels.metadata import AttentionMetadata
 from pdfabric.kernels.testing import assert_close, make_batch
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
@@ -145,10 +146,25 @@ def test_strided_query_and_dispatch() -> None:
 
 
 @in_child
-def test_split_heuristic_covers_context() -> None:
-    assert pa.choose_num_splits(programs=1, max_seq_len=100, device=torch.device("cpu")) == 1
-    assert pa.choose_num_splits(programs=1, max_seq_len=4096, device=torch.device("cpu")) == 2
-    assert pa.choose_num_splits(programs=8, max_seq_len=4096, device=torch.device("cpu")) == 1
+def test_splits_are_a_fixed_length_that_covers_the_context() -> None:
+    assert pa.choose_num_splits(100) == 1 and pa.choose_num_splits(512) == 1
+    assert pa.choose_num_splits(513) == 2 and pa.choose_num_splits(4096) == 8
+    assert pa.split_tokens(131_072) == 512 and pa.split_tokens(131_073) == 1024  # past 256 splits
+
+
+@in_child
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_row_is_the_same_alone_and_beside_longer_contexts(dtype: torch.dtype) -> None:
+    """Splits are cut at the same keys whatever the batch: a row alone (one split, no merge) and beside
+    a 1,300-token context (three splits, merged) gives the same bits."""
+    q, kv, meta = make_batch([1, 1, 1], [300, 1300, 700], 8, 1, 32, 16, dtype, seed=6)  # MQA
+    together = pa.paged_attention_triton(q, kv, meta, 0.2)
+    tables = meta.block_tables.tolist()
+    for row, ctx in enumerate((300, 1300, 700)):
+        blocks = tables[row][: -(-ctx // 16)]
+        alone_meta = AttentionMetadata.build([1], [ctx], [blocks], 16)
+        alone = pa.paged_attention_triton(q[row : row + 1], kv, alone_meta, 0.2)
+        assert torch.equal(alone[0], together[row]), row
 
 
 @in_child
