@@ -29,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "cpu_avx512.h"
+#include "cpu_decode_rows.h"
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define HAVE_AVX512_BF16 1
 #endif
@@ -308,23 +309,6 @@ int pd_paged_prefill_attention(const void *q, int64_t q_stride, const void *k, c
 #endif
 }
 
-#ifdef HAVE_AVX512_BF16
-/* A buffer of at least `bytes` that this thread keeps from call to call (decode steps come 30 times a
- * step, and a fresh allocation of this size is a fresh mapping whose pages fault in on every call);
- * NULL when it cannot grow. */
-static void *thread_scratch(size_t bytes) {
-    static __thread void *buffer = NULL;
-    static __thread size_t capacity = 0;
-    if (bytes > capacity) {
-        free(buffer);
-        capacity = bytes + bytes / 4;
-        buffer = malloc(capacity);
-        if (buffer == NULL) capacity = 0;
-    }
-    return buffer;
-}
-#endif
-
 /* Decode rows with this kernel's arithmetic: row r is token row_token[r] of q, the last of the
  * ctx_lens[r] cached tokens of sequence row_seq[r] (block table tables[row_seq[r]]). For each of a
  * row's kv heads, its thread packs the head's keys and values into scratch and runs the
@@ -336,28 +320,19 @@ int pd_paged_decode_rows(const void *q, int64_t q_stride, const void *k, const v
                          int64_t tables_stride, const int32_t *row_token, const int32_t *row_seq,
                          const int32_t *ctx_lens, void *out, int rows, int q_heads, int kv_heads, int head_dim,
                          int block_size, float scale, int threads) {
-    if (rows < 0 || kv_heads <= 0 || q_heads % kv_heads != 0 || q_heads / kv_heads > MAX_GROUP ||
-        block_size <= 0 || q_stride < (int64_t)q_heads * head_dim)
+    rows_plan_t plan;
+    if (plan_rows(ctx_lens, rows, q_heads, kv_heads, head_dim, block_size, q_stride, MAX_GROUP, threads, &plan))
         return 1;
     if (!pd_prefill_supported(head_dim)) return 3;
 #ifdef HAVE_AVX512_BF16
-    int longest = 0;
-    for (int r = 0; r < rows; r++) {
-        if (ctx_lens[r] <= 0) return 1;
-        if (ctx_lens[r] > longest) longest = ctx_lens[r];
-    }
-    if (threads < 1) threads = 1;
-    /* A row's kv heads go to one thread, one after the other, so its tokens' cache lines (all heads of a
-     * token lie together) come from memory once; with fewer rows than threads, each head is an item. */
-    const int parts = rows >= threads ? 1 : kv_heads, items = rows * parts;
+    const int parts = plan.parts, items = plan.items;
     const int group = q_heads / kv_heads, rows_padded = (group + MR - 1) / MR * MR;
-    if (items < threads) threads = items > 0 ? items : 1;
-    const size_t lds = (size_t)(longest + PANEL - 1) / PANEL * PANEL;
+    const size_t lds = (size_t)(plan.longest + PANEL - 1) / PANEL * PANEL;
     const size_t packed = lds * (size_t)head_dim; /* words of packed keys plus packed values */
     const size_t tile = rows_padded * (lds * sizeof(float) + lds * sizeof(uint16_t) +
                                        (size_t)head_dim * (2 + sizeof(float)) + sizeof(float));
     int status = 0;
-#pragma omp parallel num_threads(threads) reduction(| : status)
+#pragma omp parallel num_threads(plan.threads) reduction(| : status)
     {
         uint32_t *kp = (uint32_t *)thread_scratch(packed * sizeof(uint32_t) + tile);
         if (kp == NULL) status = 2;

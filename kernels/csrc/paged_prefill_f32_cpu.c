@@ -197,24 +197,11 @@ int pd_paged_prefill_f32(const float *q, int64_t q_stride, const float *k, const
 }
 
 #if defined(__AVX512F__)
+#include "cpu_decode_rows.h"
+
 /* Decode rows run through this kernel only with AVX-512: on AVX2 the 16-float vectors of its blocks
  * spill (a decode row took 7 times the decode kernel's time), so there decode rows stay on
  * paged_decode_cpu.c and the library has no pd_paged_decode_rows. */
-
-/* A buffer of at least `bytes` that this thread keeps from call to call (decode rows come once a layer,
- * and a fresh allocation of this size is a fresh mapping whose pages fault in on every call); NULL
- * when it cannot grow. */
-static void *thread_scratch(size_t bytes) {
-    static __thread void *buffer = NULL;
-    static __thread size_t capacity = 0;
-    if (bytes > capacity) {
-        free(buffer);
-        capacity = bytes + bytes / 4;
-        buffer = malloc(capacity);
-        if (buffer == NULL) capacity = 0;
-    }
-    return buffer;
-}
 
 /* Decode rows with this kernel's arithmetic, as pd_paged_decode_rows in paged_prefill_cpu.c: row r is
  * token row_token[r] of q, the last of the ctx_lens[r] cached tokens of sequence row_seq[r] (block
@@ -226,25 +213,16 @@ int pd_paged_decode_rows(const float *q, int64_t q_stride, const float *k, const
                          int64_t tables_stride, const int32_t *row_token, const int32_t *row_seq,
                          const int32_t *ctx_lens, float *out, int rows, int q_heads, int kv_heads, int head_dim,
                          int block_size, float scale, int threads) {
-    if (rows < 0 || kv_heads <= 0 || q_heads % kv_heads != 0 || q_heads / kv_heads > MAX_GROUP ||
-        block_size <= 0 || q_stride < (int64_t)q_heads * head_dim)
+    rows_plan_t plan;
+    if (plan_rows(ctx_lens, rows, q_heads, kv_heads, head_dim, block_size, q_stride, MAX_GROUP, threads, &plan))
         return 1;
     if (!pd_prefill_f32_supported(head_dim)) return 3;
-    int longest = 0;
-    for (int r = 0; r < rows; r++) {
-        if (ctx_lens[r] <= 0) return 1;
-        if (ctx_lens[r] > longest) longest = ctx_lens[r];
-    }
-    if (threads < 1) threads = 1;
-    /* a row's kv heads go to one thread, one after the other (a token's heads lie together in the
-     * cache); with fewer rows than threads, each head is an item */
-    const int parts = rows >= threads ? 1 : kv_heads, items = rows * parts;
+    const int parts = plan.parts, items = plan.items;
     const int group = q_heads / kv_heads, rows_padded = (group + MR - 1) / MR * MR;
-    if (items < threads) threads = items > 0 ? items : 1;
-    const size_t lds = (size_t)(longest + PANEL - 1) / PANEL * PANEL;
+    const size_t lds = (size_t)(plan.longest + PANEL - 1) / PANEL * PANEL;
     const size_t floats = 2 * lds * (size_t)head_dim + (size_t)rows_padded * (lds + 2 * (size_t)head_dim);
     int status = 0;
-#pragma omp parallel num_threads(threads) reduction(| : status)
+#pragma omp parallel num_threads(plan.threads) reduction(| : status)
     {
         float *kp = (float *)thread_scratch(floats * sizeof(float));
         if (kp == NULL) status = 2;
