@@ -257,7 +257,7 @@ class RouterCore:
                 self.routing.forget(outcome.ticket.request_id)
             elif outcome.action == ADMIT:
                 assert outcome.ranking is not None
-                req.choices, req.tried = outcome.ranking.choices, 0
+                req.choices, req.tried, req.no_room = outcome.ranking.choices, 0, False
                 if not req.started:
                     req.waited_ms = outcome.waited_ms
                 self._try_next(req, out)
