@@ -116,9 +116,12 @@ static inline int64_t cache_row(const job_t *j, int t, int h) {
  * its heads one after the other, so the first head's pass brings the others' rows along. */
 static inline void prefetch_rows(const job_t *j, const uint16_t *base, int t, int n) {
     const int64_t bytes = (int64_t)j->kv_heads * j->head_dim * 2;
+    int block = t / j->block_size, slot = t % j->block_size; /* stepped, not divided, per token */
     for (int u = t; u < t + 16 && u < n; u++) {
-        const char *row = (const char *)(base + cache_row(j, u, 0));
+        const char *row = (const char *)(base + ((int64_t)j->table[block] * j->block_size + slot) *
+                                                    j->kv_heads * j->head_dim);
         for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(row + off, 0, 3);
+        if (++slot == j->block_size) slot = 0, block++;
     }
 }
 
@@ -151,6 +154,9 @@ static void pack_head(const job_t *j, int h, uint32_t *kp, uint32_t *vp) {
     const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
                                         37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
     const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    const int64_t token_stride = (int64_t)j->kv_heads * d; /* elements from a token's row to the next */
+    int block = 0, slot = 0; /* where token t2 lies, stepped along (a division per token costs more
+                              * than the interleave) */
     for (int t2 = 0; t2 < j->keys_padded; t2 += 2) {
         uint32_t *dst = vp + (int64_t)(t2 / 2) * d;
         if (t2 >= n) {
@@ -158,8 +164,13 @@ static void pack_head(const job_t *j, int h, uint32_t *kp, uint32_t *vp) {
             continue;
         }
         if (h == 0 && t2 % 16 == 0) prefetch_rows(j, j->v, t2 + 16, n);
-        const uint16_t *even = j->v + cache_row(j, t2, h);
-        const uint16_t *odd = t2 + 1 < n ? j->v + cache_row(j, t2 + 1, h) : NULL;
+        const uint16_t *even = j->v + ((int64_t)j->table[block] * j->block_size + slot) * token_stride + h * d;
+        if (++slot == j->block_size) slot = 0, block++;
+        const uint16_t *odd = NULL;
+        if (t2 + 1 < n) {
+            odd = j->v + ((int64_t)j->table[block] * j->block_size + slot) * token_stride + h * d;
+            if (++slot == j->block_size) slot = 0, block++;
+        }
         for (int c = 0; c < d; c += 32) {
             const __m512i a = _mm512_loadu_si512(even + c);
             const __m512i b = odd ? _mm512_loadu_si512(odd + c) : _mm512_setzero_si512();

@@ -86,7 +86,12 @@ static void pack_head(const job_t *j, int h, float *kp, float *vp) {
         float *panel = kp + (int64_t)(t / PANEL) * PANEL * d + t % PANEL;
         for (int c = 0; c < d; c++) panel[c * PANEL] = krow[c];
     }
-    for (t = 0; t < n; t++) memcpy(vp + (int64_t)t * d, j->v + cache_row(j, t, h), (size_t)d * sizeof *vp);
+    int block = 0, slot = 0; /* where token t lies, stepped along: a division per token costs more than the copy */
+    for (t = 0; t < n; t++) {
+        memcpy(vp + (int64_t)t * d, j->v + (((int64_t)j->table[block] * j->block_size + slot) * j->kv_heads + h) * d,
+               (size_t)d * sizeof *vp);
+        if (++slot == j->block_size) slot = 0, block++;
+    }
 }
 
 /* 16 floats as one value: one zmm with AVX-512, two ymm with AVX2 (GCC vector extensions); aligned(4)
