@@ -101,7 +101,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="candidate shapes: prefill+decode splits, colocated, or both (default all)",
     )
     kv_mb = worker_default("kv_memory_mb")
-    c.add_argument("--kv-memory-mb", type=int, default=kv_mb, help=f"KV MB per worker (default {kv_mb})")
+    c.add_argument("--kv-memory-mb", type=int, default=kv_mb,
+                   help=f"KV MB per worker (default {kv_mb}: sized by the model, as pdfabric serve does)")
     c.add_argument("--transport", help="KV transport whose measured rate to use (default: zmq-tcp, what "
                    "workers use, when every profile measured it, else each profile's fastest)")
     s = parser.add_argument_group("rate search (per candidate)")
@@ -145,8 +146,8 @@ def settings_from_args(args: argparse.Namespace) -> PlanSettings:
     for flag, value in (("--slo-ttft-ms", args.ttft_slo_ms), ("--slo-itl-ms", args.itl_slo_ms)):
         if not value > 0:
             raise ValueError(f"{flag} must be > 0, got {value}")
-    if args.kv_memory_mb < 1:
-        raise ValueError(f"--kv-memory-mb must be >= 1, got {args.kv_memory_mb}")
+    if args.kv_memory_mb < 0:
+        raise ValueError(f"--kv-memory-mb must be >= 0 (0: auto), got {args.kv_memory_mb}")
     rates, search = search_config(args)
     return PlanSettings(
         slo=SLO(args.ttft_slo_ms, args.itl_slo_ms, args.itl_stat),

@@ -72,8 +72,8 @@ class PlanSettings:
     disaggregated: bool = True  # try prefill + decode splits
 
     def __post_init__(self) -> None:
-        if self.kv_memory_mb < 1:
-            raise ValueError(f"kv_memory_mb must be >= 1, got {self.kv_memory_mb}")
+        if self.kv_memory_mb < 0:
+            raise ValueError(f"kv_memory_mb must be >= 0 (0: auto), got {self.kv_memory_mb}")
         for name in ("max_running", "chunk_tokens", "rates"):
             if any(v <= 0 for v in getattr(self, name)):
                 raise ValueError(f"{name} values must be > 0, got {getattr(self, name)}")

@@ -23,7 +23,7 @@ import sys
 import time
 
 from pdfabric import ray_launch
-from pdfabric.config import ServeConfig, load_serve_config, worker_default
+from pdfabric.config import AUTO_KV_MIN_MB, AUTO_KV_TOKENS, ServeConfig, load_serve_config, worker_default
 from pdfabric.supervisor import StartupError, Workers, local_starter
 
 log = logging.getLogger("pdfabric.serve")
@@ -43,7 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", help=f"HTTP address (default {ServeConfig.host})")
     parser.add_argument("--port", type=int, help=f"HTTP port (default {ServeConfig.port}; 0: a free one)")
     parser.add_argument("--control-port", type=int, help="router control port workers join (default: free)")
-    parser.add_argument("--kv-memory-mb", type=int, help=f"KV MB per worker (default {w('kv_memory_mb')})")
+    parser.add_argument(
+        "--kv-memory-mb",
+        type=int,
+        help=f"KV MB per worker (default 0: room for --max-running sequences of {AUTO_KV_TOKENS} tokens of "
+        f"the model, at least {AUTO_KV_MIN_MB} MB)",
+    )
     parser.add_argument("--num-blocks", type=int, help="KV blocks per worker (overrides --kv-memory-mb)")
     parser.add_argument("--block-size", type=int, help=f"tokens per KV block (default {w('block_size')})")
     parser.add_argument(

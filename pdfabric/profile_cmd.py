@@ -76,7 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=w("max_running"),
         help=f"largest decode batch to measure (default {w('max_running')})",
     )
-    for name, text in (("kv_memory_mb", "KV-cache budget, MB"), ("block_size", "tokens per KV block")):
+    sizes = (("kv_memory_mb", "KV-cache budget, MB (0: auto)"), ("block_size", "tokens per KV block"))
+    for name, text in sizes:
         flag = "--" + name.replace("_", "-")
         parser.add_argument(flag, type=int, default=w(name), help=f"{text} (default {w(name)})")
     parser.add_argument(
@@ -145,10 +146,11 @@ def _check_args(args: argparse.Namespace) -> list[str]:
 
     if not (math.isfinite(args.seconds) and args.seconds > 0):
         raise ValueError(f"--seconds must be > 0, got {args.seconds}")
+    if args.kv_memory_mb < 0:
+        raise ValueError(f"--kv-memory-mb must be >= 0 (0: auto), got {args.kv_memory_mb}")
     for flag in (
         "max_batch_tokens",
         "max_running",
-        "kv_memory_mb",
         "block_size",
         "points",
         "repeats",
