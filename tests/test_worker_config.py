@@ -171,3 +171,18 @@ def test_a_worker_process_sends_heartbeats_at_its_configured_interval() -> None:
             proc.wait()
         sock.close()
         ctx.term()
+
+
+def test_the_kv_budget_is_sized_by_the_model_unless_set() -> None:
+    """``kv_memory_mb = 0`` (the default): room for ``max_running`` sequences of 1,024 tokens, never
+    below 256 MB; an explicit budget or block count is used as given."""
+    smollm2 = 23_040  # bytes a token: 30 layers x 3 KV heads x 64 dims x K and V x bfloat16
+    auto = WorkerConfig(kind="decode")
+    assert auto.kv_memory_mb == 0
+    assert auto.kv_blocks(smollm2) == 64 * 1024 // 16  # 1.4 GiB
+    assert replace(auto, max_running=8).kv_blocks(smollm2) == 256 * 2**20 // (smollm2 * 16)  # the floor
+    assert auto.kv_blocks(512) == 256 * 2**20 // (512 * 16)  # tiny: 256 MB, as before
+    assert replace(auto, kv_memory_mb=64).kv_blocks(smollm2) == 64 * 2**20 // (smollm2 * 16)
+    assert replace(auto, num_blocks=10).kv_blocks(smollm2) == 10
+    with pytest.raises(ValueError, match="kv_memory_mb"):
+        WorkerConfig(kind="decode", kv_memory_mb=-1)
