@@ -41,7 +41,7 @@ from pdfabric.profile import WorkerProfile
 from pdfabric.router.admin import AUDIT, unauthorized
 from pdfabric.router.catalog import FAILED, READY, RETIRED, WARMING, Catalog, Version, load_tokenizer
 from pdfabric.router.dispatcher import Dispatcher
-from pdfabric.router.openai_api import ApiError
+from pdfabric.router.openai_api import ApiError, parse_json_body
 from pdfabric.router.registry import WorkerInfo, has_route
 from pdfabric.router.rollout import Rollout, RolloutSpec, token_cost
 from pdfabric.router.slo import resolve
@@ -298,10 +298,7 @@ def _handler(action: str, fn: Handler) -> Callable[[web.Request], Awaitable[web.
 
 
 async def _json(request: web.Request) -> Any:
-    try:
-        return await request.json()
-    except ValueError:
-        raise ApiError(400, "the body is not valid JSON") from None
+    return parse_json_body(await request.read())
 
 
 def _model(request: web.Request, models: Models) -> str:

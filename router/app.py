@@ -12,7 +12,6 @@ so that every worker still holding it gets an ``Abort``.
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 import time
 from dataclasses import asdict, replace
@@ -109,11 +108,18 @@ async def _once(request: web.Request, chat: bool) -> web.StreamResponse:
     """``_serve``, at most once per ``Idempotency-Key`` of a non-streaming request: a duplicate gets
     the first one's response with ``Idempotent-Replayed: true`` (router/idempotency.py)."""
     store, key = request.app[IDEMPOTENCY], request.headers.get(idem.HEADER)
-    if key is None or not store.enabled:
+    if key is None:
         return await _serve(request, chat)
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        idem.check_key(key)  # a malformed key is refused whether or not it would be used
+    except api.ApiError as err:
+        request.app[METRICS].rejections.labels("invalid").inc()
+        return responses.error_response(err)
+    if not store.enabled:
+        return await _serve(request, chat)
+    try:
+        body = api.parse_json_body(await request.read())
+    except api.ApiError:
         return await _serve(request, chat)  # which answers the 400
     if isinstance(body, dict) and body.get("stream") is True:
         return await _serve(request, chat)  # a stream is never replayed: the header is ignored
@@ -126,7 +132,6 @@ async def _once(request: web.Request, chat: bool) -> web.StreamResponse:
 
     scope = (request[access.TENANT], request.path, key)
     try:
-        idem.check_key(key)
         reply, replayed = await store.run(scope, idem.fingerprint(body), compute)
     except api.ApiError as err:
         request.app[METRICS].rejections.labels("invalid").inc()
@@ -139,7 +144,9 @@ async def _once(request: web.Request, chat: bool) -> web.StreamResponse:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    return web.json_response(openapi_document(request.app[CATALOG].names()[0]))
+    catalog = request.app[CATALOG]
+    vocab = max(v.tokenizer.vocab_size for m in catalog.models.values() for v in m.live())
+    return web.json_response(openapi_document(catalog.names(), vocab))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -192,10 +199,10 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     arrival = time.monotonic()
     metrics_ = app[METRICS]
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        body = api.parse_json_body(await request.read())
+    except api.ApiError as err:
         metrics_.rejections.labels("invalid").inc()
-        return responses.error_response(api.bad("the request body is not valid JSON"))
+        return responses.error_response(err)
     submitted: list[str] = []  # the response's requests in the router (one per prompt)
     streams: list[RequestStream] = []
     tenant, admitted, model = request[access.TENANT], False, ""  # admitted: counted by the tenant's limits

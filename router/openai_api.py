@@ -6,6 +6,7 @@ body that names the field. The result is a ``ParsedRequest`` the dispatcher can 
 
 from __future__ import annotations
 
+import json
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +61,31 @@ def bad(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param)
 
 
+MAX_JSON_DEPTH = 32  # the deepest valid request nests 6 levels (chat content parts inside a message)
+
+
+def parse_json_body(raw: bytes) -> Any:
+    """A request body's JSON value; a 400 (``ApiError``) for a body that is not UTF-8 JSON or that
+    nests arrays and objects more than ``MAX_JSON_DEPTH`` deep. The bound is checked after parsing
+    (Python's parser itself stops at its recursion limit, about 1,000 levels, which is caught here too)
+    so that nothing after the parser recurses through a body sent to exhaust the stack."""
+    try:
+        value = json.loads(raw.decode())  # UTF-8 (RFC 8259), strictly: no lone surrogates
+    except RecursionError:
+        raise bad(f"the request body nests arrays or objects more than {MAX_JSON_DEPTH} deep") from None
+    except (ValueError, UnicodeDecodeError):  # JSONDecodeError is a ValueError
+        raise bad("the request body is not valid JSON") from None
+    level, containers = 1, [value] if isinstance(value, (list, dict)) else []
+    while containers:  # breadth first, one level at a time
+        if level > MAX_JSON_DEPTH:
+            raise bad(f"the request body nests arrays or objects more than {MAX_JSON_DEPTH} deep")
+        inner = []
+        for c in containers:
+            inner.extend(v for v in (c.values() if isinstance(c, dict) else c) if isinstance(v, (list, dict)))
+        level, containers = level + 1, inner
+    return value
+
+
 @dataclass(frozen=True)
 class ParsedRequest:
     chat: bool
@@ -103,16 +129,28 @@ class ParsedRequest:
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logit_bias=self.logit_bias,
-            min_tokens=self.min_tokens,
+            min_tokens=min(self.min_tokens, max_tokens),  # more could never be generated
             top_k=self.top_k,
             prompt_logprobs=self.echo and self.logprobs is not None,
         )
+
+
+def _integral(value: Any) -> Any:
+    """``value`` as an int when it is a number with no fraction (JSON's 76.0 is the integer 76, as
+    JSON Schema counts it); anything else as it is."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _token_ids(values: list[Any]) -> list[Any]:
+    return [_integral(t) for t in values]
 
 
 def _typed(body: dict[str, Any], name: str, types: type | tuple[type, ...], default: Any) -> Any:
     value = body.get(name, default)
     if value is None:
         return default
+    if int in (types if isinstance(types, tuple) else (types,)):
+        value = _integral(value)
     # bool is an int in Python; a JSON true is never a valid number here.
     if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
         raise bad(f"'{name}' must be {_type_name(types)}, got a boolean", name)
@@ -197,7 +235,7 @@ def parse_request(body: Any, chat: bool, served_models: tuple[str, ...], vocab_s
         repetition_penalty=_penalty(body, "repetition_penalty", 1.0, 0.0, 10.0, open_low=True),
         logit_bias=_logit_bias(body, vocab_size),
         min_tokens=min_tokens,
-        top_k=max(top_k, 0),
+        top_k=0 if top_k >= vocab_size else max(top_k, 0),  # the whole vocabulary is no limit
         user=_typed(body, "user", str, None),
         return_token_ids=_typed(body, "return_token_ids", bool, False),
         timeout_s=timeout_seconds(_typed(body, "timeout", (int, float), None), "timeout"),
@@ -230,8 +268,10 @@ def _n_best_of(body: dict[str, Any], chat: bool, stream: bool, prompts: int) -> 
     n = _typed(body, "n", int, 1)
     if not 1 <= n <= MAX_N:
         raise bad(f"'n' must be in [1, {MAX_N}], got {n}", "n")
-    best_of = n if chat else _typed(body, "best_of", int, n)
-    if not n <= best_of <= MAX_BEST_OF and best_of != n:
+    best_of = None if chat else _typed(body, "best_of", int, None)
+    if best_of is None:
+        best_of = n
+    elif not n <= best_of <= MAX_BEST_OF:
         raise bad(f"'best_of' must be in [n, {MAX_BEST_OF}] (n is {n}), got {best_of}", "best_of")
     if best_of > n and stream:
         raise bad("'best_of' greater than 'n' cannot be streamed", "best_of")
@@ -261,16 +301,17 @@ def _prompt(prompt: Any, where: str, vocab_size: int) -> str | tuple[int, ...]:
         if not prompt:
             raise bad(f"'{where}' must not be empty", "prompt")
         return prompt
-    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        if not prompt:
+    ids = _token_ids(prompt) if isinstance(prompt, list) else None
+    if ids is not None and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        if not ids:
             raise bad(f"'{where}' must not be empty", "prompt")
-        out_of_range = [t for t in prompt if not 0 <= t < vocab_size]
+        out_of_range = [t for t in ids if not 0 <= t < vocab_size]
         if out_of_range:
             raise bad(
                 f"'{where}' holds token id {out_of_range[0]} outside the vocabulary (0..{vocab_size - 1})",
                 "prompt",
             )
-        return tuple(prompt)
+        return tuple(ids)
     raise bad(
         f"'{where}' must be a string or an array of token ids (or 'prompt' an array of those)", "prompt"
     )
@@ -310,7 +351,7 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
 
 
 def _stop_token_ids(body: dict[str, Any], vocab_size: int) -> tuple[int, ...]:
-    ids = _typed(body, "stop_token_ids", list, [])
+    ids = _token_ids(_typed(body, "stop_token_ids", list, []))
     if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids):
         raise bad("'stop_token_ids' must be token ids inside the vocabulary", "stop_token_ids")
     return tuple(ids)
@@ -350,10 +391,9 @@ def _logit_bias(body: dict[str, Any], vocab_size: int) -> tuple[tuple[int, float
     given = _typed(body, "logit_bias", dict, {})
     pairs: list[tuple[int, float]] = []
     for key, value in given.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise bad(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias") from None
+        if not (key.isascii() and key.isdigit()):  # int() would also take " 5", "+5" and "5_0"
+            raise bad(f"'logit_bias' keys must be token ids (decimal digits), got {key!r}", "logit_bias")
+        token = int(key)
         if not 0 <= token < vocab_size:
             raise bad(f"'logit_bias' token id {token} is outside the vocabulary", "logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:

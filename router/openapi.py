@@ -12,6 +12,7 @@ from typing import Any
 
 from pdfabric.router import openai_api as api
 from pdfabric.router.openai_api import MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_TIMEOUT_S
+from pdfabric.router.slo import MAX_BUDGET_MS
 
 
 def _number(low: float, high: float, exclusive_low: bool = False) -> dict[str, Any]:
@@ -23,7 +24,48 @@ def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
     return {"anyOf": [schema, {"type": "null"}]}
 
 
-_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+def _below(limit: int) -> str:
+    """A regular expression for the decimal numbers 0 to ``limit`` - 1 (leading zeros allowed)."""
+    top = str(limit - 1)
+    alternatives = ["0"] + [f"[1-9][0-9]{{{k - 1}}}" for k in range(1, len(top))]
+    for i, digit in enumerate(top):
+        low = 1 if i == 0 else 0
+        if int(digit) > low:
+            alternatives.append(f"{top[:i]}[{low}-{int(digit) - 1}][0-9]{{{len(top) - i - 1}}}")
+    alternatives.append(top)
+    return f"^0*({'|'.join(alternatives)})$"
+
+
+def _token_fields(vocab_size: int) -> dict[str, Any]:
+    """The fields that carry token ids: each below the vocabulary size."""
+    token_id = {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}
+    token_ids = {"type": "array", "items": token_id, "minItems": 1}
+    return {
+        "logit_bias": _nullable(
+            {
+                "type": "object",
+                "propertyNames": {"pattern": _below(vocab_size)},
+                "additionalProperties": _number(-100, 100),
+                "description": "token id (as a string) to a bias added to its logit",
+            }
+        ),
+        "stop_token_ids": _nullable({"type": "array", "items": token_id}),
+        "prompt": {
+            "anyOf": [
+                {"type": "string", "minLength": 1},
+                token_ids,
+                {
+                    "type": "array",
+                    "items": {"anyOf": [{"type": "string", "minLength": 1}, token_ids]},
+                    "minItems": 1,
+                    "maxItems": api.MAX_PROMPTS,
+                    "description": "a batch: choice index = prompt index * n + output index",
+                },
+            ]
+        },
+    }
+
+
 _STOP = {
     "anyOf": [
         {"type": "string", "minLength": 1},
@@ -33,10 +75,14 @@ _STOP = {
 }
 _COMMON: dict[str, Any] = {
     "model": {"type": "string", "description": "the served model's name (GET /v1/models)"},
-    "max_tokens": _nullable({"type": "integer", "minimum": 1}),
+    "max_tokens": _nullable(
+        {"type": "integer", "minimum": 1, "description": "with the prompt, inside the model's context window"}
+    ),
     "temperature": _nullable(_number(0, 2)),
     "top_p": _nullable(_number(0, 1, exclusive_low=True)),
-    "top_k": _nullable({"type": "integer", "minimum": -1, "description": "0 or -1: no limit"}),
+    "top_k": _nullable(
+        {"type": "integer", "minimum": -1, "description": "0, -1 or the vocabulary's size: no limit"}
+    ),
     "n": _nullable(
         {"type": "integer", "minimum": 1, "maximum": api.MAX_N, "description": "outputs per prompt"}
     ),
@@ -54,15 +100,11 @@ _COMMON: dict[str, Any] = {
     "presence_penalty": _nullable(_number(-2, 2)),
     "frequency_penalty": _nullable(_number(-2, 2)),
     "repetition_penalty": _nullable(_number(0, 10, exclusive_low=True)),
-    "logit_bias": _nullable(
-        {
-            "type": "object",
-            "additionalProperties": _number(-100, 100),
-            "description": "token id (as a string) to a bias added to its logit",
-        }
+    "logit_bias": {},  # by the vocabulary: _token_fields
+    "stop_token_ids": {},
+    "min_tokens": _nullable(
+        {"type": "integer", "minimum": 0, "description": "at most max_tokens when that is given"}
     ),
-    "min_tokens": _nullable({"type": "integer", "minimum": 0, "description": "at most max_tokens"}),
-    "stop_token_ids": _nullable({"type": "array", "items": {"type": "integer", "minimum": 0}}),
     "ignore_eos": _nullable({"type": "boolean"}),
     "return_token_ids": _nullable({"type": "boolean"}),
     "timeout": _nullable(_number(0, MAX_TIMEOUT_S, exclusive_low=True)),
@@ -70,8 +112,8 @@ _COMMON: dict[str, Any] = {
         {
             "type": "object",
             "properties": {
-                "ttft_ms": _number(0, 1e9, exclusive_low=True),
-                "itl_ms": _number(0, 1e9, exclusive_low=True),
+                "ttft_ms": _number(0, MAX_BUDGET_MS, exclusive_low=True),
+                "itl_ms": _number(0, MAX_BUDGET_MS, exclusive_low=True),
             },
             "additionalProperties": False,
         }
@@ -82,19 +124,7 @@ _COMMON: dict[str, Any] = {
 }
 _COMPLETION = {
     **_COMMON,
-    "prompt": {
-        "anyOf": [
-            {"type": "string", "minLength": 1},
-            _TOKEN_IDS,
-            {
-                "type": "array",
-                "items": {"anyOf": [{"type": "string", "minLength": 1}, _TOKEN_IDS]},
-                "minItems": 1,
-                "maxItems": api.MAX_PROMPTS,
-                "description": "a batch: choice index = prompt index * n + output index",
-            },
-        ]
-    },
+    "prompt": {},  # by the vocabulary: _token_fields
     "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
     "echo": _nullable(
         {"type": "boolean", "description": "each choice starts with its prompt (and its scores)"}
@@ -109,6 +139,27 @@ _COMPLETION = {
         }
     ),
 }
+
+
+def _requires(field: str, when: dict[str, Any], then: Any, value: Any) -> dict[str, Any]:
+    """A rule between two fields: when ``field`` is present and matches ``when``, ``then`` must be
+    ``value``."""
+    return {
+        "if": {"required": [field], "properties": {field: when}},
+        "then": {"required": [then], "properties": {then: {"const": value}}},
+    }
+
+
+# Rules between fields that JSON Schema can state; those it cannot (min_tokens <= max_tokens, best_of
+# >= n, the prompt and max_tokens within the model's context) are in the fields' descriptions.
+_STREAM_OPTIONS_NEED_STREAM = _requires(
+    "stream_options", {"type": "object", "minProperties": 1}, "stream", True
+)
+_COMPLETION_RULES = [_STREAM_OPTIONS_NEED_STREAM]
+_CHAT_RULES = [
+    _STREAM_OPTIONS_NEED_STREAM,
+    _requires("top_logprobs", {"type": "integer", "minimum": 1}, "logprobs", True),
+]
 _MESSAGE = {
     "type": "object",
     "required": ["role", "content"],
@@ -163,8 +214,20 @@ _ERROR = {
 _OBJECT = {"type": "object"}
 
 
-def _generation(summary: str, fields: dict[str, Any], required: list[str], model: str) -> dict[str, Any]:
-    fields = {**fields, "model": {**fields["model"], "enum": [model]}}
+def _generation(
+    summary: str,
+    fields: dict[str, Any],
+    rules: list[dict[str, Any]],
+    required: list[str],
+    models: tuple[str, ...],
+    vocab_size: int,
+) -> dict[str, Any]:
+    tokens = _token_fields(vocab_size)
+    fields = {
+        **fields,
+        **{name: tokens[name] for name in ("prompt", "logit_bias", "stop_token_ids") if name in fields},
+        "model": {**fields["model"], "enum": list(models)},
+    }
     return {
         "post": {
             "summary": summary,
@@ -177,6 +240,7 @@ def _generation(summary: str, fields: dict[str, Any], required: list[str], model
                             "required": required,
                             "properties": fields,
                             "additionalProperties": False,
+                            "allOf": rules,
                         }
                     }
                 },
@@ -186,8 +250,9 @@ def _generation(summary: str, fields: dict[str, Any], required: list[str], model
                 {
                     "name": "X-Request-Timeout",
                     "in": "header",
-                    "schema": {"type": "string", "pattern": r"^[0-9]+(\.[0-9]+)?$"},
-                    "description": "seconds, in (0, 86400]",
+                    "schema": _number(0, MAX_TIMEOUT_S, exclusive_low=True),
+                    "description": "the request's deadline in seconds from arrival (the earlier of this and "
+                    "the body's timeout applies)",
                 },
                 {
                     "name": "Idempotency-Key",
@@ -210,15 +275,20 @@ def _generation(summary: str, fields: dict[str, Any], required: list[str], model
     }
 
 
-def openapi_document(model: str) -> dict[str, Any]:
-    """The OpenAPI description of a router serving ``model``."""
+def openapi_document(models: tuple[str, ...], vocab_size: int) -> dict[str, Any]:
+    """The OpenAPI description of a router serving ``models`` (every name a request may use): token
+    ids are below ``vocab_size`` (the largest of the models' vocabularies)."""
     json_ok = {"description": "ok", "content": {"application/json": {"schema": _OBJECT}}}
     return {
         "openapi": "3.1.0",
-        "info": {"title": "pdfabric", "version": "1", "description": f"serving model {model!r}"},
+        "info": {"title": "pdfabric", "version": "1", "description": f"serving {', '.join(models)}"},
         "paths": {
-            "/v1/completions": _generation("text completion", _COMPLETION, ["model", "prompt"], model),
-            "/v1/chat/completions": _generation("chat completion", _CHAT, ["model", "messages"], model),
+            "/v1/completions": _generation(
+                "text completion", _COMPLETION, _COMPLETION_RULES, ["model", "prompt"], models, vocab_size
+            ),
+            "/v1/chat/completions": _generation(
+                "chat completion", _CHAT, _CHAT_RULES, ["model", "messages"], models, vocab_size
+            ),
             "/v1/models": {"get": {"summary": "the served models", "responses": {"200": json_ok}}},
             "/health": {
                 "get": {

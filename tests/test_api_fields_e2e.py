@@ -4,6 +4,9 @@ fields the server does not implement are a 400 naming them, never ignored."""
 
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
@@ -183,6 +186,10 @@ def test_chat_logprobs_and_top_logprobs(fabric: str) -> None:
         ("/v1/completions", {"presence_penalty": 2.5}, "presence_penalty"),
         ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),
         ("/v1/completions", {"logit_bias": {"x": 1}}, "logit_bias"),
+        ("/v1/completions", {"logit_bias": {"+5": 1}}, "logit_bias"),
+        ("/v1/completions", {"logit_bias": {" 5": 1}}, "logit_bias"),
+        ("/v1/completions", {"best_of": 21, "n": 21}, "best_of"),
+        ("/v1/completions", {"n": 1.5}, "n"),
         ("/v1/completions", {"logit_bias": {"99999": 1}}, "logit_bias"),
         ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
         ("/v1/completions", {"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
@@ -203,6 +210,25 @@ def test_fields_not_implemented_are_a_400_naming_them(
     status, data = post(fabric + path, {**base, **fields})
     assert status == 400, data
     assert data["error"]["param"] == param and param in data["error"]["message"]
+
+
+def test_integers_written_with_a_zero_fraction_are_integers(fabric: str) -> None:
+    plain = complete(fabric)
+    same = complete(fabric, max_tokens=24.0, n=1.0, prompt=[float(t) for t in PROMPT], stop_token_ids=[0.0])
+    assert same["token_ids"] == plain["token_ids"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/admin/models/tiny/weights"])
+def test_a_body_nested_past_the_parser_is_a_400(fabric: str, path: str) -> None:
+    for body in (
+        b"[" * 100_000 + b"]" * 100_000,  # past the parser's own recursion limit
+        b'{"model": "tiny", "prompt": "hi", "metadata": ' + b"[" * 40 + b"]" * 40 + b"}",  # past the bound
+    ):
+        req = urllib.request.Request(fabric + path, body, {"Content-Type": "application/json"}, method="POST")
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(req, timeout=30)
+        assert caught.value.code == 400
+        assert "nests" in json.loads(caught.value.read())["error"]["message"]
 
 
 def test_fields_without_effect_on_the_output_are_accepted(fabric: str) -> None:

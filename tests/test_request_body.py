@@ -1,0 +1,43 @@
+"""Reading a request body: JSON, bounded in depth, every failure a 400 that says what is wrong."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdfabric.router.openai_api import MAX_JSON_DEPTH, ApiError, parse_json_body
+
+
+def _nested(depth: int) -> bytes:
+    """An object whose ``metadata`` holds arrays nested so that the whole body is ``depth`` deep."""
+    inner = depth - 1
+    return b'{"model": "tiny", "metadata": ' + b"[" * inner + b"]" * inner + b"}"
+
+
+def test_a_body_at_the_depth_bound_is_read() -> None:
+    assert parse_json_body(_nested(MAX_JSON_DEPTH))["model"] == "tiny"
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        _nested(MAX_JSON_DEPTH + 1),
+        b"[" * 100_000 + b"]" * 100_000,  # past Python's parser's recursion limit
+        b'{"a": ' + b'{"b": ' * 5_000 + b"1" + b"}" * 5_001,
+    ],
+    ids=["one-past-the-bound", "arrays-past-the-parser", "objects-past-the-parser"],
+)
+def test_a_body_nested_too_deep_is_a_400(raw: bytes) -> None:
+    with pytest.raises(ApiError) as caught:
+        parse_json_body(raw)
+    assert caught.value.status == 400 and f"more than {MAX_JSON_DEPTH} deep" in caught.value.message
+
+
+@pytest.mark.parametrize("raw", [b"", b"{", b'{"a": 1,}', b"\xff\xfe{}", b'{"a": "\xed\xa0\x80"}'])
+def test_a_body_that_is_not_json_is_a_400(raw: bytes) -> None:
+    with pytest.raises(ApiError) as caught:
+        parse_json_body(raw)
+    assert caught.value.status == 400 and "not valid JSON" in caught.value.message
+
+
+def test_a_wide_body_is_read() -> None:
+    assert len(parse_json_body(b"[" + b",".join([b"[1]"] * 100_000) + b"]")) == 100_000
