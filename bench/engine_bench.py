@@ -129,7 +129,7 @@ def _copy_rate(repeats: int, nbytes: int = 256 * 2**20) -> float:
 
 def _cpu_name() -> str:
     """The CPU's model name and whether it multiplies bfloat16 natively, for the record."""
-    from pdfabric.engine.loader import cpu_has_half_math
+    from pdfabric.kernels.cpu_build import cpu_has_half_math
 
     name = platform.processor() or platform.machine()
     try:

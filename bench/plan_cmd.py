@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from pdfabric.bench.goodput_cmd import add_growth_argument
 from pdfabric.bench.metrics import ITL_STATS
 from pdfabric.bench.options import add_workload_arguments
-from pdfabric.config import worker_default
+from pdfabric.worker_config import worker_default
 
 if TYPE_CHECKING:
     from pdfabric.bench.planner import Evaluation, Plan, PlanSettings
@@ -294,7 +294,7 @@ def deployment_toml(serve: ServeConfig, header: str = "") -> str:
     counts), ``[worker]``, one ``[[workers]]`` per group and the ``[routing]`` budgets."""
     from dataclasses import fields
 
-    from pdfabric.config import WorkerConfig
+    from pdfabric.worker_config import WorkerConfig
 
     def value(v: Any) -> str:
         return json.dumps(v) if isinstance(v, str) else repr(v)

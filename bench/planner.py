@@ -28,9 +28,10 @@ from pdfabric.bench.goodput import GoodputResult, Measure, SearchConfig, Trial, 
 from pdfabric.bench.metrics import SLO, summarize
 from pdfabric.bench.records import RequestRecord
 from pdfabric.bench.workload import Workload
-from pdfabric.config import ServeConfig, WorkerConfig, WorkerGroup
+from pdfabric.config import ServeConfig, WorkerGroup
 from pdfabric.profile_file import ProfileFile, for_kind
-from pdfabric.router.slo import AdmissionConfig
+from pdfabric.routing_config import AdmissionConfig
+from pdfabric.worker_config import WorkerConfig
 
 # (deployment, workload at one rate) -> one record per request
 Simulate = Callable[[ServeConfig, Workload], list[RequestRecord]]

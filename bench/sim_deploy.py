@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 from pdfabric.bench.simulator import SimConfig, SimWorker
 from pdfabric.config import ServeConfig
-from pdfabric.core import CoreSpec
 from pdfabric.profile_file import ProfileFile, for_kind
+from pdfabric.worker.core import CoreSpec
 
 
 def sim_config(

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pdfabric.control import DECODE
-from pdfabric.core import CancelKV, ExpectKV, PushKV, kv_meta
 from pdfabric.kvtransfer.state import TransferResult, TransferState
+from pdfabric.worker.core import CancelKV, ExpectKV, PushKV, kv_meta
 
 if TYPE_CHECKING:
     from pdfabric.bench.sim_worker import SimulatedWorker

@@ -1,9 +1,9 @@
-"""One simulated worker of ``bench.simulator``: the server's own worker core (``pdfabric.core``:
+"""One simulated worker of ``bench.simulator``: the server's own worker core (``pdfabric.worker.core``:
 ``PrefillCore``, ``DecodeCore`` or ``ColocatedCore``) driven by simulated time instead of sockets.
 
 The core does everything the real worker decides (admission, scheduling, block accounting, the
 messages it sends, heartbeat content); this driver only models time the way the real loop
-(``pdfabric.worker``) spends it:
+(``pdfabric.worker.loop``) spends it:
 
 1. messages are handled only between steps: KV-side events first (transfers that ended, blocks
    released), then control messages from the router;
@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING
 
 from pdfabric.bench.sim_link import endpoint_of
 from pdfabric.control import COLOCATED, DECODE, PREFILL, Register
-from pdfabric.core import CancelKV, ExpectKV, FixedProfile, Out, PushKV, Step, WorkerCore
 from pdfabric.decode.core import ColocatedCore, DecodeCore
 from pdfabric.kvtransfer.state import TransferResult
 from pdfabric.prefill.core import PrefillCore
+from pdfabric.worker.core import CancelKV, ExpectKV, FixedProfile, Out, PushKV, Step, WorkerCore
 
 if TYPE_CHECKING:
     from pdfabric.bench.simulator import Simulation, SimWorker

@@ -59,13 +59,13 @@ from pdfabric.bench.sim_link import SimLink
 from pdfabric.bench.sim_worker import SimulatedWorker
 from pdfabric.bench.workload import PREFIX_BLOCK_TOKENS, Request, Workload
 from pdfabric.control import COLOCATED, DECODE, KINDS, PREFILL, TokenDelta
-from pdfabric.core import CoreSpec
-from pdfabric.engine.sampling_params import SamplingParams
 from pdfabric.profile import WorkerProfile
 from pdfabric.router.core import RouterCore
 from pdfabric.router.effects import Deliver, Effect, Refused, Send
-from pdfabric.router.routes import PredictorConfig
-from pdfabric.router.slo import AdmissionConfig, resolve
+from pdfabric.router.slo import resolve
+from pdfabric.routing_config import AdmissionConfig, PredictorConfig
+from pdfabric.sampling_params import SamplingParams
+from pdfabric.worker.core import CoreSpec
 
 Progress = Callable[[int, int], None]  # (requests finished, requests in all)
 

@@ -232,7 +232,7 @@ class TransferBench:
         return reply
 
     def open(self, kind: str, dims: tuple[int, int, int, int], blocks: int) -> tuple[Any, str]:
-        from pdfabric.kvtransfer.config import TransferConfig
+        from pdfabric.kv_config import TransferConfig
         from pdfabric.kvtransfer.sender import KVSender
 
         layers, bs, heads, dim = dims

@@ -21,7 +21,7 @@ def _open_receiver(
     """A receiver over ``kind`` with a zeroed bfloat16 cache, and its ``SharedKVPool`` for shm."""
     import torch
 
-    from pdfabric.kvtransfer.config import TransferConfig
+    from pdfabric.kv_config import TransferConfig
     from pdfabric.kvtransfer.receiver import KVReceiver
     from pdfabric.kvtransfer.reservations import BlockReservations
     from pdfabric.kvtransfer.shm_pool import SharedKVPool

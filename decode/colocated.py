@@ -1,4 +1,4 @@
-"""The colocated worker process: the ZeroMQ loop (``pdfabric.worker``) around a ``ColocatedCore``
+"""The colocated worker process: the ZeroMQ loop (``pdfabric.worker.loop``) around a ``ColocatedCore``
 (``decode.core``); it moves no KV.
 
 A request's life here:
@@ -11,10 +11,10 @@ A request's life here:
 
 from __future__ import annotations
 
-from pdfabric.config import WorkerConfig
-from pdfabric.core import CoreSpec, ProfileSource, WorkerCore
 from pdfabric.decode.core import ColocatedCore
-from pdfabric.worker import Worker
+from pdfabric.worker.core import CoreSpec, ProfileSource, WorkerCore
+from pdfabric.worker.loop import Worker
+from pdfabric.worker_config import WorkerConfig
 
 
 class ColocatedWorker(Worker):

@@ -27,7 +27,9 @@ A request's life in a ``ColocatedCore``:
 from __future__ import annotations
 
 from pdfabric.control import Generate, Reserve, Reserved, TokenDelta
-from pdfabric.core import (
+from pdfabric.engine.sequence import SeqState, Sequence
+from pdfabric.kvtransfer.state import TransferResult
+from pdfabric.worker.core import (
     CancelKV,
     CoreSpec,
     ExpectKV,
@@ -37,8 +39,6 @@ from pdfabric.core import (
     WrongMessage,
     first_token_of,
 )
-from pdfabric.engine.sequence import SeqState, Sequence
-from pdfabric.kvtransfer.state import TransferResult
 
 
 class DecodeCore(WorkerCore):

@@ -1,4 +1,4 @@
-"""The decode worker process: the ZeroMQ loop (``pdfabric.worker``) around a ``DecodeCore``, with a
+"""The decode worker process: the ZeroMQ loop (``pdfabric.worker.loop``) around a ``DecodeCore``, with a
 kvtransfer ``KVReceiver`` as its KV side, bound at the worker's KV endpoint.
 
 A request's life here (the core's states, ``decode.core``):
@@ -20,15 +20,15 @@ from collections.abc import Callable
 
 import zmq
 
-from pdfabric.config import WorkerConfig
-from pdfabric.core import CancelKV, CoreSpec, ExpectKV, OpenPush, ProfileSource, PushKV, WorkerCore
 from pdfabric.decode.core import DecodeCore
-from pdfabric.kvtransfer.config import TransferConfig
+from pdfabric.kv_config import TransferConfig
 from pdfabric.kvtransfer.receiver import KVReceiver
 from pdfabric.kvtransfer.reservations import BlockReservations
 from pdfabric.kvtransfer.shm_pool import SharedKVPool
 from pdfabric.kvtransfer.state import TransferResult, TransferState
-from pdfabric.worker import KVSide, Worker
+from pdfabric.worker.core import CancelKV, CoreSpec, ExpectKV, OpenPush, ProfileSource, PushKV, WorkerCore
+from pdfabric.worker.loop import KVSide, Worker
+from pdfabric.worker_config import WorkerConfig
 
 QUARANTINE_S = 3.0  # a failed shared-memory transfer's blocks: back to the pool after this, at the latest
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdfabric.engine.block_pool import BlockPool, BlockTables
-from pdfabric.engine.sampling_params import SamplingParams
+from pdfabric.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

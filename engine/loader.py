@@ -10,7 +10,6 @@ an error that names it.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 from pathlib import Path
@@ -20,21 +19,12 @@ from safetensors import safe_open
 
 from pdfabric.engine.config import ModelConfig
 from pdfabric.engine.model import LlamaForCausalLM, stacked_shards
+from pdfabric.kernels.cpu_build import cpu_has_half_math
 
 log = logging.getLogger("pdfabric.engine")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Older checkpoints carry rotary tables; they are derived from the config, so they are skipped.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-@functools.cache
-def cpu_has_half_math() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX); read once from /proc/cpuinfo."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return any(flag in flags for flag in ("avx512_bf16", "amx_bf16"))
 
 
 class CheckpointError(ValueError):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdfabric.engine.sampling_params import SamplingParams
+from pdfabric.sampling_params import SamplingParams
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK = 2**63 - 1

@@ -5,20 +5,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field, replace
 
-from pdfabric.engine.sampling_params import SamplingParams
+from pdfabric.sampling_params import Branch, SamplingParams
 
 TopLogprobs = tuple[tuple[int, float], ...]  # the most likely (token id, log-probability) pairs, best first
-
-
-@dataclass(frozen=True)
-class Branch:
-    """Another output of a request whose prompt is computed once (``n`` > 1): output ``choice``,
-    continuing the request's own prompt with ``output``, the tokens it already produced (empty for a
-    new request; a resumed one's earlier output). Its sequence shares the prompt's full blocks with the
-    request's sequence and computes only its own tail (``Scheduler``)."""
-
-    choice: int
-    output: tuple[int, ...] = ()
 
 
 class SeqState(enum.Enum):

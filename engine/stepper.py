@@ -1,6 +1,6 @@
 """One model step for the chunks a worker core scheduled: run the model, sample. Shared by all workers.
 
-This is the seam between a worker's core (scheduling, blocks, messages; ``pdfabric.core``) and its
+This is the seam between a worker's core (scheduling, blocks, messages; ``pdfabric.worker.core``) and its
 model: the core asks for a step's samples and is told how long the step took. The simulator puts its
 profile's step time in the same place.
 """

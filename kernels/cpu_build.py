@@ -45,6 +45,16 @@ def _cpu_identity() -> str:
     return "\n".join(sorted(set(keep)))
 
 
+@functools.cache
+def cpu_has_half_math() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX); read once from /proc/cpuinfo."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(flag in flags for flag in ("avx512_bf16", "amx_bf16"))
+
+
 def _compiler() -> str | None:
     return shutil.which(envs.get("CC") or "cc")
 

@@ -32,12 +32,6 @@ LINEAR_KINDS = ("invariant", "onednn")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-def _half_math() -> bool:
-    from pdfabric.engine.loader import cpu_has_half_math
-
-    return cpu_has_half_math()
-
-
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     lib = cpu_build.load("linear_cpu")
@@ -75,7 +69,7 @@ def can_pack(linear: nn.Linear, kind: str = "invariant") -> bool:
     w = linear.weight
     if w.device.type != "cpu" or w.dtype not in DTYPE_CODES:
         return False
-    if w.dtype == torch.bfloat16 and not _half_math():
+    if w.dtype == torch.bfloat16 and not cpu_build.cpu_has_half_math():
         return False
     if kind == "onednn":
         return _onednn_available()

@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from pdfabric.kvtransfer.config import TransferConfig
+from pdfabric.kv_config import TransferConfig
 from pdfabric.kvtransfer.frames import check_blocks, layout_of
 from pdfabric.kvtransfer.messages import Abort, Ack, Chunk, Hello, PeerInfo, decode, encode
 from pdfabric.kvtransfer.reservations import BlockReservations
 from pdfabric.kvtransfer.state import MetricsHook, Transfer, TransferResult, TransferState
-from pdfabric.kvtransfer.transport import Incoming, host_id, make_recv_paths
+from pdfabric.kvtransfer.transport import Incoming, RecvPath, dist_ready, host_id
 
 log = logging.getLogger(__name__)
 _REMEMBER_ENDED = 4096  # ended request ids kept to answer late chunks with the real reason
@@ -297,3 +297,29 @@ class KVReceiver:
         self._finished.append(result)
         if self.metrics is not None:
             self.metrics(result)
+
+
+def make_recv_paths(transport: str, shm_paths: tuple[str, ...] = ()) -> dict[str, RecvPath]:
+    """The receiver's halves it accepts: ``transport`` alone, or for ``auto`` ZeroMQ plus shared memory
+    (when its cache is in a ``SharedKVPool``, ``shm_paths``) plus torch.distributed (when initialised)."""
+    if transport == "auto":
+        names = ["zmq"] + (["shm"] if shm_paths else []) + (["dist"] if dist_ready() else [])
+    else:
+        names = [transport]
+    return {name: _recv_path(name, shm_paths) for name in names}
+
+
+def _recv_path(transport: str, shm_paths: tuple[str, ...]) -> RecvPath:
+    if transport == "zmq":
+        from pdfabric.kvtransfer.transport_zmq import ZmqRecvPath
+
+        return ZmqRecvPath()
+    if transport == "shm":
+        from pdfabric.kvtransfer.transport_shm import ShmRecvPath
+
+        return ShmRecvPath(shm_paths)
+    if transport == "dist":
+        from pdfabric.kvtransfer.transport_dist import DistRecvPath
+
+        return DistRecvPath()
+    raise ValueError(f"unknown transport {transport!r}")

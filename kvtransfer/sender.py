@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from pdfabric.kvtransfer.config import TransferConfig
+from pdfabric.kv_config import TransferConfig
 from pdfabric.kvtransfer.frames import dtype_name, layout_of
 from pdfabric.kvtransfer.messages import Abort, Ack, Chunk, Hello, Meta, PeerInfo, decode, encode
 from pdfabric.kvtransfer.reservations import BlockReservations
 from pdfabric.kvtransfer.state import MetricsHook, Transfer, TransferResult, TransferState
-from pdfabric.kvtransfer.transport import Outgoing, SendPath, choose_transport, make_send_path
+from pdfabric.kvtransfer.transport import Outgoing, SendPath, choose_transport
 
 log = logging.getLogger(__name__)
 
@@ -293,3 +293,20 @@ class KVSender:
         self._finished.append(result)
         if self.metrics is not None:
             self.metrics(result)
+
+
+def make_send_path(transport: str, info: PeerInfo) -> SendPath:
+    """The sender's half of ``transport`` towards the receiver that announced ``info``."""
+    if transport == "zmq":
+        from pdfabric.kvtransfer.transport_zmq import ZmqSendPath
+
+        return ZmqSendPath()
+    if transport == "shm":
+        from pdfabric.kvtransfer.transport_shm import ShmSendPath
+
+        return ShmSendPath(info)
+    if transport == "dist":
+        from pdfabric.kvtransfer.transport_dist import DistSendPath
+
+        return DistSendPath(info)
+    raise ValueError(f"unknown transport {transport!r}")

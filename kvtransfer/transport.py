@@ -1,4 +1,4 @@
-"""The one small interface every transport implements, on each side, and the factory that picks one.
+"""The one small interface every transport implements, on each side, and how a sender picks one.
 
 The sender and receiver state machines (``sender.py``, ``receiver.py``) own the ZeroMQ control
 channel, the transfer records, the checks and the deadlines. A transport only moves the bytes of one
@@ -80,7 +80,7 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def _dist_ready() -> bool:
+def dist_ready() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
@@ -92,51 +92,8 @@ def choose_transport(wanted: str, info: PeerInfo, caches: list[torch.Tensor]) ->
         return wanted
     if info.transport != "auto":
         return info.transport
-    if info.rank >= 0 and caches[0].device.type == "cuda" and _dist_ready():
+    if info.rank >= 0 and caches[0].device.type == "cuda" and dist_ready():
         return "dist"
     if info.shm_paths and info.host == host_id():
         return "shm"
     return "zmq"
-
-
-def make_send_path(transport: str, info: PeerInfo) -> SendPath:
-    """The sender's half of ``transport`` towards the receiver that announced ``info``."""
-    if transport == "zmq":
-        from pdfabric.kvtransfer.transport_zmq import ZmqSendPath
-
-        return ZmqSendPath()
-    if transport == "shm":
-        from pdfabric.kvtransfer.transport_shm import ShmSendPath
-
-        return ShmSendPath(info)
-    if transport == "dist":
-        from pdfabric.kvtransfer.transport_dist import DistSendPath
-
-        return DistSendPath(info)
-    raise ValueError(f"unknown transport {transport!r}")
-
-
-def make_recv_paths(transport: str, shm_paths: tuple[str, ...] = ()) -> dict[str, RecvPath]:
-    """The receiver's halves it accepts: ``transport`` alone, or for ``auto`` ZeroMQ plus shared memory
-    (when its cache is in a ``SharedKVPool``, ``shm_paths``) plus torch.distributed (when initialised)."""
-    if transport == "auto":
-        names = ["zmq"] + (["shm"] if shm_paths else []) + (["dist"] if _dist_ready() else [])
-    else:
-        names = [transport]
-    return {name: _recv_path(name, shm_paths) for name in names}
-
-
-def _recv_path(transport: str, shm_paths: tuple[str, ...]) -> RecvPath:
-    if transport == "zmq":
-        from pdfabric.kvtransfer.transport_zmq import ZmqRecvPath
-
-        return ZmqRecvPath()
-    if transport == "shm":
-        from pdfabric.kvtransfer.transport_shm import ShmRecvPath
-
-        return ShmRecvPath(shm_paths)
-    if transport == "dist":
-        from pdfabric.kvtransfer.transport_dist import DistRecvPath
-
-        return DistRecvPath()
-    raise ValueError(f"unknown transport {transport!r}")

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdfabric.engine.sampling_params import SamplingParams
-from pdfabric.engine.sequence import Branch
 from pdfabric.profile import WorkerProfile
+from pdfabric.sampling_params import Branch, SamplingParams
 from pdfabric.wire import message
 
 # Worker kinds.

@@ -24,8 +24,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pdfabric.config import WORKER_KEYS, WorkerConfig, worker_config
 from pdfabric.control import KINDS
+from pdfabric.worker_config import WORKER_KEYS, WorkerConfig, worker_config
 
 _VERSION_KEYS = frozenset({"name", "model", "dtype", "weight", *KINDS})
 

@@ -19,7 +19,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from pdfabric.control import HandedOff, Prefill, TokenDelta
-from pdfabric.core import (
+from pdfabric.engine.sequence import SeqState, Sequence
+from pdfabric.kvtransfer.state import TransferResult
+from pdfabric.worker.core import (
     CancelKV,
     CoreSpec,
     OpenPush,
@@ -31,8 +33,6 @@ from pdfabric.core import (
     WrongMessage,
     delta_of,
 )
-from pdfabric.engine.sequence import SeqState, Sequence
-from pdfabric.kvtransfer.state import TransferResult
 
 
 class PrefillCore(WorkerCore):

@@ -1,4 +1,4 @@
-"""The prefill worker process: the ZeroMQ loop (``pdfabric.worker``) around a ``PrefillCore``, with a
+"""The prefill worker process: the ZeroMQ loop (``pdfabric.worker.loop``) around a ``PrefillCore``, with a
 kvtransfer ``KVSender`` as its KV side.
 
 A request's life here (the core's states, ``prefill.core``):
@@ -21,13 +21,22 @@ from dataclasses import replace
 
 import zmq
 
-from pdfabric.config import WorkerConfig
-from pdfabric.core import CancelKV, CoreSpec, ExpectKV, OpenPush, ProfileSource, PushKV, WorkerCore, kv_meta
-from pdfabric.kvtransfer.config import TransferConfig
+from pdfabric.kv_config import TransferConfig
 from pdfabric.kvtransfer.sender import KVSender
 from pdfabric.kvtransfer.state import TransferResult
 from pdfabric.prefill.core import PrefillCore
-from pdfabric.worker import KVSide, Worker
+from pdfabric.worker.core import (
+    CancelKV,
+    CoreSpec,
+    ExpectKV,
+    OpenPush,
+    ProfileSource,
+    PushKV,
+    WorkerCore,
+    kv_meta,
+)
+from pdfabric.worker.loop import KVSide, Worker
+from pdfabric.worker_config import WorkerConfig
 
 
 class SenderSide:

@@ -17,8 +17,8 @@ from aiohttp import web
 from pdfabric.router import openai_api as api
 from pdfabric.router.catalog import SESSION_HEADER, Catalog, Version
 from pdfabric.router.dispatcher import RequestStream
-from pdfabric.router.slo import AdmissionConfig
 from pdfabric.router.tenants import Keys, Limits, UsageBook
+from pdfabric.routing_config import AdmissionConfig
 
 TENANT = "tenant"  # the request's tenant, set by ``authenticate``
 

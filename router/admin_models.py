@@ -33,9 +33,8 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from pdfabric.config import ServeConfig, WorkerConfig
+from pdfabric.config import ServeConfig
 from pdfabric.control import PREFILL
-from pdfabric.engine.sampling_params import SamplingParams
 from pdfabric.model_versions import ModelConfig, check_name, parse_version, version_plan
 from pdfabric.profile import WorkerProfile
 from pdfabric.router.admin import AUDIT, unauthorized
@@ -45,6 +44,8 @@ from pdfabric.router.openai_api import ApiError, parse_json_body
 from pdfabric.router.registry import WorkerInfo, has_route
 from pdfabric.router.rollout import Rollout, RolloutSpec, token_cost
 from pdfabric.router.slo import resolve
+from pdfabric.sampling_params import SamplingParams
+from pdfabric.worker_config import WorkerConfig
 
 log = logging.getLogger("pdfabric.router")
 TICK_S = 0.5  # how often running rollouts are judged

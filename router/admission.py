@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdfabric.router.routes import Budgets, Ranking
-from pdfabric.router.slo import AdmissionConfig
+from pdfabric.routing_config import AdmissionConfig
 
 ADMIT, QUEUE, REJECT = "admit", "queue", "reject"
 QUEUE_FULL, DEADLINE = "queue_full", "deadline"

@@ -59,15 +59,15 @@ from pdfabric.control import (
     StepOutputs,
     TokenDelta,
 )
-from pdfabric.engine.sampling_params import SamplingParams
 from pdfabric.router.admission import ADMIT, REJECT, Outcome, Ticket
 from pdfabric.router.effects import Deliver, Effect, FailedOver, Refused, Send, Started, Transferred
 from pdfabric.router.holders import Holders
 from pdfabric.router.registry import Registry, has_route
 from pdfabric.router.request import RouterRequest
-from pdfabric.router.routes import Budgets, Choice, PredictorConfig
+from pdfabric.router.routes import Budgets, Choice
 from pdfabric.router.routing import Routing, route_of
-from pdfabric.router.slo import AdmissionConfig
+from pdfabric.routing_config import AdmissionConfig, PredictorConfig
+from pdfabric.sampling_params import SamplingParams
 
 WORKER_GONE, ERROR = "worker_gone", "error"  # failover causes
 _ANY = Budgets(3_600_000.0, 3_600_000.0)  # a failover takes any route that can hold it

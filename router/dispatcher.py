@@ -25,14 +25,15 @@ import zmq
 import zmq.asyncio
 
 from pdfabric.control import HandedOff, Register, Shutdown, TokenDelta
-from pdfabric.engine.sampling_params import SamplingParams
 from pdfabric.router.core import RouterCore
 from pdfabric.router.effects import Deliver, Effect, FailedOver, Refused, Send, Started, Transferred
 from pdfabric.router.openai_api import ApiError
 from pdfabric.router.registry import WorkerInfo
-from pdfabric.router.routes import Choice, PredictorConfig
+from pdfabric.router.routes import Choice
 from pdfabric.router.routing import Rejected
-from pdfabric.router.slo import AdmissionConfig, Resolved
+from pdfabric.router.slo import Resolved
+from pdfabric.routing_config import AdmissionConfig, PredictorConfig
+from pdfabric.sampling_params import SamplingParams
 from pdfabric.wire import WireError, decode, encode
 
 log = logging.getLogger("pdfabric.router")

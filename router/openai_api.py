@@ -11,7 +11,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from pdfabric.engine.sampling_params import SamplingParams
+from pdfabric.sampling_params import SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_TIMEOUT_S = 86_400.0  # a request's own deadline, at most a day

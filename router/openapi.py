@@ -12,7 +12,7 @@ from typing import Any
 
 from pdfabric.router import openai_api as api
 from pdfabric.router.openai_api import MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_TIMEOUT_S
-from pdfabric.router.slo import MAX_BUDGET_MS
+from pdfabric.routing_config import MAX_BUDGET_MS
 
 
 def _number(low: float, high: float, exclusive_low: bool = False) -> dict[str, Any]:

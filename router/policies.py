@@ -28,19 +28,11 @@ from dataclasses import replace
 
 from pdfabric.control import COLOCATED, DECODE, KINDS, PREFILL
 from pdfabric.router.predictor import rank
-from pdfabric.router.routes import Budgets, Candidate, Choice, PredictorConfig, Ranking, WorkerLoad
-
-BUDGET, ROUND_ROBIN, LEAST_LOADED = "budget", "round_robin", "least_loaded"
-POLICIES = (BUDGET, ROUND_ROBIN, LEAST_LOADED)
+from pdfabric.router.routes import Budgets, Candidate, Choice, Ranking, WorkerLoad
+from pdfabric.routing_config import BUDGET, ROUND_ROBIN, PredictorConfig, check_policy
 
 # Budgets no prediction reaches: ``rank`` under them fits every route with batch and KV room.
 _UNBOUNDED = Budgets(1e18, 1e18)
-
-
-def check_policy(policy: str) -> None:
-    """Raises ``ValueError`` naming the allowed values if ``policy`` is not one of them."""
-    if policy not in POLICIES:
-        raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}, got {policy!r}")
 
 
 def rank_routes(

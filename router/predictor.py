@@ -54,9 +54,9 @@ from pdfabric.router.routes import (
     Budgets,
     Candidate,
     Choice,
-    PredictorConfig,
     Ranking,
 )
+from pdfabric.routing_config import PredictorConfig
 
 
 @dataclass(frozen=True)

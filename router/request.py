@@ -16,10 +16,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from pdfabric.control import TokenDelta
-from pdfabric.engine.sampling_params import SamplingParams
-from pdfabric.engine.sequence import Branch
 from pdfabric.router.admission import Ticket
 from pdfabric.router.routes import Choice
+from pdfabric.sampling_params import Branch, SamplingParams
 
 
 @dataclass(eq=False)

@@ -85,32 +85,6 @@ class Candidate:
 
 
 @dataclass(frozen=True)
-class PredictorConfig:
-    safety_margin: float = 0.1  # predictions are inflated by this fraction
-    tie_tolerance: float = 0.05  # routes whose load is within this of the best are equals
-    default_kv_bytes_per_s: float = 1e9  # transfer rate assumed before any is measured
-    colocated_prefill_share: float = 1.0  # most of the colocated steps predicted to carry a prompt chunk
-    mean_remaining_tokens: int = 128  # assumed output still to come per running sequence (drain time)
-    max_queue_share: float = 0.5  # queued work ahead may take at most this share of the TTFT budget
-    # A decode worker whose prefix cache holds all but at most this many of a prompt's tokens is also
-    # ranked as a route of its own: it prefills the rest itself, and no KV moves (0: never).
-    local_prefill_tokens: int = 256
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if not 0 < self.max_queue_share <= 1:
-            raise ValueError("max_queue_share must be in (0, 1]")
-        if self.safety_margin < 0 or not 0 <= self.tie_tolerance <= 1:
-            raise ValueError("safety_margin must be >= 0 and tie_tolerance in [0, 1]")
-        if self.default_kv_bytes_per_s <= 0 or self.mean_remaining_tokens < 1:
-            raise ValueError("default_kv_bytes_per_s must be > 0 and mean_remaining_tokens >= 1")
-        if not 0 <= self.colocated_prefill_share <= 1:
-            raise ValueError("colocated_prefill_share must be in [0, 1]")
-        if self.local_prefill_tokens < 0:
-            raise ValueError("local_prefill_tokens must be >= 0")
-
-
-@dataclass(frozen=True)
 class Choice:
     """A route that fits, with its predicted latencies (ms). ``prefill`` is the colocated worker's
     id for a colocated route (and ``decode`` the same id); so is a decode worker's that prefills the

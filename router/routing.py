@@ -25,8 +25,8 @@ from pdfabric.router.openai_api import ApiError
 from pdfabric.router.policies import rank_routes
 from pdfabric.router.prefix_index import prompt_hashes
 from pdfabric.router.registry import Registry, Route, WorkerInfo
-from pdfabric.router.routes import Budgets, Candidate, Choice, PredictorConfig, Ranking, WorkerLoad
-from pdfabric.router.slo import AdmissionConfig
+from pdfabric.router.routes import Budgets, Candidate, Choice, Ranking, WorkerLoad
+from pdfabric.routing_config import AdmissionConfig, PredictorConfig
 
 _WHY = {
     "ttft": "the predicted time to first token is over its budget",

@@ -16,7 +16,7 @@ workers' fitted profiles) and, for each pool that ``[autoscale]`` lets it scale:
    ``up_after_s``, down (one worker at a time) once the surplus has held for ``down_after_s``, and no
    change to a pool within ``cooldown_s`` of the last one.
 
-Pure: the caller's clock, no processes; ``pdfabric.autoscale`` gathers the signals and acts.
+Pure: the caller's clock, no processes; ``pdfabric.cli.autoscale`` gathers the signals and acts.
 """
 
 from __future__ import annotations

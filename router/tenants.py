@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 
 from pdfabric.router.openai_api import ApiError
-from pdfabric.router.slo import AdmissionConfig, Tenant
+from pdfabric.routing_config import AdmissionConfig, Tenant
 
 WINDOW_S = 60.0  # the span of requests_per_min and tokens_per_min
 OTHER = "_other"  # usage of tenants past MAX_TENANTS undeclared names is counted under this one

@@ -18,7 +18,8 @@ from pdfabric.router.admission import (
     Ticket,
 )
 from pdfabric.router.routes import BATCH_FULL, Budgets, Choice, Ranking
-from pdfabric.router.slo import AdmissionConfig, BudgetError, PoolConfig, SloClass, Tenant, resolve
+from pdfabric.router.slo import BudgetError, resolve
+from pdfabric.routing_config import AdmissionConfig, PoolConfig, SloClass, Tenant
 
 ROUTE = Choice("d", "p", False, 10.0, 5.0, 0.0, 10.0, 0.0, 1.0, 0.1)
 CLASSES = (

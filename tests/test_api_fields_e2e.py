@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from pdfabric.engine.generate import ReferenceEngine
-from pdfabric.engine.sampling_params import SamplingParams
+from pdfabric.sampling_params import SamplingParams
 from tests.fabric import post_json, running_fabric, sse_chunks
 
 DEPLOYMENTS = {

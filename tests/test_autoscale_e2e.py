@@ -13,7 +13,7 @@ from pathlib import Path
 import aiohttp
 
 from pdfabric.engine.generate import ReferenceEngine
-from pdfabric.engine.sampling_params import SamplingParams
+from pdfabric.sampling_params import SamplingParams
 from tests.fabric import get_json, metric_values, post_json, running_fabric, wait_blocks_free
 
 CONFIG = """

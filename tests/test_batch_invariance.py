@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from pdfabric.engine.default_model import resolve_model
-from pdfabric.engine.loader import cpu_has_half_math, load_model
+from pdfabric.engine.loader import load_model
 from pdfabric.engine.runner import ModelRunner, StepEntry
+from pdfabric.kernels.cpu_build import cpu_has_half_math
 from pdfabric.kernels.paged_attention_cpu import decodes_as_prefill
 from tests.test_gguf import packaged
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pdfabric import cli
+from pdfabric.cli import main as cli
 from pdfabric.profile_file import ProfileFile
 
 WORKER = "[worker]\nkv_memory_mb = 64\nmax_batch_tokens = 256\nmax_running = 16\n"

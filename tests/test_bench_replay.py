@@ -20,13 +20,13 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from pdfabric import cli
 from pdfabric.bench.client import ClientConfig, replay
 from pdfabric.bench.metrics import SLO
 from pdfabric.bench.prompts import PromptBuilder, PromptConfig
 from pdfabric.bench.records import CANCELLED, ERROR, OK, REJECTED, TIMEOUT, read_jsonl
 from pdfabric.bench.report import build_report
 from pdfabric.bench.synthetic import LengthSpec, SyntheticConfig, generate
+from pdfabric.cli import main as cli
 
 
 @dataclass

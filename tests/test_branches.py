@@ -7,12 +7,11 @@ The fake model's token depends on the sequence's tokens and its output's ``choic
 from __future__ import annotations
 
 from pdfabric.control import Abort, Generate, Reserve, Reserved, StepOutputs, TokenDelta
-from pdfabric.core import CoreSpec, ExpectKV, FixedProfile, Out, WorkerCore
 from pdfabric.decode.core import ColocatedCore, DecodeCore
-from pdfabric.engine.sampling_params import SamplingParams
-from pdfabric.engine.sequence import Branch
 from pdfabric.kvtransfer.state import TransferResult, TransferState
 from pdfabric.profile import WorkerProfile
+from pdfabric.sampling_params import Branch, SamplingParams
+from pdfabric.worker.core import CoreSpec, ExpectKV, FixedProfile, Out, WorkerCore
 
 PROFILE = FixedProfile(WorkerProfile())
 BS = 4

@@ -6,7 +6,8 @@ import pytest
 
 from pdfabric.router.breakdown import TokenTimes, breakdown
 from pdfabric.router.routes import Budgets, Choice
-from pdfabric.router.slo import AdmissionConfig, resolve
+from pdfabric.router.slo import resolve
+from pdfabric.routing_config import AdmissionConfig
 
 RESOLVED = resolve(AdmissionConfig(), {})
 CHOICE = Choice("d", "p", False, 12.0, 3.0, 4.0, 6.0, 2.0, 1.0, 0.1)

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from pdfabric.engine.generate import Generation, ReferenceEngine
-from pdfabric.engine.sampling_params import SamplingParams
+from pdfabric.sampling_params import SamplingParams
 from tests.fabric import post_json, running_fabric, sse_chunks
 
 DEPLOYMENTS = {

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from pdfabric.config import WorkerConfig, load_serve_config
+from pdfabric.config import load_serve_config
+from pdfabric.worker_config import WorkerConfig
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from pdfabric.engine.generate import ReferenceEngine
-from pdfabric.engine.sampling_params import SamplingParams
+from pdfabric.sampling_params import SamplingParams
 from tests.fabric import free_port, get_json, metric_values, running_fabric, wait_blocks_free
 
 DEPLOYMENTS = {

@@ -92,7 +92,7 @@ def test_tokenizer_and_chat_template_match_transformers(converted: Path, referen
 def test_logits_and_greedy_tokens_match_transformers(converted: Path, reference: tuple) -> None:
     from pdfabric.engine.generate import ReferenceEngine
     from pdfabric.engine.runner import StepEntry
-    from pdfabric.engine.sampling_params import SamplingParams
+    from pdfabric.sampling_params import SamplingParams
 
     hf_model, hf_tokenizer = reference
     prompt = hf_tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)

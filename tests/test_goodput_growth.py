@@ -15,7 +15,7 @@ from pdfabric.bench.metrics import SLO
 from pdfabric.bench.planner import PlanSettings, plan_for_workers
 from pdfabric.bench.records import OK, REJECTED, RequestRecord
 from pdfabric.bench.workload import Request, Workload
-from pdfabric.cli import main
+from pdfabric.cli.main import main
 from pdfabric.config import ServeConfig
 from pdfabric.profile import WorkerProfile
 from pdfabric.profile_file import ProfileFile

@@ -25,11 +25,12 @@ from pdfabric.control import (
     StepOutputs,
     TokenDelta,
 )
-from pdfabric.engine.sampling_params import SamplingParams
 from pdfabric.profile import WorkerProfile
 from pdfabric.router.dispatcher import Dispatcher, RequestStream
 from pdfabric.router.holders import Holders
-from pdfabric.router.slo import AdmissionConfig, resolve
+from pdfabric.router.slo import resolve
+from pdfabric.routing_config import AdmissionConfig
+from pdfabric.sampling_params import SamplingParams
 from pdfabric.wire import decode, encode
 
 # --- Holders alone ------------------------------------------------------------------------------

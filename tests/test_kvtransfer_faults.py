@@ -10,7 +10,7 @@ import pytest
 import torch
 import zmq
 
-from pdfabric.kvtransfer.config import TransferConfig
+from pdfabric.kv_config import TransferConfig
 from pdfabric.kvtransfer.frames import as_bytes, crc32, pack_layer
 from pdfabric.kvtransfer.messages import Ack, Chunk, decode, encode
 from pdfabric.kvtransfer.receiver import KVReceiver

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdfabric.kvtransfer.config import TransferConfig
+from pdfabric.kv_config import TransferConfig
 from tests import kvtransfer_procs as procs
 from tests.kvtransfer_helpers import digest, make_caches
 

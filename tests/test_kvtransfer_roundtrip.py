@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdfabric.kvtransfer.config import TransferConfig
+from pdfabric.kv_config import TransferConfig
 from pdfabric.kvtransfer.receiver import KVReceiver
 from pdfabric.kvtransfer.sender import KVSender
 from pdfabric.kvtransfer.shm_pool import SharedKVPool

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdfabric.kvtransfer.config import TransferConfig
+from pdfabric.kv_config import TransferConfig
 from pdfabric.kvtransfer.frames import (
     copy_blocks,
     crc32,
@@ -154,7 +154,7 @@ def test_bookkeeping_modules_do_not_import_torch() -> None:
 
     code = (
         "import sys\n"
-        "import pdfabric.kvtransfer.config, pdfabric.kvtransfer.messages\n"
+        "import pdfabric.kv_config, pdfabric.kvtransfer.messages\n"
         "import pdfabric.kvtransfer.reservations, pdfabric.kvtransfer.state\n"
         "print('torch' in sys.modules)\n"
     )

@@ -15,10 +15,11 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SUBPACKAGES = ("engine", "kernels", "kvtransfer", "prefill", "decode", "router", "bench")
+SUBPACKAGES = ("engine", "kernels", "kvtransfer", "worker", "prefill", "decode", "router", "bench", "cli")
 IMPORT_ALL = (
     "import json, pdfabric, pdfabric.kernels, pdfabric.kernels.dispatch, pdfabric.engine.block_pool, "
-    "pdfabric.kvtransfer.state, pdfabric.prefill, pdfabric.decode, pdfabric.router.holders, "
+    "pdfabric.kvtransfer.state, pdfabric.worker.core, pdfabric.prefill, pdfabric.decode, "
+    "pdfabric.router.holders, pdfabric.cli.main, "
     "pdfabric.bench.goodput; k = pdfabric.kernels; "
     "print(json.dumps({'init': k.__file__, 'path': list(k.__path__), 'dispatch': k.dispatch.__file__, "
     "'api': callable(k.paged_attention), 'csrc': (Path(k.dispatch.__file__).parent / 'csrc').is_dir()}))"

@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 from pdfabric.engine.generate import ReferenceEngine  # noqa: E402
 from pdfabric.engine.loader import load_model  # noqa: E402
 from pdfabric.engine.runner import ModelRunner, StepEntry  # noqa: E402
-from pdfabric.engine.sampling_params import SamplingParams  # noqa: E402
+from pdfabric.sampling_params import SamplingParams  # noqa: E402
 
 COMMON = dict(
     vocab_size=300,

@@ -10,7 +10,7 @@ import torch
 from pdfabric.engine.generate import ReferenceEngine
 from pdfabric.engine.loader import load_model
 from pdfabric.engine.runner import ModelRunner, StepEntry
-from pdfabric.engine.sampling_params import SamplingParams
+from pdfabric.sampling_params import SamplingParams
 
 BLOCK = 4
 
@@ -106,10 +106,10 @@ def test_prompt_scores_are_the_same_whole_chunked_and_in_a_worker(hf_llama_dir: 
     or in chunks, and from a worker core's steps with a small token budget (several chunks, beside
     another request), agree."""
     from pdfabric.control import Generate
-    from pdfabric.core import CoreSpec, FixedProfile
     from pdfabric.decode.core import ColocatedCore
     from pdfabric.engine.stepper import Stepper
     from pdfabric.profile import WorkerProfile
+    from pdfabric.worker.core import CoreSpec, FixedProfile
 
     prompt = list(_ids(21, 5))
     params = SamplingParams(max_tokens=3, ignore_eos=True, logprobs=2, prompt_logprobs=True)

@@ -26,7 +26,7 @@ from pdfabric.bench.planner import (
 )
 from pdfabric.bench.records import OK, RequestRecord
 from pdfabric.bench.workload import Request, Workload
-from pdfabric.cli import main
+from pdfabric.cli.main import main
 from pdfabric.config import ServeConfig, load_serve_config
 from pdfabric.profile import WorkerProfile
 from pdfabric.profile_file import ProfileFile

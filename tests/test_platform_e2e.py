@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pdfabric.engine.generate import ReferenceEngine
-from pdfabric.engine.sampling_params import SamplingParams
+from pdfabric.sampling_params import SamplingParams
 from tests.fabric import get_json, metric_values, post_json, running_fabric, sse_chunks
 
 ADMIN = {"Authorization": "Bearer admin-secret"}

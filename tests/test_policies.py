@@ -8,18 +8,17 @@ import math
 import pytest
 
 from pdfabric.profile import WorkerProfile
-from pdfabric.router.policies import BUDGET, LEAST_LOADED, POLICIES, ROUND_ROBIN, rank_routes
+from pdfabric.router.policies import rank_routes
 from pdfabric.router.predictor import rank
-from pdfabric.router.routes import (
-    BATCH_FULL,
-    KV_FULL,
-    NO_WORKERS,
-    Budgets,
-    Candidate,
+from pdfabric.router.routes import BATCH_FULL, KV_FULL, NO_WORKERS, Budgets, Candidate, WorkerLoad
+from pdfabric.routing_config import (
+    BUDGET,
+    LEAST_LOADED,
+    POLICIES,
+    ROUND_ROBIN,
+    AdmissionConfig,
     PredictorConfig,
-    WorkerLoad,
 )
-from pdfabric.router.slo import AdmissionConfig
 
 # prefill: 2 ms a step + 40 us a token; decode: 5 ms + 1 ms a sequence
 PROFILE = WorkerProfile(prefill=(2e-3, 4e-5, 0.0), decode=(5e-3, 1e-3, 0.0))

@@ -20,9 +20,9 @@ from pdfabric.router.routes import (
     Budgets,
     Candidate,
     Choice,
-    PredictorConfig,
     WorkerLoad,
 )
+from pdfabric.routing_config import PredictorConfig
 
 # prefill: 2 ms a step + 40 us a token (+ attention); decode: 5 ms + 0.1 ms a sequence + 0.2 us a token
 PROFILE = WorkerProfile(prefill=(2e-3, 4e-5, 1e-8), decode=(5e-3, 1e-4, 2e-7))

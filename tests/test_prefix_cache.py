@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from pdfabric.control import Generate, Prefill, Reserve, Reserved, StepOutputs, TokenDelta
-from pdfabric.core import CoreSpec, ExpectKV, FixedProfile, PushKV, WorkerCore
 from pdfabric.decode.core import ColocatedCore, DecodeCore
 from pdfabric.engine.block_pool import BlockPool, BlockTables, chain_hashes
-from pdfabric.engine.sampling_params import SamplingParams
 from pdfabric.kvtransfer.state import TransferResult, TransferState
 from pdfabric.prefill.core import PrefillCore
 from pdfabric.profile import WorkerProfile
+from pdfabric.sampling_params import SamplingParams
+from pdfabric.worker.core import CoreSpec, ExpectKV, FixedProfile, PushKV, WorkerCore
 from tests.test_worker_core import _run_step, _tokens
 
 SALT = b"model"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pdfabric.cli import main
+from pdfabric.cli.main import main
 from pdfabric.profile_file import ProfileFile
 
 

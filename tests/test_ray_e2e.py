@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 
 from pdfabric.engine.generate import ReferenceEngine
-from pdfabric.engine.sampling_params import SamplingParams
+from pdfabric.sampling_params import SamplingParams
 from tests.fabric import get_json, metric_values, running_fabric, wait_blocks_free
 from tests.test_autoscale_e2e import CONFIG as SCALE
 from tests.test_autoscale_e2e import decisions, load_step, serving, worker_ids
@@ -186,7 +186,7 @@ def test_a_lost_node_fails_over_and_its_worker_returns_on_a_new_node(
 
 
 def test_a_wildcard_control_address_is_joined_at_this_nodes_ip() -> None:
-    from pdfabric.ray_launch import join_address
+    from pdfabric.cli.ray_launch import join_address
 
     assert join_address("tcp://127.0.0.1:5555") == "tcp://127.0.0.1:5555"
     host = join_address("tcp://0.0.0.0:5555").removeprefix("tcp://").rsplit(":", 1)

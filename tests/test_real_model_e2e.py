@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pdfabric.engine.generate import ReferenceEngine
-from pdfabric.engine.sampling_params import SamplingParams
+from pdfabric.sampling_params import SamplingParams
 from tests.fabric import running_fabric
 from tests.test_gguf import packaged
 

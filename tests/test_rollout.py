@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from pdfabric import admin_cli
+from pdfabric.cli import admin_cli
 from pdfabric.profile import WorkerProfile
 from pdfabric.router.rollout import (
     PROMOTED,

@@ -18,12 +18,12 @@ from pdfabric.control import (
     StepOutputs,
     TokenDelta,
 )
-from pdfabric.engine.sampling_params import SamplingParams
 from pdfabric.profile import WorkerProfile
 from pdfabric.router.core import RouterCore
 from pdfabric.router.effects import Deliver, FailedOver, Refused, Send, Started, Transferred
 from pdfabric.router.routes import Budgets
-from pdfabric.router.slo import AdmissionConfig, SloClass
+from pdfabric.routing_config import AdmissionConfig, SloClass
+from pdfabric.sampling_params import SamplingParams
 
 PROFILE = WorkerProfile(prefill=(2e-3, 4e-5, 0.0), decode=(5e-3, 1e-3, 0.0))
 PARAMS = SamplingParams(max_tokens=4)

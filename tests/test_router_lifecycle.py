@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import aiohttp
 
 from pdfabric.engine.generate import ReferenceEngine
-from pdfabric.engine.sampling_params import SamplingParams
+from pdfabric.sampling_params import SamplingParams
 from tests.fabric import free_port, get_json, serve_process, wait_blocks_free, wait_healthy
 
 

@@ -14,7 +14,7 @@ from pdfabric.router.admission import Ticket
 from pdfabric.router.registry import Registry
 from pdfabric.router.routes import Budgets, WorkerLoad
 from pdfabric.router.routing import RATE_WINDOW_S, Routing, candidate, route_of, with_pending
-from pdfabric.router.slo import AdmissionConfig, PoolConfig
+from pdfabric.routing_config import AdmissionConfig, PoolConfig
 
 # prefill: 2 ms a step + 40 us a token; decode: 5 ms + 1 ms a sequence
 PROFILE = WorkerProfile(prefill=(2e-3, 4e-5, 0.0), decode=(5e-3, 1e-3, 0.0))

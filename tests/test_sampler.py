@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pdfabric.engine.sampler import sample
-from pdfabric.engine.sampling_params import SamplingParams
+from pdfabric.sampling_params import SamplingParams
 
 
 def _logits(seed: int = 0) -> torch.Tensor:

@@ -7,9 +7,9 @@ import random
 import pytest
 
 from pdfabric.engine.block_pool import BlockPool, BlockTables
-from pdfabric.engine.sampling_params import SamplingParams
 from pdfabric.engine.scheduler import Scheduler, SchedulerConfig
 from pdfabric.engine.sequence import SeqState, Sequence
+from pdfabric.sampling_params import SamplingParams
 
 
 def _fake_token(seq: Sequence, start: int, stop: int) -> int:

@@ -13,17 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from pdfabric import cli
 from pdfabric.bench.records import OK, REJECTED
 from pdfabric.bench.sim_deploy import sim_config
 from pdfabric.bench.simulator import SimConfig, Simulation, SimWorker, simulate
 from pdfabric.bench.workload import Request, Workload
+from pdfabric.cli import main as cli
 from pdfabric.config import load_serve_config
 from pdfabric.control import COLOCATED, DECODE, PREFILL
-from pdfabric.core import CoreSpec
 from pdfabric.profile import StepShape, WorkerProfile
 from pdfabric.profile_file import ProfileFile
-from pdfabric.router.slo import AdmissionConfig
+from pdfabric.routing_config import AdmissionConfig
+from pdfabric.worker.core import CoreSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 LOOSE = AdmissionConfig(ttft_ms=3_600_000.0, itl_ms=3_600_000.0)  # no request ever waits or is turned away

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdfabric.supervisor import RestartPolicy
+from pdfabric.cli.supervisor import RestartPolicy
 
 
 def test_restarts_back_off_and_a_worker_that_keeps_exiting_stays_down() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdfabric.router.slo import AdmissionConfig, Tenant
 from pdfabric.router.tenants import OTHER, Keys, LimitError, Limits, UsageBook, sha256_hex
+from pdfabric.routing_config import AdmissionConfig, Tenant
 
 
 def test_a_key_names_its_tenant_and_only_hashes_are_kept() -> None:

@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 
 from pdfabric.control import Generate, Heartbeat, StepOutputs, TokenDelta
-from pdfabric.engine.sampling_params import SamplingParams
 from pdfabric.profile import WorkerProfile
+from pdfabric.sampling_params import SamplingParams
 from pdfabric.wire import WireError, decode, encode
 
 

@@ -15,15 +15,11 @@ from pathlib import Path
 import pytest
 import zmq
 
-from pdfabric import supervisor, worker_cli
-from pdfabric.config import (
-    ServeConfig,
-    WorkerConfig,
-    load_serve_config,
-    worker_config_from_json,
-)
+from pdfabric.cli import supervisor, worker_cli
+from pdfabric.config import ServeConfig, load_serve_config
 from pdfabric.control import Heartbeat, Register, Shutdown
 from pdfabric.wire import decode, encode
+from pdfabric.worker_config import WorkerConfig, worker_config_from_json
 
 DEPLOYMENT = """
 [serve]
@@ -129,7 +125,7 @@ def test_a_serialized_config_is_checked_like_a_deployment_config(tmp_path: Path)
 
 
 def test_every_worker_field_is_a_deployment_key_or_fixed_per_process() -> None:
-    from pdfabric.config import WORKER_KEYS
+    from pdfabric.worker_config import WORKER_KEYS
 
     per_process = {"kind", "join", "model", "dtype", "worker_id", "served"}
     assert {f.name for f in fields(WorkerConfig)} == WORKER_KEYS | per_process

@@ -21,12 +21,12 @@ from pdfabric.control import (
     StepOutputs,
     TokenDelta,
 )
-from pdfabric.core import CancelKV, CoreSpec, ExpectKV, FixedProfile, Out, PushKV, WorkerCore
 from pdfabric.decode.core import ColocatedCore, DecodeCore
-from pdfabric.engine.sampling_params import SamplingParams
 from pdfabric.kvtransfer.state import TransferResult, TransferState
 from pdfabric.prefill.core import PrefillCore
 from pdfabric.profile import WorkerProfile
+from pdfabric.sampling_params import SamplingParams
+from pdfabric.worker.core import CancelKV, CoreSpec, ExpectKV, FixedProfile, Out, PushKV, WorkerCore
 
 PROFILE = FixedProfile(WorkerProfile())
 

@@ -9,13 +9,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from pdfabric.core import CancelKV, ExpectKV, OpenPush, PushKV, first_token_of
 from pdfabric.decode.worker import ReceiverSide
-from pdfabric.kvtransfer.config import TransferConfig
+from pdfabric.kv_config import TransferConfig
 from pdfabric.kvtransfer.sender import KVSender
 from pdfabric.kvtransfer.shm_pool import SharedKVPool
 from pdfabric.kvtransfer.state import TransferResult, TransferState
 from pdfabric.prefill.worker import SenderSide
+from pdfabric.worker.core import CancelKV, ExpectKV, OpenPush, PushKV, first_token_of
 
 LAYERS, BLOCKS, BLOCK, HEADS, DIM = 3, 32, 4, 2, 8
 Made = tuple[SenderSide, ReceiverSide, list[torch.Tensor]]

@@ -20,8 +20,9 @@ import subprocess
 from dataclasses import replace
 from typing import Any
 
-from pdfabric.config import ServeConfig, WorkerConfig, worker_config_from_json
-from pdfabric.supervisor import Proc, Starter, StartupError, worker_argv
+from pdfabric.cli.supervisor import Proc, Starter, StartupError, worker_argv
+from pdfabric.config import ServeConfig
+from pdfabric.worker_config import WorkerConfig, worker_config_from_json
 
 log = logging.getLogger("pdfabric.serve")
 LOST = -9  # the exit code reported for a worker whose actor (or node) died under it

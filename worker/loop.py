@@ -1,4 +1,4 @@
-"""The worker process: a ZeroMQ loop around a worker core (``pdfabric.core``) and the model.
+"""The worker process: a ZeroMQ loop around a worker core (``pdfabric.worker.core``) and the model.
 
 Everything a worker decides lives in its core; this loop only moves messages and runs the model. One
 turn of the loop, never blocking for long:
@@ -30,9 +30,13 @@ from typing import TYPE_CHECKING, Protocol
 
 import zmq
 
-from pdfabric.config import WorkerConfig
 from pdfabric.control import Drain, Shutdown
-from pdfabric.core import (
+from pdfabric.engine.stepper import Stepper
+from pdfabric.kvtransfer.state import TransferResult
+from pdfabric.kvtransfer.transport import host_id
+from pdfabric.profile import ProfileBuilder
+from pdfabric.wire import WireError, decode, encode
+from pdfabric.worker.core import (
     CancelKV,
     CoreSpec,
     ExpectKV,
@@ -43,16 +47,12 @@ from pdfabric.core import (
     WorkerCore,
     WrongMessage,
 )
-from pdfabric.engine.stepper import Stepper
-from pdfabric.kvtransfer.state import TransferResult
-from pdfabric.kvtransfer.transport import host_id
-from pdfabric.profile import ProfileBuilder
-from pdfabric.wire import WireError, decode, encode
+from pdfabric.worker_config import WorkerConfig
 
 if TYPE_CHECKING:
     from pdfabric.engine.runner import ModelRunner
 
-log = logging.getLogger("pdfabric.worker")
+log = logging.getLogger("pdfabric.worker.loop")
 
 
 class KVSide(Protocol):

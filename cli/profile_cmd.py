@@ -27,9 +27,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pdfabric.config import worker_default
 from pdfabric.control import KINDS
 from pdfabric.profile_file import ANY
+from pdfabric.worker_config import worker_default
 
 if TYPE_CHECKING:
     from pdfabric.engine.profiler import ProfilingRun
@@ -174,11 +174,11 @@ def profile(args: argparse.Namespace, transports: list[str]) -> tuple[ProfileFil
     import torch
 
     from pdfabric.bench.progress import Progress
-    from pdfabric.config import WorkerConfig
     from pdfabric.engine.profiler import run_plan
     from pdfabric.profile import profiling_plan
     from pdfabric.profile_file import ProfileFile
-    from pdfabric.worker import build_engine
+    from pdfabric.worker.loop import build_engine
+    from pdfabric.worker_config import WorkerConfig
 
     cfg = WorkerConfig(
         kind=args.role if args.role != ANY else "colocated",
@@ -360,6 +360,6 @@ def summary(pf: ProfileFile, measured: ProfilingRun | None = None) -> str:
 
 
 if __name__ == "__main__":
-    from pdfabric.cli import main
+    from pdfabric.cli.main import main
 
     sys.exit(main(["profile", *sys.argv[1:]]))

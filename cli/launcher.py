@@ -22,9 +22,10 @@ import signal
 import sys
 import time
 
-from pdfabric import ray_launch
-from pdfabric.config import AUTO_KV_MIN_MB, AUTO_KV_TOKENS, ServeConfig, load_serve_config, worker_default
-from pdfabric.supervisor import StartupError, Workers, local_starter
+from pdfabric.cli import ray_launch
+from pdfabric.cli.supervisor import StartupError, Workers, local_starter
+from pdfabric.config import ServeConfig, load_serve_config
+from pdfabric.worker_config import AUTO_KV_MIN_MB, AUTO_KV_TOKENS, worker_default
 
 log = logging.getLogger("pdfabric.serve")
 
@@ -202,7 +203,7 @@ async def serve(
 
 
 def _autoscaler(cfg: ServeConfig, app, dispatcher, workers: Workers):  # noqa: ANN001, ANN202
-    from pdfabric.autoscale import Autoscaler
+    from pdfabric.cli.autoscale import Autoscaler
     from pdfabric.router.admin import AUDIT
     from pdfabric.router.app import METRICS, OBSERVED
 

@@ -2,7 +2,7 @@
 
 A core owns a worker's ``Scheduler`` over its ``BlockTables`` and everything it decides: admission,
 block accounting, what a step's tokens become, what happens to transfers, and what a heartbeat says.
-It is driven the same way by the ZeroMQ worker loop (``pdfabric.worker``) and by the simulator
+It is driven the same way by the ZeroMQ worker loop (``pdfabric.worker.loop``) and by the simulator
 (``bench.sim_worker``), and by unit tests with nothing else:
 
 1. ``handle(msg)``: a control message from the router (``Generate``, ``Reserve``, ``Prefill``, ``Abort``,

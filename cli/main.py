@@ -12,10 +12,18 @@ import sys
 
 # (words, module, one-line help)
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
-    (("serve",), "pdfabric.launcher", "start a router and its prefill / decode / colocated workers"),
-    (("worker",), "pdfabric.worker_cli", "run one worker that joins a router"),
-    (("admin",), "pdfabric.admin_cli", "a router's admin API: models, weights, rollouts, versions, usage"),
-    (("profile",), "pdfabric.profile_cmd", "measure a worker's step times and KV transfer rates into a file"),
+    (("serve",), "pdfabric.cli.launcher", "start a router and its prefill / decode / colocated workers"),
+    (("worker",), "pdfabric.cli.worker_cli", "run one worker that joins a router"),
+    (
+        ("admin",),
+        "pdfabric.cli.admin_cli",
+        "a router's admin API: models, weights, rollouts, versions, usage",
+    ),
+    (
+        ("profile",),
+        "pdfabric.cli.profile_cmd",
+        "measure a worker's step times and KV transfer rates into a file",
+    ),
     (("plan",), "pdfabric.bench.plan_cmd", "the prefill:decode split and batch caps by simulated goodput"),
     (
         ("generate",),

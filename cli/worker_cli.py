@@ -15,9 +15,10 @@ import signal
 import sys
 from dataclasses import replace
 
-from pdfabric.config import WorkerConfig, load_serve_config, worker_config_from_json, worker_default
+from pdfabric.config import load_serve_config
 from pdfabric.control import KINDS
-from pdfabric.kvtransfer.config import CHOICES as KV_TRANSPORTS
+from pdfabric.kv_config import CHOICES as KV_TRANSPORTS
+from pdfabric.worker_config import WorkerConfig, worker_config_from_json, worker_default
 
 DTYPES = ("float32", "bfloat16", "float16")
 

@@ -20,13 +20,13 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from pdfabric.cli.supervisor import Workers
 from pdfabric.config import ServeConfig
 from pdfabric.control import KINDS
 from pdfabric.router.registry import WorkerInfo
 from pdfabric.router.scaler import Decision, Observations, Pool, Scaler, Signals
-from pdfabric.supervisor import Workers
 
-log = logging.getLogger("pdfabric.autoscale")
+log = logging.getLogger("pdfabric.cli.autoscale")
 
 
 class Autoscaler:

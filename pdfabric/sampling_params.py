@@ -1,4 +1,5 @@
-"""Per-request sampling parameters: validated once, then passed around unchanged (no torch here)."""
+"""Per-request sampling parameters, validated once and then passed around unchanged, and the other outputs
+of a request whose prompt is computed once (no torch here: the protocol carries both)."""
 
 from __future__ import annotations
 
@@ -93,3 +94,14 @@ class SamplingParams:
             or self.logit_bias
             or self.min_tokens
         )
+
+
+@dataclass(frozen=True)
+class Branch:
+    """Another output of a request whose prompt is computed once (``n`` > 1): output ``choice``,
+    continuing the request's own prompt with ``output``, the tokens it already produced (empty for a
+    new request; a resumed one's earlier output). Its sequence shares the prompt's full blocks with the
+    request's sequence and computes only its own tail (``Scheduler``)."""
+
+    choice: int
+    output: tuple[int, ...] = ()

@@ -1,7 +1,7 @@
 """The worker processes a launcher starts, watches and restarts, wherever they run.
 
 ``Workers`` owns them: it starts each planned worker through a ``Starter`` (``local_starter``: a
-process on this host; ``pdfabric.ray_launch``: a process that a Ray actor supervises on some node),
+process on this host; ``pdfabric.cli.ray_launch``: a process that a Ray actor supervises on some node),
 waits for them to register, reports one that exits to the dispatcher at once (so its requests fail
 over instead of waiting for heartbeats to time out) and starts it again after a backoff
 (``RestartPolicy``), unless it drained on purpose or keeps exiting (then it is listed as down). A
@@ -21,8 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from pdfabric.config import ServeConfig, WorkerConfig
+from pdfabric.config import ServeConfig
 from pdfabric.control import KINDS
+from pdfabric.worker_config import WorkerConfig
 
 log = logging.getLogger("pdfabric.serve")
 

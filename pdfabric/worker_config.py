@@ -1,0 +1,145 @@
+"""One worker's settings: ``WorkerConfig``, frozen and validated once, from a deployment's ``[worker]``
+and ``[[workers]]`` tables, the command line, or the JSON a launcher hands a worker process."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, fields, replace
+from typing import Any
+
+from pdfabric.control import KINDS
+from pdfabric.kv_config import CHOICES as KV_TRANSPORTS
+
+# WorkerConfig fields a deployment's [worker] and [[workers]] tables may not set: the launcher fixes
+# them per process (kind, join, worker_id) or takes them from [serve] (model, dtype).
+_PER_PROCESS = frozenset({"kind", "join", "model", "dtype", "worker_id", "served"})
+
+
+# kv_memory_mb = 0 (the default) sizes a worker's KV cache by its model: room for max_running
+# sequences of AUTO_KV_TOKENS tokens each, and never less than AUTO_KV_MIN_MB. A fixed 256 MiB held
+# about 11,000 SmolLM2 tokens (17 requests of 640): under load the scheduler preempted and recomputed
+# and admission refused half the requests.
+AUTO_KV_TOKENS = 1024
+AUTO_KV_MIN_MB = 256
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """One worker process."""
+
+    kind: str
+    join: str = ""  # the router's control address, tcp://HOST:PORT
+    model: str = "tiny"
+    dtype: str | None = None
+    pool: str = "default"
+    worker_id: str = ""
+    block_size: int = 16
+    num_blocks: int = 0  # 0: as many as kv_memory_mb holds
+    kv_memory_mb: int = 0  # 0: auto, sized by the model (see AUTO_KV_TOKENS)
+    max_batch_tokens: int = 512
+    max_running: int = 64
+    kv_host: str = "127.0.0.1"  # address a decode worker binds its KV endpoint on
+    heartbeat_s: float = 0.25
+    drain_timeout_s: float = 30.0  # SIGTERM: exit once idle, or after this long (what is left fails over)
+    device: str = "auto"  # auto (cuda when available, else cpu), cpu, cuda or cuda:N
+    threads: int = 0  # torch threads (0: the launcher gives each worker its share of the cores)
+    profile_seconds: float = 5.0  # start-up profiling budget (0: none; the profile is then learnt online)
+    kv_transport: str = (
+        "auto"  # auto (per pair: shm on one host, zmq across, dist when set up) | zmq | shm | dist
+    )
+    prefix_caching: bool = True  # keep computed full blocks for prompts that share their prefix
+    served: str = ""  # the model version it serves, "name@version" ("": the deployment's one model)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"worker kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        for name in ("block_size", "max_batch_tokens", "max_running"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.kv_memory_mb < 0:
+            raise ValueError(f"kv_memory_mb must be >= 0 (0: auto), got {self.kv_memory_mb}")
+        if self.device != "auto" and self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.num_blocks < 0 or self.threads < 0:
+            raise ValueError(f"num_blocks and threads must be >= 0, got {self.num_blocks}, {self.threads}")
+        if self.heartbeat_s <= 0:
+            raise ValueError(f"heartbeat_s must be positive, got {self.heartbeat_s}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if self.kv_transport not in KV_TRANSPORTS:
+            raise ValueError(
+                f"kv_transport must be one of {', '.join(KV_TRANSPORTS)}, got {self.kv_transport!r}"
+            )
+
+    def to_json(self) -> str:
+        """Every field, as the one JSON object ``worker_config_from_json`` reads back."""
+        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}, separators=(",", ":"))
+
+    def kv_blocks(self, kv_bytes_per_token: int) -> int:
+        """The KV blocks this worker allocates for a model whose tokens take ``kv_bytes_per_token``:
+        ``num_blocks`` if set, else as many as ``kv_memory_mb`` holds, else (auto) room for
+        ``max_running`` sequences of ``AUTO_KV_TOKENS`` tokens and never less than ``AUTO_KV_MIN_MB``
+        (the worker and the simulator both use this)."""
+        if self.num_blocks:
+            return self.num_blocks
+        block = kv_bytes_per_token * self.block_size
+        if self.kv_memory_mb:
+            budget = self.kv_memory_mb * 2**20
+        else:
+            budget = max(AUTO_KV_MIN_MB * 2**20, self.max_running * AUTO_KV_TOKENS * kv_bytes_per_token)
+        if budget < block:
+            raise ValueError(f"a KV budget of {budget} bytes holds no block of {block} bytes")
+        return budget // block
+
+
+WORKER_KEYS = frozenset(f.name for f in fields(WorkerConfig)) - _PER_PROCESS  # [worker] table keys
+# The Python types a WorkerConfig field accepts, by its annotation (bool is refused where int is asked).
+_TYPES: dict[str, tuple[type, ...]] = {
+    "int": (int,), "float": (int, float), "str": (str,), "str | None": (str, type(None)), "bool": (bool,),
+}  # fmt: skip
+
+
+def worker_default(name: str) -> Any:
+    """A ``WorkerConfig`` field's default: what flag help texts quote, so it is written once."""
+    f = next(f for f in fields(WorkerConfig) if f.name == name)
+    if f.default is MISSING:
+        raise ValueError(f"WorkerConfig.{name} has no default")
+    return f.default
+
+
+def worker_config(
+    table: Mapping[str, Any], base: WorkerConfig, allowed: frozenset[str], where: str
+) -> WorkerConfig:
+    """``base`` with the settings in ``table``: the one loader for a deployment's ``[worker]`` and
+    ``[[workers]]`` tables and for the serialized config a worker process receives. A key outside
+    ``allowed`` or a value of the wrong type is a ``ValueError`` naming it (``where`` says where);
+    the values themselves are checked by ``WorkerConfig.__post_init__``."""
+    bad = set(table) - allowed
+    if bad:
+        raise ValueError(f"unknown key(s) in {where}: {', '.join(sorted(bad))}")
+    annotations = {f.name: str(f.type) for f in fields(WorkerConfig)}
+    for key, value in table.items():
+        types = _TYPES[annotations[key]]
+        if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
+            want = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+            raise ValueError(f"{where}: {key} must be {want}, got {value!r}")
+    return replace(base, **table)
+
+
+def worker_config_from_json(text: str) -> WorkerConfig:
+    """The ``WorkerConfig`` that ``WorkerConfig.to_json`` wrote, through the deployment's loader; every
+    field must be present, so that the sending and the receiving side never fill in a default each."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"worker config is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError("worker config must be a JSON object")
+    every = frozenset(f.name for f in fields(WorkerConfig))
+    missing = every - set(data)
+    if missing:
+        raise ValueError(f"worker config lacks {', '.join(sorted(missing))}")
+    if not isinstance(data["kind"], str):
+        raise ValueError(f"worker config: kind must be str, got {data['kind']!r}")
+    return worker_config(data, WorkerConfig(kind=data["kind"]), every, "worker config")

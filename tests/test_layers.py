@@ -1,0 +1,156 @@
+"""The house's layers: every import points down.
+
+The nodes are the modules directly in ``pdfabric/`` (protocol, config, wire, profile, envs: one node,
+``pdfabric``) and each subpackage (``pdfabric.<folder>``). From the bottom up:
+
+    pdfabric (protocol and config)  <  kernels  <  engine  <  kvtransfer  <  worker (what every worker
+    kind shares)  <  prefill, decode  <  router  <  bench  <  cli (the command line, the launcher)
+
+A module may import its own node and any node below it, at module level or inside a function (an
+import inside a function is still a dependency), and never one above it; the nodes of one layer
+(prefill, decode) do not import each other. Nor do modules import each other, directly or round a
+circle: ``KNOWN_CIRCLES`` lists the circles still to be untied, and the test fails on any other and on
+an entry of the list that is no longer there, so the list only shrinks.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("pdfabric",),
+    ("kernels",),
+    ("engine",),
+    ("kvtransfer",),
+    ("worker",),
+    ("prefill", "decode"),
+    ("router",),
+    ("bench",),
+    ("cli",),
+)
+RANK = {node: rank for rank, nodes in enumerate(LAYERS) for node in nodes}
+
+# Groups of modules that import each other (round a circle), still to be untied.
+KNOWN_CIRCLES = {
+    frozenset({"pdfabric.bench.sim_link", "pdfabric.bench.sim_worker", "pdfabric.bench.simulator"}),
+}
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package by its dotted name, from the source tree."""
+    out = {f"pdfabric.{p.stem}": p for p in (ROOT / "pdfabric").glob("*.py")}
+    for node in RANK:
+        if node != "pdfabric":
+            out.update({f"pdfabric.{node}.{p.stem}": p for p in (ROOT / node).glob("*.py")})
+    return out
+
+
+def _node(module: str) -> str | None:
+    """The node a dotted name of pdfabric belongs to (None outside pdfabric)."""
+    parts = module.split(".")
+    if parts[0] != "pdfabric":
+        return None
+    return parts[1] if len(parts) > 1 and parts[1] in RANK else "pdfabric"
+
+
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """The pdfabric modules a file imports anywhere in it (``from pdfabric.x import y`` names the
+    module ``pdfabric.x.y`` when there is one, else ``pdfabric.x``)."""
+    found = set()
+    for n in ast.walk(ast.parse(path.read_text())):
+        if isinstance(n, ast.Import):
+            found.update(a.name for a in n.names if a.name.startswith("pdfabric"))
+        elif isinstance(n, ast.ImportFrom) and n.level == 0 and n.module and n.module.startswith("pdfabric"):
+            for a in n.names:
+                sub = f"{n.module}.{a.name}"
+                found.add(sub if sub in modules or n.module == "pdfabric" else n.module)
+    return found
+
+
+def _edges() -> set[tuple[str, str]]:
+    modules = _modules()
+    return {(module, target) for module, path in modules.items() for target in _imports(path, set(modules))}
+
+
+def test_every_node_of_the_layers_exists() -> None:
+    for node in RANK:
+        assert node == "pdfabric" or (ROOT / node).is_dir(), node
+        assert (ROOT / "pdfabric" / node / "__init__.py").is_file() or node == "pdfabric", node
+
+
+def test_imports_point_down() -> None:
+    upward = set()
+    for module, target in _edges():
+        source, dest = _node(module), _node(target)
+        if source is None or dest is None or source == dest:
+            continue
+        if RANK[dest] >= RANK[source]:  # a node above, or beside it in its layer
+            upward.add((module, target))
+    assert upward == set(), "imports that point up (move what they need down)"
+
+
+def _circles(edges: set[tuple[str, str]]) -> set[frozenset[str]]:
+    """The groups of two or more modules that reach each other through imports (Tarjan's strongly
+    connected components, iterative)."""
+    graph: dict[str, set[str]] = {}
+    for a, b in edges:
+        graph.setdefault(a, set()).add(b)
+        graph.setdefault(b, set())
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: set[frozenset[str]] = set()
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    group = set()
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        group.add(member)
+                        if member == node:
+                            break
+                    if len(group) > 1:
+                        out.add(frozenset(group))
+            elif child not in index:
+                index[child] = low[child] = len(index)
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted(graph[child]))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return out
+
+
+def test_no_import_circles() -> None:
+    circles = _circles({(a, b) for a, b in _edges() if a != b})
+    assert circles - KNOWN_CIRCLES == set(), "modules that import each other"
+    assert KNOWN_CIRCLES - circles == set(), "these are untied: take them off KNOWN_CIRCLES"
+
+
+def test_circles_are_found() -> None:
+    edges = {("a", "b"), ("b", "c"), ("c", "a"), ("c", "d"), ("d", "e"), ("e", "d"), ("f", "a")}
+    assert _circles(edges) == {frozenset("abc"), frozenset("de")}
+
+
+def test_the_test_sees_the_imports() -> None:
+    """The checker finds what it checks: a known import at module level and one inside a function."""
+    edges = _edges()
+    assert ("pdfabric.router.app", "pdfabric.router.openai_api") in edges
+    assert ("pdfabric.router.catalog", "pdfabric.engine.default_model") in edges  # inside a function
+    assert len(_modules()) > 120
