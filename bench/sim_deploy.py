@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pdfabric.bench.simulator import SimConfig, SimWorker
+from pdfabric.bench.sim_spec import SimWorker
+from pdfabric.bench.simulator import SimConfig
 from pdfabric.config import ServeConfig
 from pdfabric.profile_file import ProfileFile, for_kind
 from pdfabric.worker.core import CoreSpec

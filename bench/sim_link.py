@@ -18,17 +18,24 @@ expecting a transfer and a prefill worker's cancel need nothing.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from pdfabric.bench.sim_spec import SimWorker
 from pdfabric.control import DECODE
 from pdfabric.kvtransfer.state import TransferResult, TransferState
 from pdfabric.worker.core import CancelKV, ExpectKV, PushKV, kv_meta
 
-if TYPE_CHECKING:
-    from pdfabric.bench.sim_worker import SimulatedWorker
-
 SIM_TRANSPORT = "sim"  # the transport name simulated pushes report (rates per transport in heartbeats)
 At = Callable[[float, Callable[[Any], None], Any], None]  # the simulation's event scheduler
+
+
+class LinkedWorker(Protocol):
+    """What the link needs of a simulated worker (``bench.sim_worker.SimulatedWorker``): its spec, and
+    a way to hand it a KV event at its next step boundary."""
+
+    spec: SimWorker
+
+    def post_kv(self, event: object) -> None: ...
 
 
 def endpoint_of(worker_id: str) -> str:
@@ -39,13 +46,13 @@ def endpoint_of(worker_id: str) -> str:
 class SimLink:
     """Every worker's KV link in one simulation."""
 
-    def __init__(self, workers: dict[str, SimulatedWorker], clock: Callable[[], float], at: At) -> None:
+    def __init__(self, workers: dict[str, LinkedWorker], clock: Callable[[], float], at: At) -> None:
         self._clock, self._at = clock, at
         self._free = dict.fromkeys(workers, 0.0)  # when each worker's link is next free
         self._by_endpoint = {endpoint_of(wid): w for wid, w in workers.items()}
-        self._pushes: dict[str, tuple[SimulatedWorker, float]] = {}  # request -> (prefill worker, start)
+        self._pushes: dict[str, tuple[LinkedWorker, float]] = {}  # request -> (prefill worker, start)
 
-    def command(self, worker: SimulatedWorker, cmd: PushKV | ExpectKV | CancelKV) -> None:
+    def command(self, worker: LinkedWorker, cmd: PushKV | ExpectKV | CancelKV) -> None:
         now = self._clock()
         if isinstance(cmd, PushKV):
             decode = self._by_endpoint[cmd.endpoint]
@@ -63,7 +70,7 @@ class SimLink:
         elif isinstance(cmd, CancelKV) and worker.spec.kind == DECODE:
             worker.post_kv(cmd.request_id)
 
-    def landed(self, worker: SimulatedWorker, result: TransferResult) -> None:
+    def landed(self, worker: LinkedWorker, result: TransferResult) -> None:
         """A decode worker took a push's KV at its boundary: the acknowledgement goes to the sender."""
         push = self._pushes.pop(result.request_id, None) if worker.spec.kind == DECODE else None
         if push is not None:

@@ -18,17 +18,29 @@ model (``bench.sim_link``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any, Protocol
 
-from pdfabric.bench.sim_link import endpoint_of
+from pdfabric.bench.sim_link import SimLink, endpoint_of
+from pdfabric.bench.sim_spec import SimWorker
 from pdfabric.control import COLOCATED, DECODE, PREFILL, Register
 from pdfabric.decode.core import ColocatedCore, DecodeCore
 from pdfabric.kvtransfer.state import TransferResult
 from pdfabric.prefill.core import PrefillCore
 from pdfabric.worker.core import CancelKV, ExpectKV, FixedProfile, Out, PushKV, Step, WorkerCore
 
-if TYPE_CHECKING:
-    from pdfabric.bench.simulator import Simulation, SimWorker
+
+class Host(Protocol):
+    """What a simulated worker needs of its simulation (``bench.simulator.Simulation``): the clock, the
+    event queue, the router's inbox and the KV link."""
+
+    now: float
+    link: SimLink
+
+    def at(self, t: float, fn: Callable[[Any], None], arg: Any = None, work: bool = True) -> None: ...
+
+    def receive(self, msg: object) -> None: ...
+
 
 CORES: dict[str, type[WorkerCore]] = {PREFILL: PrefillCore, DECODE: DecodeCore, COLOCATED: ColocatedCore}
 
@@ -36,7 +48,7 @@ CORES: dict[str, type[WorkerCore]] = {PREFILL: PrefillCore, DECODE: DecodeCore, 
 class SimulatedWorker:
     """One worker's loop: messages between steps, then a step of ``profile.step_seconds`` if it has work."""
 
-    def __init__(self, sim: Simulation, spec: SimWorker) -> None:
+    def __init__(self, sim: Host, spec: SimWorker) -> None:
         self.sim = sim
         self.spec = spec
         endpoint = endpoint_of(spec.worker_id) if spec.kind == DECODE else ""

@@ -56,16 +56,15 @@ from typing import Any
 
 from pdfabric.bench.records import ERROR, OK, REJECTED, TIMEOUT, RequestRecord
 from pdfabric.bench.sim_link import SimLink
+from pdfabric.bench.sim_spec import SimWorker
 from pdfabric.bench.sim_worker import SimulatedWorker
 from pdfabric.bench.workload import PREFIX_BLOCK_TOKENS, Request, Workload
-from pdfabric.control import COLOCATED, DECODE, KINDS, PREFILL, TokenDelta
-from pdfabric.profile import WorkerProfile
+from pdfabric.control import COLOCATED, DECODE, PREFILL, TokenDelta
 from pdfabric.router.core import RouterCore
 from pdfabric.router.effects import Deliver, Effect, Refused, Send
 from pdfabric.router.slo import resolve
 from pdfabric.routing_config import AdmissionConfig, PredictorConfig
 from pdfabric.sampling_params import SamplingParams
-from pdfabric.worker.core import CoreSpec
 
 Progress = Callable[[int, int], None]  # (requests finished, requests in all)
 
@@ -83,36 +82,6 @@ def _prompt(r: Request) -> tuple[int, ...]:
     if len(ids) < r.input_len:  # more tokens than named blocks: the rest is the request's own
         ids += [-1 - r.index] * (r.input_len - len(ids))
     return tuple(ids[: r.input_len])
-
-
-@dataclass(frozen=True)
-class SimWorker:
-    """One simulated worker: its identity and limits exactly as the worker core takes them (``core``,
-    with ``CoreSpec``'s defaults), its step-time fit, and the KV transfer rate of its link."""
-
-    core: CoreSpec
-    profile: WorkerProfile
-    kv_bytes_per_s: float = 1e9
-
-    def __post_init__(self) -> None:
-        c = self.core
-        if c.kind not in KINDS:
-            raise ValueError(f"{c.worker_id}: kind must be one of {', '.join(KINDS)}, got {c.kind!r}")
-        for name in ("max_running", "max_batch_tokens", "num_blocks", "block_size", "max_model_len"):
-            if getattr(c, name) < 1:
-                raise ValueError(f"{c.worker_id}: {name} must be at least 1, got {getattr(c, name)}")
-        if c.kv_bytes_per_token < 0 or not c.heartbeat_s > 0:
-            raise ValueError(f"{c.worker_id}: kv_bytes_per_token must be >= 0 and heartbeat_s > 0")
-        if not (math.isfinite(self.kv_bytes_per_s) and self.kv_bytes_per_s > 0):
-            raise ValueError(f"{c.worker_id}: kv_bytes_per_s must be > 0, got {self.kv_bytes_per_s}")
-
-    @property
-    def worker_id(self) -> str:
-        return self.core.worker_id
-
-    @property
-    def kind(self) -> str:
-        return self.core.kind
 
 
 @dataclass(frozen=True)

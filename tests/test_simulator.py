@@ -15,7 +15,8 @@ import pytest
 
 from pdfabric.bench.records import OK, REJECTED
 from pdfabric.bench.sim_deploy import sim_config
-from pdfabric.bench.simulator import SimConfig, Simulation, SimWorker, simulate
+from pdfabric.bench.sim_spec import SimWorker
+from pdfabric.bench.simulator import SimConfig, Simulation, simulate
 from pdfabric.bench.workload import Request, Workload
 from pdfabric.cli import main as cli
 from pdfabric.config import load_serve_config
