@@ -49,7 +49,7 @@ class ServeConfig:
     request_timeout_s: float = 600.0  # a request with no progress this long ends with an error
     max_failovers: int = 2  # times a request may move off failed workers mid-stream (0: never)
     shutdown_drain_s: float = 30.0  # on SIGTERM / Ctrl-C: requests in flight get this long to finish
-    admin_key_sha256: str = ""  # hex SHA-256 of the key admin endpoints require ("": no key needed)
+    admin_key_sha256: str = ""  # hex SHA-256 of the key admin endpoints require ("": loopback callers only)
     served_model_name: str = ""  # the name clients use; default: the model argument
     audit_log: str = ""  # file the admin endpoints' audit log is appended to ("": stderr)
     idempotency_ttl_s: float = 600.0  # how long a response is replayed to its Idempotency-Key (0: off)

@@ -4,7 +4,9 @@
   holds (what is left after its ``drain_timeout_s`` moves to other workers), then exits; a worker
   started by ``pdfabric serve`` is not restarted. 202 when sent, 404 for an unknown worker.
 - When ``[serve] admin_key_sha256`` is set, admin endpoints need ``Authorization: Bearer KEY`` whose
-  SHA-256 it is (401 otherwise); only the hash is kept in the config.
+  SHA-256 it is (401 otherwise); only the hash is kept in the config. Without it they answer only
+  callers on this host's loopback (127.0.0.0/8, ::1): anyone else gets 403, whatever the bind address,
+  so a router bound to a public address never hands its admin API to the network by default.
 - ``GET /admin/usage``: every tenant's usage per model (``tenants.UsageBook``): requests, failed
   requests, prompt, cached and generated tokens.
 - Every admin request is written to the audit log (``Audit``): one JSON line with the time, the
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import json
 import sys
 import time
@@ -87,12 +90,23 @@ def add_admin(
 
 
 def authorized(request: web.Request) -> bool:
-    """True when no admin key is configured, or the request's bearer token hashes to it."""
+    """True when the request's bearer token hashes to the admin key, or, with no admin key configured,
+    when it comes from this host's loopback."""
     want = request.app[_ADMIN_KEY]
     if not want:
-        return True
+        return from_loopback(request)
     token = bearer_token(request.headers.get("Authorization", ""))
     return bool(token) and hmac.compare_digest(sha256_hex(token), want)
+
+
+def from_loopback(request: web.Request) -> bool:
+    """Whether the request's peer (the connection's, never a forwarding header) is a loopback address."""
+    try:
+        address = ipaddress.ip_address(request.remote or "")
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)  # an IPv4 peer of a dual-stack socket
+    return (mapped or address).is_loopback
 
 
 def _error(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> web.Response:
@@ -100,9 +114,14 @@ def _error(status: int, message: str, kind: str, headers: dict[str, str] | None 
 
 
 def unauthorized(request: web.Request, action: str, target: str) -> web.Response | None:
-    """The 401 for a request without the admin key (audited), or None when it may go on."""
+    """The refusal (audited) of a request that may not use the admin API, or None when it may: 401
+    without the admin key when one is set; 403 from another host when none is."""
     if authorized(request):
         return None
+    if not request.app[_ADMIN_KEY]:
+        request.app[AUDIT].record(request, action, target, 403)
+        why = "with no admin key set ([serve] admin_key_sha256), admin endpoints answer only on loopback"
+        return _error(403, why, "permission_error")
     request.app[AUDIT].record(request, action, target, 401)
     return _error(401, "admin endpoints need Authorization: Bearer ADMIN_KEY", "authentication_error")
 
