@@ -40,6 +40,15 @@ class Register:
     host: str = ""  # host name and boot id: workers on one host move KV over shared memory ("": unknown)
     served: str = ""  # the model version it serves, "name@version" ("": the deployment's one model)
 
+    def __post_init__(self) -> None:  # a registration the router could not serve with is refused
+        if not self.worker_id or self.kind not in KINDS:
+            raise ValueError(f"Register: a worker id and a kind in {KINDS} are needed, got {self.kind!r}")
+        for name in ("max_model_len", "block_size", "num_blocks", "max_running", "max_batch_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Register.{name} must be at least 1, got {getattr(self, name)}")
+        if self.pid < 0 or self.kv_bytes_per_token < 0:
+            raise ValueError("Register.pid and kv_bytes_per_token must be >= 0")
+
 
 @message(2)
 @dataclass(frozen=True)
