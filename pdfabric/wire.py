@@ -130,7 +130,6 @@ def _checker(hint: Any) -> Check:
         return union
     if origin is tuple:
         if len(args) == 2 and args[1] is Ellipsis:
-            item = _checker(args[0])
             if args[0] in (int, str, bytes, bool):  # the long arrays (token ids, block ids, hashes)
                 kind = args[0]
 
@@ -140,6 +139,7 @@ def _checker(hint: Any) -> Check:
                     return value
 
                 return many_scalars
+            item = _checker(args[0])
 
             def many(value: Any) -> tuple:
                 if type(value) is not tuple:

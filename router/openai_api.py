@@ -149,10 +149,11 @@ def _typed(body: dict[str, Any], name: str, types: type | tuple[type, ...], defa
     value = body.get(name, default)
     if value is None:
         return default
-    if int in (types if isinstance(types, tuple) else (types,)):
+    kinds = types if isinstance(types, tuple) else (types,)
+    if int in kinds:
         value = _integral(value)
     # bool is an int in Python; a JSON true is never a valid number here.
-    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+    if isinstance(value, bool) and bool not in kinds:
         raise bad(f"'{name}' must be {_type_name(types)}, got a boolean", name)
     if not isinstance(value, types):
         raise bad(f"'{name}' must be {_type_name(types)}, got {type(value).__name__}", name)
