@@ -37,11 +37,13 @@ class ReceiverSide:
     """A decode worker's KV side: ``ExpectKV`` / ``CancelKV`` on the receiver state machine; the blocks
     it releases (after a failure or abort) are reported back for the core to free."""
 
-    def __init__(self, caches: list, config: TransferConfig, host: str, shm_paths: tuple[str, ...]) -> None:
+    def __init__(
+        self, caches: list, config: TransferConfig, host: str, shm_paths: tuple[str, ...], tiled: bool
+    ) -> None:
         self._released: list[str] = []
         self._failed: list[TransferResult] = []
         reservations = BlockReservations(release=lambda rid, _: self._released.append(rid))
-        self.receiver = KVReceiver(caches, config, reservations, f"tcp://{host}:*", shm_paths)
+        self.receiver = KVReceiver(caches, config, reservations, f"tcp://{host}:*", shm_paths, tiled=tiled)
         self.endpoint = self.receiver.endpoint
 
     def sockets(self) -> list[zmq.Socket]:
@@ -94,7 +96,7 @@ class DecodeWorker(Worker):
             transport=cfg.kv_transport, name=self.worker_id, shm_quarantine_s=QUARANTINE_S
         )
         paths = self.shm.paths if self.shm is not None else ()
-        return ReceiverSide(runner.kv_caches, config, cfg.kv_host, paths)
+        return ReceiverSide(runner.kv_caches, config, cfg.kv_host, paths, runner.kv_tiled)
 
     def close(self) -> None:
         super().close()

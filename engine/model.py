@@ -84,7 +84,7 @@ class Attention(nn.Module):
         qk = apply_rope(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin)  # q and k heads together
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [T, heads | kv_heads, head_dim]
         v = qkv[:, self.num_heads + self.num_kv_heads :]  # [T, kv_heads, head_dim]
-        store_kv(k, v, kv_cache, meta.slot_mapping)
+        store_kv(k, v, kv_cache, meta.slot_mapping, meta.tiled_kv)
         out = paged_attention(q, kv_cache, meta, self.scale)  # [T, heads, head_dim]
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 

@@ -19,6 +19,7 @@ from pdfabric.engine.model import LlamaForCausalLM
 from pdfabric.kernels import AttentionMetadata, get_backend
 from pdfabric.kernels.decoder_cpu import Decoder
 from pdfabric.kernels.linear_cpu import can_pack, pack_linears, packed
+from pdfabric.kernels.paged_attention_cpu import tiled_kv_supported
 
 
 @dataclass(frozen=True)
@@ -60,11 +61,26 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = model.model.embed_tokens.weight.device
-        self.kv_caches = allocate_kv_cache(self.config, num_blocks, block_size, self.device)
+        cfg = self.config
+        # Tiled where the CPU prompt kernel reads a tiled cache in place; the torch backend, the plain
+        # reference path, keeps the dense layout.
+        self.kv_tiled = (
+            self.device.type == "cpu"
+            and get_backend() in ("auto", "cpu")
+            and tiled_kv_supported(
+                model.model.embed_tokens.weight.dtype,
+                cfg.num_heads,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                block_size,
+            )
+        )
+        self.kv_caches = allocate_kv_cache(cfg, num_blocks, block_size, self.device)
 
     @property
     def kv_caches(self) -> list[torch.Tensor]:
-        """One cache tensor per layer, ``[2, num_blocks, block_size, kv_heads, head_dim]``."""
+        """One cache tensor per layer, ``[2, num_blocks, block_size, kv_heads, head_dim]``; its blocks are
+        tiled for the CPU prompt kernel where ``kv_tiled`` (``AttentionMetadata.tiled_kv``)."""
         return self._kv_caches
 
     @kv_caches.setter
@@ -72,7 +88,7 @@ class ModelRunner:
         # (a decode worker moves them into shared memory) decode-only steps run their layers in one C
         # call where every kernel of a layer is a C one; that call holds the caches' addresses
         self._kv_caches = caches
-        self.decoder = Decoder.build(self.model, caches) if self.device.type == "cpu" else None
+        self.decoder = Decoder.build(self.model, caches, self.kv_tiled) if self.device.type == "cpu" else None
 
     def prepare(self, entries: list[StepEntry]) -> PreparedStep:
         ids: list[int] = []
@@ -100,6 +116,7 @@ class ModelRunner:
             block_tables=[list(e.block_table) for e in entries],
             block_size=self.block_size,
             device=self.device,
+            tiled_kv=self.kv_tiled,
         )
         as_long = {"dtype": torch.int64, "device": self.device}
         return PreparedStep(

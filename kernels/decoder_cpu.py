@@ -27,10 +27,13 @@ _p = ctypes.c_void_p
 
 
 class _Kernels(ctypes.Structure):
-    _fields_ = [(name, _p) for name in ("rms_norm", "linear", "rope", "silu_mul", "store_kv", "decode_rows")]
+    _fields_ = [
+        (name, _p)
+        for name in ("rms_norm", "linear", "rope", "silu_mul", "store_kv", "store_kv_tiled", "decode_rows")
+    ]
 
 
-_SHAPE_INTS = ("hidden", "heads", "kv_heads", "head_dim", "inter", "block_size", "dtype")
+_SHAPE_INTS = ("hidden", "heads", "kv_heads", "head_dim", "inter", "block_size", "dtype", "tiled")
 _LAYER_PTRS = (
     "input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "down", "k_cache", "v_cache",
 )  # fmt: skip
@@ -88,20 +91,21 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 class Decoder:
     """The decoder layers of one model over its KV caches, run from C for decode-only steps."""
 
-    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor]) -> None:
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], tiled: bool) -> None:
         # Use ``build``, which checks that every piece is a C kernel first.
         cfg = model.config
         self.dtype = dtype = model.model.embed_tokens.weight.dtype
         ops = layer_ops_cpu.kernel_addresses()
         self._kernels = _Kernels(
             ops["rms_norm"], linear_cpu.kernel_address(), ops["rope"], ops["silu_mul"], ops["store_kv"],
-            paged_attention_cpu.decode_rows_address(dtype),
+            paged_attention_cpu.store_kv_tiled_address() if tiled else None,
+            paged_attention_cpu.decode_rows_address(dtype, tiled),
         )  # fmt: skip
         _, num_blocks, block_size, _, _ = kv_caches[0].shape
         self._shape = _Shape(
             cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
-            block_size, layer_ops_cpu.DTYPE_CODES[dtype], num_blocks * block_size, cfg.rms_norm_eps,
-            cfg.head_dim**-0.5,
+            block_size, layer_ops_cpu.DTYPE_CODES[dtype], int(tiled), num_blocks * block_size,
+            cfg.rms_norm_eps, cfg.head_dim**-0.5,
         )  # fmt: skip
         self._keep: list[torch.Tensor] = []  # norm weights in the model dtype, alive as long as this is
         layers = []
@@ -126,8 +130,9 @@ class Decoder:
         self._run = _library().pd_decoder_layers
 
     @staticmethod
-    def build(model: torch.nn.Module, kv_caches: list[torch.Tensor]) -> Decoder | None:
-        """A ``Decoder`` for the model, or None when some piece of its layers is not a C kernel here."""
+    def build(model: torch.nn.Module, kv_caches: list[torch.Tensor], tiled: bool = False) -> Decoder | None:
+        """A ``Decoder`` for the model over its caches (tiled ones: ``AttentionMetadata.tiled_kv``), or
+        None when some piece of its layers is not a C kernel here."""
         weight = model.model.embed_tokens.weight
         if (
             dispatch.get_backend() not in ("auto", "cpu")
@@ -150,7 +155,7 @@ class Decoder:
                 and layer_ops_cpu.can_store_kv(q[:, : cfg.num_kv_heads], cache)
             ):
                 return None
-        return Decoder(model, kv_caches)
+        return Decoder(model, kv_caches, tiled)
 
     def _norm(self, weight: torch.Tensor) -> int:
         w = weight.detach().to(self.dtype).contiguous()

@@ -7,6 +7,8 @@ they support, and the torch references everywhere else; ``torch`` always runs th
 references; ``cpu`` runs the CPU attention wherever it can; ``triton`` always runs the Triton
 kernels, which on CPU tensors needs ``TRITON_INTERPRET=1`` set before the kernel modules are first
 imported. Kernel modules are imported on first use, so a CPU-only process never imports Triton.
+A tiled cache (``AttentionMetadata.tiled_kv``, CPU bfloat16) is read and written by the CPU kernels, or
+by the references under the ``torch`` backend; never by Triton.
 """
 
 from __future__ import annotations
@@ -106,10 +108,22 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def store_kv(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    tiled: bool = False,
 ) -> None:
-    """Writes new keys/values ``[T, kv_heads, head_dim]`` into their slots of ``kv_cache``."""
-    if _use_triton(kv_cache):
+    """Writes new keys/values ``[T, kv_heads, head_dim]`` into their slots of ``kv_cache`` (a tiled one:
+    ``AttentionMetadata.tiled_kv``)."""
+    if tiled:
+        if _use_cpu_layer_ops(key):
+            from pdfabric.kernels.paged_attention_cpu import store_kv_tiled
+
+            store_kv_tiled(key, value, kv_cache, slot_mapping)
+        else:
+            store_kv_ref(key, value, kv_cache, slot_mapping, tiled=True)
+    elif _use_triton(kv_cache):
         from pdfabric.kernels.store_kv_triton import store_kv_triton
 
         store_kv_triton(key, value, kv_cache, slot_mapping)
@@ -128,6 +142,9 @@ def paged_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """Causal attention of the batch's new queries ``[T, q_heads, head_dim]`` over the paged cache."""
+    if meta.tiled_kv and not _use_cpu_attention(q, kv_cache):
+        # only the CPU kernels and the reference read a tiled cache
+        return paged_attention_ref(q, kv_cache, meta, scale)
     if _use_triton(q):
         from pdfabric.kernels.paged_attention_triton import paged_attention_triton
 

@@ -26,6 +26,8 @@ class AttentionMetadata:
     # Host copies, so references and launchers never sync on a device tensor.
     query_lens_host: tuple[int, ...]
     seq_lens_host: tuple[int, ...]
+    # The cache's blocks are tiled for the CPU prompt kernel (``attention_ref.untile_blocks``), not dense.
+    tiled_kv: bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -69,6 +71,7 @@ class AttentionMetadata:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device | str = "cpu",
+        tiled_kv: bool = False,
     ) -> AttentionMetadata:
         """Builds the tensors from host lists: the one place a batch description becomes tensors."""
         if not (len(query_lens) == len(seq_lens) == len(block_tables)):
@@ -95,6 +98,7 @@ class AttentionMetadata:
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             query_lens_host=tuple(query_lens),
             seq_lens_host=tuple(seq_lens),
+            tiled_kv=tiled_kv,
         )
 
 

@@ -10,7 +10,11 @@ the cache, no padding to the longest sequence, and a row's result does not depen
 differs in the last bits from a prompt chunk's).
 Prompt chunks in bfloat16 on a CPU with AVX512-BF16 go to ``csrc/paged_prefill_cpu.c``: it packs the
 sequence's keys and values once through the block table and runs tiled Q K^T, an exact softmax and
-P V on VDPBF16PS, four to seven times PyTorch's fused CPU attention. Float32 chunks go to its plain-C
+P V on VDPBF16PS, four to seven times PyTorch's fused CPU attention. A tiled cache
+(``AttentionMetadata.tiled_kv``, written by ``store_kv_tiled``; ``ModelRunner`` tiles bfloat16 caches
+where ``tiled_kv_supported``) holds each block in those layouts already, so both kernels read it in
+place instead of packing it every call: decode rows read the cache twice as fast, and the results
+are the same to the bit. Float32 chunks go to its plain-C
 twin ``csrc/paged_prefill_f32_cpu.c``. Other prompt chunks (bfloat16 on a CPU without AVX512-BF16,
 float16) gather their cached blocks and run that fused attention in the cache's dtype, causal
 without a mask when the chunk is the whole prompt. ``paged_attention_ref`` stays the
@@ -60,12 +64,37 @@ def _prefill_library(dtype: torch.dtype) -> ctypes.CDLL | None:
         lib.attention = fn
         getattr(lib, ok_name).argtypes = [i32]
         lib.supported = getattr(lib, ok_name)
-        if hasattr(lib, "pd_paged_decode_rows"):
-            lib.pd_paged_decode_rows.argtypes = [
-                p, i64, p, p, p, i64, p, p, p, p, i32, i32, i32, i32, i32, ctypes.c_float, i32,
-            ]  # fmt: skip
-            lib.pd_paged_decode_rows.restype = ctypes.c_int
+        if hasattr(lib, "pd_paged_prefill_tiled"):
+            lib.pd_paged_prefill_tiled.argtypes = fn.argtypes
+            lib.pd_paged_prefill_tiled.restype = ctypes.c_int
+            lib.pd_store_kv_tiled.argtypes = [p, i64, p, i64, p, p, p, i64, i32, i32, i32, i32, i32]
+            lib.pd_store_kv_tiled.restype = ctypes.c_int
+        for name in ("pd_paged_decode_rows", "pd_paged_decode_rows_tiled"):
+            if hasattr(lib, name):
+                getattr(lib, name).argtypes = [
+                    p, i64, p, p, p, i64, p, p, p, p, i32, i32, i32, i32, i32, ctypes.c_float, i32,
+                ]  # fmt: skip
+                getattr(lib, name).restype = ctypes.c_int
     return lib
+
+
+def tiled_kv_supported(
+    dtype: torch.dtype, q_heads: int, kv_heads: int, head_dim: int, block_size: int
+) -> bool:
+    """Whether a cache of this shape can be tiled for the bfloat16 prompt kernel on this CPU
+    (``AttentionMetadata.tiled_kv``): bfloat16 on AVX512-BF16, a head size the kernel takes, blocks of
+    a multiple of 16 tokens and at most 16 query heads per kv head. Decode rows and prompt chunks then
+    read keys and values in place instead of packing them for every call."""
+    lib = _prefill_library(dtype)
+    return (
+        dtype == torch.bfloat16
+        and lib is not None
+        and hasattr(lib, "pd_paged_prefill_tiled")
+        and bool(lib.supported(head_dim))
+        and block_size % 16 == 0
+        and q_heads % kv_heads == 0
+        and q_heads // kv_heads <= _MAX_GROUP
+    )
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -100,8 +129,10 @@ def paged_attention_cpu(
         for s, (q_len, s_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=True)):
             if q_len > 1:
                 chunk = slice(start, start + q_len)
-                if prefill_supported(q, kv_cache):
-                    prefill_rows(q[chunk], kv_cache, meta.block_tables[s], s_len, scale, out[chunk])
+                if meta.tiled_kv or prefill_supported(q, kv_cache):
+                    prefill_rows(
+                        q[chunk], kv_cache, meta.block_tables[s], s_len, scale, out[chunk], meta.tiled_kv
+                    )
                 else:
                     out[chunk] = _prompt_attention(q[chunk], kv_cache, meta.block_tables[s], s_len, scale)
             start += q_len
@@ -118,11 +149,13 @@ def decode_rows(
         q = q.contiguous()
     rows = meta.single_query_rows
     tables = meta.block_tables
-    if prefill_supported(q, kv_cache) and decodes_as_prefill(q.dtype):
+    if meta.tiled_kv or (prefill_supported(q, kv_cache) and decodes_as_prefill(q.dtype)):
         # the prompt kernel's own arithmetic, so a position's result is the same in a decode step as
         # in any prompt chunk (a failover's re-prefill, a chunked prompt, a cache hit)
+        lib = _prefill_library(q.dtype)
+        kernel = lib.pd_paged_decode_rows_tiled if meta.tiled_kv else lib.pd_paged_decode_rows
         with cpu_build.profiled("paged_decode_rows_cpu"):
-            status = _prefill_library(q.dtype).pd_paged_decode_rows(
+            status = kernel(
                 q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), tables.data_ptr(),
                 tables.stride(0), rows.token.data_ptr(), rows.seq.data_ptr(), rows.ctx_len.data_ptr(),
                 out.data_ptr(), len(rows.seqs_host), q.shape[1], kv_heads, head_dim, block_size, scale,
@@ -162,10 +195,42 @@ def decodes_as_prefill(dtype: torch.dtype) -> bool:
     return hasattr(_prefill_library(dtype), "pd_paged_decode_rows")
 
 
-def decode_rows_address(dtype: torch.dtype) -> int:
-    """The address of the prompt kernel's ``pd_paged_decode_rows`` for ``dtype``, for C code that calls
-    it (``decoder_cpu``); ``decodes_as_prefill(dtype)`` must hold."""
-    return ctypes.cast(_prefill_library(dtype).pd_paged_decode_rows, ctypes.c_void_p).value
+def decode_rows_address(dtype: torch.dtype, tiled: bool = False) -> int:
+    """The address of the prompt kernel's ``pd_paged_decode_rows`` (``_tiled`` over a tiled cache) for
+    ``dtype``, for C code that calls it (``decoder_cpu``); ``decodes_as_prefill(dtype)`` must hold."""
+    lib = _prefill_library(dtype)
+    kernel = lib.pd_paged_decode_rows_tiled if tiled else lib.pd_paged_decode_rows
+    return ctypes.cast(kernel, ctypes.c_void_p).value
+
+
+def store_kv_tiled_address() -> int:
+    """The address of ``pd_store_kv_tiled``, for C code that calls it; ``tiled_kv_supported`` must hold."""
+    return ctypes.cast(_prefill_library(torch.bfloat16).pd_store_kv_tiled, ctypes.c_void_p).value
+
+
+def store_kv_tiled(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Writes new keys and values ``[T, kv_heads, head_dim]`` (bfloat16) into their slots of a tiled
+    cache; ``tiled_kv_supported`` must hold for it."""
+    _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
+    if key.stride(2) != 1 or key.stride(1) != head_dim:
+        key = key.contiguous()
+    if value.stride(2) != 1 or value.stride(1) != head_dim:
+        value = value.contiguous()
+    if key.dtype != kv_cache.dtype or value.dtype != kv_cache.dtype or not kv_cache.is_contiguous():
+        raise ValueError(
+            f"a tiled cache takes contiguous {kv_cache.dtype}, got {key.dtype} and {value.dtype}"
+        )
+    slots = slot_mapping.to(torch.int64).contiguous()
+    with cpu_build.profiled("store_kv_tiled_cpu"):
+        status = _prefill_library(kv_cache.dtype).pd_store_kv_tiled(
+            key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), kv_cache[0].data_ptr(),
+            kv_cache[1].data_ptr(), slots.data_ptr(), num_blocks * block_size, key.shape[0], kv_heads,
+            head_dim, block_size, torch.get_num_threads(),
+        )  # fmt: skip
+    if status != 0:
+        raise RuntimeError(f"pd_store_kv_tiled rejected its arguments (status {status})")
 
 
 def prefill_supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -182,6 +247,7 @@ def prefill_rows(
     seq_len: int,
     scale: float,
     out: torch.Tensor,
+    tiled: bool = False,
 ) -> None:
     """Writes ``out`` (``[q_len, q_heads, head_dim]``, contiguous) with the causal attention of one
     sequence's prompt chunk ``q``, the last ``q_len`` of its ``seq_len`` cached tokens."""
@@ -189,8 +255,9 @@ def prefill_rows(
     if q.stride(2) != 1 or q.stride(1) != head_dim:
         q = q.contiguous()
     table = table.contiguous()
+    lib = _prefill_library(kv_cache.dtype)
     with cpu_build.profiled("paged_prefill_cpu"):
-        status = _prefill_library(kv_cache.dtype).attention(
+        status = (lib.pd_paged_prefill_tiled if tiled else lib.attention)(
             q.data_ptr(),
             q.stride(0),
             kv_cache[0].data_ptr(),

@@ -30,8 +30,9 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def layout_of(kv_caches: list[torch.Tensor]) -> KVLayout:
-    """The layout every cache tensor shares; ``ValueError`` if they differ or are not 5-d ``[2, ...]``."""
+def layout_of(kv_caches: list[torch.Tensor], tiled: bool = False) -> KVLayout:
+    """The layout every cache tensor shares (``tiled``: their blocks are tiled, as the worker's runner
+    says); ``ValueError`` if they differ or are not 5-d ``[2, ...]``."""
     if not kv_caches:
         raise ValueError("no KV cache tensors")
     first = kv_caches[0]
@@ -44,7 +45,7 @@ def layout_of(kv_caches: list[torch.Tensor]) -> KVLayout:
             raise ValueError(f"layer {i}: {cache.shape} {cache.dtype} differs from layer 0")
     _, _, block_size, heads, head_dim = first.shape
     return KVLayout(
-        len(kv_caches), block_size, heads, head_dim, dtype_name(first.dtype), first.element_size()
+        len(kv_caches), block_size, heads, head_dim, dtype_name(first.dtype), first.element_size(), tiled
     )
 
 

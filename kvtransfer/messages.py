@@ -32,6 +32,7 @@ class KVLayout:
     head_dim: int
     dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
     itemsize: int
+    tiled: bool = False  # blocks tiled for the CPU prompt kernel (AttentionMetadata.tiled_kv), not dense
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "block_size", "kv_heads", "head_dim", "itemsize"):

@@ -53,9 +53,11 @@ class KVReceiver:
         bind: str = "tcp://127.0.0.1:*",
         shm_paths: tuple[str, ...] = (),
         metrics: MetricsHook | None = None,
+        *,
+        tiled: bool = False,
     ) -> None:
         self.caches = kv_caches
-        self.layout = layout_of(kv_caches)
+        self.layout = layout_of(kv_caches, tiled)
         self.num_blocks = kv_caches[0].shape[1]
         self.config = config
         self.reservations = reservations

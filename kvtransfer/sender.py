@@ -57,9 +57,11 @@ class KVSender:
         config: TransferConfig,
         held: BlockReservations | None = None,
         metrics: MetricsHook | None = None,
+        *,
+        tiled: bool = False,
     ) -> None:
         self.caches = kv_caches
-        self.layout = layout_of(kv_caches)
+        self.layout = layout_of(kv_caches, tiled)
         self.config = config
         self.held = held if held is not None else BlockReservations(exclusive=False)  # reads share blocks
         self.metrics = metrics

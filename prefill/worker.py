@@ -115,4 +115,4 @@ class PrefillWorker(Worker):
 
     def make_kv(self, cfg: WorkerConfig) -> KVSide | None:
         config = TransferConfig(transport=cfg.kv_transport, name=self.worker_id)
-        return SenderSide(KVSender(self.runner.kv_caches, config))
+        return SenderSide(KVSender(self.runner.kv_caches, config, tiled=self.runner.kv_tiled))

@@ -29,6 +29,7 @@ LAYOUT = KVLayout(2, 16, 8, 64, "bfloat16", 2)
         Hello("p0"),
         PeerInfo("shm", LAYOUT, 100, ("/dev/shm/a", "/dev/shm/b")),
         PeerInfo("dist", LAYOUT, 5, rank=1),
+        PeerInfo("zmq", KVLayout(2, 16, 8, 64, "bfloat16", 2, tiled=True), 5),
         Chunk("r1", 0, 0, 2, (3, 4, 9), "bfloat16", 16384, (1, 2, 3, 4), meta={"first_token": 7}),
         Ack("r1", True),
         Ack("r1", False, "unknown request"),

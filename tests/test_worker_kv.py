@@ -30,7 +30,7 @@ def sides() -> Iterator:
         src = [torch.randn(2, BLOCKS, BLOCK, HEADS, DIM, generator=g) for _ in range(LAYERS)]
         pool = SharedKVPool.create(LAYERS, BLOCKS, BLOCK, HEADS, DIM, torch.float32, anonymous=True)
         config = TransferConfig(transport=transport, shm_quarantine_s=quarantine_s)
-        recv = ReceiverSide(pool.caches, config, "127.0.0.1", pool.paths)
+        recv = ReceiverSide(pool.caches, config, "127.0.0.1", pool.paths, tiled=False)
         send = SenderSide(KVSender(src, TransferConfig(transport=transport)))
         made.append((send, recv, pool))
         return send, recv, src

@@ -7,7 +7,7 @@
  *   normed = rms_norm(x)                        pd_rms_norm        (layer_ops_cpu.c)
  *   qkv    = normed Wqkv^T + b                  pd_linear          (linear_cpu.c)
  *   rot    = rope(q and k heads of qkv)         pd_rope
- *   cache[slot] = k heads of rot, v of qkv      pd_store_kv
+ *   cache[slot] = k heads of rot, v of qkv      pd_store_kv (pd_store_kv_tiled for a tiled cache)
  *   attn   = attention of rot's q heads         pd_paged_decode_rows (paged_prefill_*cpu.c)
  *   x     += attn Wo^T + b                      pd_linear, then the residual add here
  *   normed = rms_norm(x)
@@ -29,6 +29,8 @@ typedef int (*rope_fn)(const void *, int64_t, const float *, const float *, void
 typedef int (*silu_mul_fn)(const void *, int64_t, void *, int, int, int, int);
 typedef int (*store_kv_fn)(const void *, int64_t, const void *, int64_t, void *, void *, const int64_t *, int64_t,
                            int, int, int, int);
+typedef int (*store_kv_tiled_fn)(const void *, int64_t, const void *, int64_t, void *, void *, const int64_t *,
+                                 int64_t, int, int, int, int, int);
 typedef int (*decode_rows_fn)(const void *, int64_t, const void *, const void *, const int32_t *, int64_t,
                               const int32_t *, const int32_t *, const int32_t *, void *, int, int, int, int, int,
                               float, int);
@@ -39,11 +41,13 @@ typedef struct {
     rope_fn rope;
     silu_mul_fn silu_mul;
     store_kv_fn store_kv;
-    decode_rows_fn decode_rows;
+    store_kv_tiled_fn store_kv_tiled; /* NULL unless the cache is tiled */
+    decode_rows_fn decode_rows;       /* pd_paged_decode_rows, or its _tiled twin over a tiled cache */
 } kernels_t;
 
 typedef struct { /* the model's shape */
     int hidden, heads, kv_heads, head_dim, inter, block_size, dtype;
+    int tiled; /* the cache is tiled (pd_store_kv_tiled): written by store_kv_tiled */
     int64_t num_slots; /* blocks x block size of each layer's cache */
     float eps, scale;
 } shape_t;
@@ -94,9 +98,13 @@ static int layer(const kernels_t *k, const shape_t *s, const layer_t *w, const s
                           t->threads)))
         return status;
     const char *keys = (const char *)t->rot + q_width * esize, *values = (const char *)t->qkv + rot_width * esize;
-    if ((status = k->store_kv(keys, rot_width, values, qkv_width, w->k_cache, w->v_cache, t->slots, s->num_slots, rows,
-                              (int)kv_width, esize, t->threads)))
-        return status;
+    if (s->tiled)
+        status = k->store_kv_tiled(keys, rot_width, values, qkv_width, w->k_cache, w->v_cache, t->slots, s->num_slots,
+                                   rows, s->kv_heads, d, s->block_size, t->threads);
+    else
+        status = k->store_kv(keys, rot_width, values, qkv_width, w->k_cache, w->v_cache, t->slots, s->num_slots, rows,
+                             (int)kv_width, esize, t->threads);
+    if (status) return status;
     if ((status = k->decode_rows(t->rot, rot_width, w->k_cache, w->v_cache, t->tables, t->tables_stride, t->row_token,
                                  t->row_seq, t->ctx_lens, t->attn, rows, s->heads, s->kv_heads, d, s->block_size,
                                  s->scale, t->threads)))
@@ -123,7 +131,9 @@ static int layer(const kernels_t *k, const shape_t *s, const layer_t *w, const s
  * after it are not run). */
 int pd_decoder_layers(const kernels_t *kernels, const shape_t *shape, const layer_t *layers, int count,
                       const step_t *step) {
-    if (step->rows <= 0 || count < 0 || (shape->dtype != 0 && shape->dtype != 1)) return 1;
+    if (step->rows <= 0 || count < 0 || (shape->dtype != 0 && shape->dtype != 1) ||
+        (shape->tiled && kernels->store_kv_tiled == NULL))
+        return 1;
     for (int i = 0; i < count; i++) {
         const int status = layer(kernels, shape, &layers[i], step);
         if (status) return status;

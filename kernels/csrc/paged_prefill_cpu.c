@@ -2,9 +2,11 @@
  *
  * The chunk's q_len queries are the last q_len of the sequence's seq_len cached tokens; query i
  * attends to keys 0 .. seq_len - q_len + i. Three steps:
- *   1. pack: each kv head's keys and values are read once through the block table into layouts that
- *      VDPBF16PS consumes (pairs of bfloat16 in one 32-bit lane): keys as 64-key panels
- *      [pair of dims][key], values as [pair of keys][dim];
+ *   1. view: each kv head's keys and values are found through the block table in the layouts that
+ *      VDPBF16PS consumes (pairs of bfloat16 in one 32-bit lane): keys as 16-key groups
+ *      [pair of dims][key], values as [pair of keys][dim]. A tiled cache (pd_store_kv_tiled) holds its
+ *      blocks in these layouts and is read in place; a dense cache is packed into them first, which
+ *      costs more than the arithmetic (the packing's loads stall: 15 against 30 GB/s on decode rows);
  *   2. tiles: work items are (kv head, 16 query tokens); an item's rows are its tokens times the
  *      query heads sharing the kv head. Scores = Q K^T for every key the tile can see (float32),
  *      then an exact softmax per row (its causal limit applied), then P V with P in bfloat16;
@@ -17,7 +19,8 @@
  *
  * Layouts (element strides):
  *   q:      [q_len, q_heads, head_dim] bfloat16, token stride q_stride, heads contiguous
- *   k, v:   [num_blocks, block_size, kv_heads, head_dim] bfloat16 contiguous (one layer)
+ *   k, v:   [num_blocks, block_size, kv_heads, head_dim] bfloat16 contiguous (one layer), or the same
+ *           bytes per block tiled (the _tiled entry points; block_size a multiple of 16)
  *   table:  the sequence's block ids (int32)
  *   out:    [q_len, q_heads, head_dim] bfloat16 contiguous
  *
@@ -39,6 +42,8 @@
 #define PANEL 64       /* keys per packed key panel: four 16-lane vectors */
 #define DIM_STEP 64    /* output dims per register block of P V */
 #define MAX_GROUP 16
+#define GROUP_KEYS 16 /* keys per key group: one 16-lane vector per pair of dims */
+#define MAX_HEAD_DIM 256
 
 /* Whether this build serves heads of head_dim: AVX512-BF16, and whole 64-dim register blocks of P V. */
 int pd_prefill_supported(int head_dim) {
@@ -125,30 +130,30 @@ static inline void prefetch_rows(const job_t *j, const uint16_t *base, int t, in
     }
 }
 
-/* Step 1 for kv head h into kp and vp: keys to panels [key / PANEL][dim pair][key % PANEL], values to
- * [key pair][dim] with the even key in the low half; zeros past seq_len. Sixteen keys that share a
- * cache block go through a register transpose, two values' rows through one interleave. */
+/* Step 1 for kv head h of a dense cache into kp and vp: keys to 16-key groups [key / 16][dim pair][key % 16],
+ * values to [key pair][dim] with the even key in the low half; zeros past seq_len. Sixteen keys that
+ * share a cache block go through a register transpose, two values' rows through one interleave. */
 static void pack_head(const job_t *j, int h, uint32_t *kp, uint32_t *vp) {
     const int d = j->head_dim, pairs = d / 2, n = j->seq_len;
-    const int64_t key_words = (int64_t)(n + PANEL - 1) / PANEL * PANEL * pairs;
-    memset(kp + (int64_t)n / PANEL * PANEL * pairs, 0, (size_t)(key_words - (int64_t)n / PANEL * PANEL * pairs) * 4);
+    const int64_t key_words = j->keys_padded * pairs, first_zero = (int64_t)n / GROUP_KEYS * GROUP_KEYS * pairs;
+    memset(kp + first_zero, 0, (size_t)(key_words - first_zero) * 4);
     int t = 0;
     for (; t + 16 <= n && j->block_size % 16 == 0; t += 16) { /* 16 keys, all in one block */
         if (h == 0) prefetch_rows(j, j->k, t + 16, n);
         const uint32_t *rows = (const uint32_t *)(j->k + cache_row(j, t, h));
         const int64_t stride = (int64_t)j->kv_heads * pairs; /* words from one token's row to the next */
-        uint32_t *panel = kp + (int64_t)(t / PANEL) * PANEL * pairs + t % PANEL;
+        uint32_t *group = kp + (int64_t)t * pairs;
         for (int p0 = 0; p0 < pairs; p0 += 16) {
             __m512i r[16];
             for (int u = 0; u < 16; u++) r[u] = _mm512_loadu_si512(rows + u * stride + p0);
             transpose16(r);
-            for (int p = 0; p < 16; p++) _mm512_storeu_si512(panel + (int64_t)(p0 + p) * PANEL, r[p]);
+            for (int p = 0; p < 16; p++) _mm512_storeu_si512(group + (int64_t)(p0 + p) * GROUP_KEYS, r[p]);
         }
     }
     for (; t < n; t++) { /* the rest one key at a time */
         const uint32_t *krow = (const uint32_t *)(j->k + cache_row(j, t, h));
-        uint32_t *panel = kp + (int64_t)(t / PANEL) * PANEL * pairs + t % PANEL;
-        for (int p = 0; p < pairs; p++) panel[p * PANEL] = krow[p];
+        uint32_t *group = kp + (int64_t)t / GROUP_KEYS * GROUP_KEYS * pairs + t % GROUP_KEYS;
+        for (int p = 0; p < pairs; p++) group[p * GROUP_KEYS] = krow[p];
     }
     /* values: words 0..15 of a 32-dim chunk take dims 0..15 of the even and odd key, words 16..31 the rest */
     const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
@@ -180,16 +185,66 @@ static void pack_head(const job_t *j, int h, uint32_t *kp, uint32_t *vp) {
     }
 }
 
-/* Scores of MR packed query rows against one key panel: s[m][0:PANEL] = scale * q[m] . k. */
-static inline void qk_block(const uint32_t *q, int pairs, const uint32_t *panel, float scale, float *s,
+/* Where one kv head's keys and values are read: key group g (keys 16g .. 16g + 15, laid out [dim pair][16
+ * keys]) at kg[g], for every group of keys_padded; value pairs in segments of seg_pairs pairs, segment
+ * i at vs[i] (laid out [key pair][dim]). A dense cache is packed into scratch first and viewed as one
+ * segment; a tiled cache is viewed in place. */
+typedef struct {
+    const uint32_t **kg, **vs;
+    int seg_pairs;
+} kv_view_t;
+
+/* The view of kv head h packed by pack_head into kp and vp. */
+static void packed_view(const job_t *j, const uint32_t *kp, const uint32_t *vp, kv_view_t *view) {
+    const int pairs = j->head_dim / 2;
+    for (int64_t g = 0; g < j->keys_padded / GROUP_KEYS; g++) view->kg[g] = kp + g * GROUP_KEYS * pairs;
+    view->vs[0] = vp;
+    view->seg_pairs = (int)(j->keys_padded / 2);
+}
+
+static const uint32_t ZERO_GROUP[GROUP_KEYS * MAX_HEAD_DIM / 2]; /* keys past a sequence's last block */
+
+/* The view of kv head h of a tiled cache (see pd_store_kv_tiled), in place: each block's keys are
+ * block_size / 16 groups, its values one segment. The values of a last block that the sequence does
+ * not fill are copied into tail (block_size * head_dim / 2 words) with zeros past seq_len, since a zero
+ * probability times a stale value there need not be zero; stale keys only give scores that the
+ * softmax never reads. Groups past the last block read zeros. */
+static void tiled_view(const job_t *j, int h, uint32_t *tail, kv_view_t *view) {
+    const int bs = j->block_size, d = j->head_dim, n = j->seq_len, groups_per_block = bs / GROUP_KEYS;
+    const int64_t head_words = (int64_t)bs * d / 2; /* one head's keys (or values) in one block */
+    const int blocks = (n + bs - 1) / bs;
+    const int64_t groups = j->keys_padded / GROUP_KEYS;
+    const uint32_t *k = (const uint32_t *)j->k, *v = (const uint32_t *)j->v;
+    for (int b = 0; b < blocks; b++) {
+        const int64_t at = ((int64_t)j->table[b] * j->kv_heads + h) * head_words;
+        for (int g = 0; g < groups_per_block && (int64_t)b * groups_per_block + g < groups; g++)
+            view->kg[b * groups_per_block + g] = k + at + (int64_t)g * GROUP_KEYS * d / 2;
+        view->vs[b] = v + at;
+    }
+    for (int64_t g = (int64_t)blocks * groups_per_block; g < groups; g++) view->kg[g] = ZERO_GROUP;
+    const int used = n - (blocks - 1) * bs; /* tokens of the last block */
+    if (used < bs) {
+        memcpy(tail, view->vs[blocks - 1], (size_t)head_words * 4);
+        uint16_t *halves = (uint16_t *)tail; /* word [pair][dim] = even key's half, then the odd key's */
+        for (int t = used; t < bs; t++)
+            for (int c = 0; c < d; c++) halves[((int64_t)(t / 2) * d + c) * 2 + t % 2] = 0;
+        view->vs[blocks - 1] = tail;
+    }
+    view->seg_pairs = bs / 2;
+}
+
+/* Scores of MR packed query rows against one key panel, the four 16-key groups g[0..3] (each laid out
+ * [dim pair][16 keys]): s[m][0:PANEL] = scale * q[m] . k. */
+static inline void qk_block(const uint32_t *q, int pairs, const uint32_t *const *g, float scale, float *s,
                             int64_t lds) {
     __m512 acc[MR][4];
     for (int m = 0; m < MR; m++)
         for (int x = 0; x < 4; x++) acc[m][x] = _mm512_setzero_ps();
     for (int p = 0; p < pairs; p++) {
-        const uint32_t *kr = panel + p * PANEL;
-        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(kr), b1 = (__m512bh)_mm512_loadu_si512(kr + 16);
-        const __m512bh b2 = (__m512bh)_mm512_loadu_si512(kr + 32), b3 = (__m512bh)_mm512_loadu_si512(kr + 48);
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(g[0] + p * GROUP_KEYS);
+        const __m512bh b1 = (__m512bh)_mm512_loadu_si512(g[1] + p * GROUP_KEYS);
+        const __m512bh b2 = (__m512bh)_mm512_loadu_si512(g[2] + p * GROUP_KEYS);
+        const __m512bh b3 = (__m512bh)_mm512_loadu_si512(g[3] + p * GROUP_KEYS);
         for (int m = 0; m < MR; m++) {
             const __m512bh a = (__m512bh)_mm512_set1_epi32((int)q[m * pairs + p]);
             acc[m][0] = _mm512_dpbf16_ps(acc[m][0], a, b0);
@@ -203,31 +258,37 @@ static inline void qk_block(const uint32_t *q, int pairs, const uint32_t *panel,
         for (int x = 0; x < 4; x++) _mm512_storeu_ps(s + m * lds + 16 * x, _mm512_mul_ps(acc[m][x], sc));
 }
 
-/* o[m][c0:c0+DIM_STEP] = sum over key pairs of P's pair times the values' pair, for MR rows. */
-static inline void pv_block(const uint32_t *p, int64_t ldp, int key_pairs, const uint32_t *vp, int d, int c0,
-                            float *o, int ldo) {
+/* o[m][c0:c0+DIM_STEP] = sum over key pairs of P's pair times the values' pair, for MR rows. Key pairs
+ * come in segments of seg_pairs, segment i at vs[i] laid out [key pair][dim]; the sum runs over the
+ * pairs in order whatever the segments. */
+static inline void pv_block(const uint32_t *p, int64_t ldp, int key_pairs, const uint32_t *const *vs, int seg_pairs,
+                            int d, int c0, float *o, int ldo) {
     __m512 acc[MR][4];
     for (int m = 0; m < MR; m++)
         for (int x = 0; x < 4; x++) acc[m][x] = _mm512_setzero_ps();
-    for (int kp = 0; kp < key_pairs; kp++) {
-        const uint32_t *vr = vp + (int64_t)kp * d + c0;
-        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(vr), b1 = (__m512bh)_mm512_loadu_si512(vr + 16);
-        const __m512bh b2 = (__m512bh)_mm512_loadu_si512(vr + 32), b3 = (__m512bh)_mm512_loadu_si512(vr + 48);
-        for (int m = 0; m < MR; m++) {
-            const __m512bh a = (__m512bh)_mm512_set1_epi32((int)p[m * ldp + kp]);
-            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], a, b0);
-            acc[m][1] = _mm512_dpbf16_ps(acc[m][1], a, b1);
-            acc[m][2] = _mm512_dpbf16_ps(acc[m][2], a, b2);
-            acc[m][3] = _mm512_dpbf16_ps(acc[m][3], a, b3);
+    for (int k0 = 0; k0 < key_pairs; k0 += seg_pairs) {
+        const uint32_t *seg = vs[k0 / seg_pairs] + c0;
+        const int end = key_pairs - k0 < seg_pairs ? key_pairs - k0 : seg_pairs;
+        for (int i = 0; i < end; i++) {
+            const uint32_t *vr = seg + (int64_t)i * d;
+            const __m512bh b0 = (__m512bh)_mm512_loadu_si512(vr), b1 = (__m512bh)_mm512_loadu_si512(vr + 16);
+            const __m512bh b2 = (__m512bh)_mm512_loadu_si512(vr + 32), b3 = (__m512bh)_mm512_loadu_si512(vr + 48);
+            for (int m = 0; m < MR; m++) {
+                const __m512bh a = (__m512bh)_mm512_set1_epi32((int)p[m * ldp + k0 + i]);
+                acc[m][0] = _mm512_dpbf16_ps(acc[m][0], a, b0);
+                acc[m][1] = _mm512_dpbf16_ps(acc[m][1], a, b1);
+                acc[m][2] = _mm512_dpbf16_ps(acc[m][2], a, b2);
+                acc[m][3] = _mm512_dpbf16_ps(acc[m][3], a, b3);
+            }
         }
     }
     for (int m = 0; m < MR; m++)
         for (int x = 0; x < 4; x++) _mm512_storeu_ps(o + m * ldo + c0 + 16 * x, acc[m][x]);
 }
 
-/* Step 2 and 3 for one work item: kv head h (packed in kp, vp), query tokens [t0, t0 + TILE_TOKENS). */
-static void attend_tile(const job_t *j, int h, int t0, const uint32_t *kp, const uint32_t *vp, float *scores,
-                        uint16_t *probs, uint32_t *qpack, float *o, float *inv) {
+/* Step 2 and 3 for one work item: kv head h (read through view), query tokens [t0, t0 + TILE_TOKENS). */
+static void attend_tile(const job_t *j, int h, int t0, const kv_view_t *view, float *scores, uint16_t *probs,
+                        uint32_t *qpack, float *o, float *inv) {
     const int d = j->head_dim, pairs = d / 2, group = j->q_heads / j->kv_heads;
     const int tokens = j->q_len - t0 < TILE_TOKENS ? j->q_len - t0 : TILE_TOKENS;
     const int rows = tokens * group, rows_padded = (rows + MR - 1) / MR * MR;
@@ -244,8 +305,8 @@ static void attend_tile(const job_t *j, int h, int t0, const uint32_t *kp, const
     }
     for (int m = 0; m < rows_padded; m += MR)
         for (int b = 0; b < panels; b++)
-            qk_block(qpack + (int64_t)m * pairs, pairs, kp + (int64_t)b * PANEL * pairs, j->scale,
-                     scores + m * lds + (int64_t)b * PANEL, lds);
+            qk_block(qpack + (int64_t)m * pairs, pairs, view->kg + 4 * b, j->scale, scores + m * lds + (int64_t)b * PANEL,
+                     lds);
 
     /* exact softmax per row over its causal range; probabilities past the range are zero */
     for (int r = 0; r < rows_padded; r++) {
@@ -257,7 +318,8 @@ static void attend_tile(const job_t *j, int h, int t0, const uint32_t *kp, const
     const int key_pairs = (keys + 1) / 2;
     for (int m = 0; m < rows_padded; m += MR)
         for (int c0 = 0; c0 < d; c0 += DIM_STEP)
-            pv_block((const uint32_t *)(probs + m * lds), lds / 2, key_pairs, vp, d, c0, o + (int64_t)m * d, d);
+            pv_block((const uint32_t *)(probs + m * lds), lds / 2, key_pairs, view->vs, view->seg_pairs, d, c0,
+                     o + (int64_t)m * d, d);
 
     for (int r = 0; r < rows; r++) {
         uint16_t *dst = j->out + ((int64_t)(t0 + r / group) * j->q_heads + h * group + r % group) * d;
@@ -268,24 +330,50 @@ static void attend_tile(const job_t *j, int h, int t0, const uint32_t *kp, const
     }
 }
 
+/* Pointers of one kv head's view of a sequence of n tokens (kv_view_t), and the tail copy, in words. */
+static inline size_t view_words(int n, int head_dim, int block_size) {
+    const size_t groups = (size_t)(n + PANEL - 1) / PANEL * PANEL / GROUP_KEYS, blocks = (size_t)(n + block_size - 1) / block_size;
+    return (groups + blocks + 1) * sizeof(uint32_t *) / sizeof(uint32_t) + (size_t)block_size * head_dim / 2;
+}
+
+/* Lays out view for head h of job j in `space` (view_words words): packed into kp/vp for a dense
+ * cache, in place for a tiled one. */
+static void head_view(const job_t *j, int h, int tiled, uint32_t *space, uint32_t *kp, uint32_t *vp, kv_view_t *view) {
+    const int64_t groups = j->keys_padded / GROUP_KEYS;
+    view->kg = (const uint32_t **)space;
+    view->vs = view->kg + groups;
+    if (tiled) {
+        const int blocks = (j->seq_len + j->block_size - 1) / j->block_size;
+        tiled_view(j, h, (uint32_t *)(view->vs + blocks + 1), view);
+    } else {
+        pack_head(j, h, kp, vp);
+        packed_view(j, kp, vp, view);
+    }
+}
+
 #endif /* HAVE_AVX512_BF16 */
 
-/* Returns 0 on success, 1 on bad arguments, 2 when memory could not be had, 3 when this CPU or
- * head_dim is not supported (see pd_prefill_supported). */
-int pd_paged_prefill_attention(const void *q, int64_t q_stride, const void *k, const void *v,
-                               const int32_t *table, void *out, int q_len, int seq_len, int q_heads,
-                               int kv_heads, int head_dim, int block_size, float scale, int threads) {
+static int prefill(const void *q, int64_t q_stride, const void *k, const void *v, const int32_t *table, void *out,
+                   int q_len, int seq_len, int q_heads, int kv_heads, int head_dim, int block_size, float scale,
+                   int threads, int tiled) {
     if (q_len <= 0 || seq_len < q_len || kv_heads <= 0 || q_heads % kv_heads != 0 ||
-        q_heads / kv_heads > MAX_GROUP || block_size <= 0 || q_stride < (int64_t)q_heads * head_dim)
+        q_heads / kv_heads > MAX_GROUP || block_size <= 0 || q_stride < (int64_t)q_heads * head_dim ||
+        (tiled && block_size % GROUP_KEYS != 0))
         return 1;
     if (!pd_prefill_supported(head_dim)) return 3;
 #ifdef HAVE_AVX512_BF16
     if (threads < 1) threads = 1;
     job_t job = {q, k, v, table, out, q_stride, q_len, seq_len, q_heads, kv_heads, head_dim, block_size,
                  scale, (int64_t)(seq_len + PANEL - 1) / PANEL * PANEL, NULL, NULL};
-    job.kp = (uint32_t *)malloc((size_t)(kp_size(&job) + vp_size(&job)) * kv_heads * sizeof(uint32_t));
-    if (job.kp == NULL) return 2;
-    job.vp = job.kp + kp_size(&job) * kv_heads;
+    const size_t per_view = view_words(seq_len, head_dim, block_size);
+    const size_t packed = tiled ? 0 : (size_t)(kp_size(&job) + vp_size(&job));
+    uint32_t *space = (uint32_t *)malloc((packed + per_view) * kv_heads * sizeof(uint32_t));
+    if (space == NULL) return 2;
+    kv_view_t *views = (kv_view_t *)malloc(sizeof(kv_view_t) * kv_heads);
+    if (views == NULL) {
+        free(space);
+        return 2;
+    }
     const int group = q_heads / kv_heads, tiles = (q_len + TILE_TOKENS - 1) / TILE_TOKENS;
     const int rows_padded = (TILE_TOKENS * group + MR - 1) / MR * MR;
     const size_t lds = (size_t)job.keys_padded;
@@ -293,7 +381,10 @@ int pd_paged_prefill_attention(const void *q, int64_t q_stride, const void *k, c
 #pragma omp parallel num_threads(threads) reduction(| : status)
     {
 #pragma omp for schedule(static)
-        for (int h = 0; h < kv_heads; h++) pack_head(&job, h, job.kp + h * kp_size(&job), job.vp + h * vp_size(&job));
+        for (int h = 0; h < kv_heads; h++) {
+            uint32_t *mine = space + (packed + per_view) * h;
+            head_view(&job, h, tiled, mine + packed, mine, mine + kp_size(&job), &views[h]);
+        }
         float *scores = (float *)malloc(rows_padded * (lds * sizeof(float) + lds * sizeof(uint16_t) +
                                                        (size_t)head_dim * (2 + sizeof(float)) + sizeof(float)));
         if (scores == NULL) status = 2;
@@ -301,21 +392,89 @@ int pd_paged_prefill_attention(const void *q, int64_t q_stride, const void *k, c
         uint32_t *qpack = (uint32_t *)(probs + rows_padded * lds);
         float *o = (float *)(qpack + rows_padded * (size_t)head_dim / 2);
         float *inv = o + rows_padded * (size_t)head_dim;
-        /* one head's tiles in a row, so its packed keys and values stay in this core's cache; later
-         * tiles see more keys, so each head's are handed out from the end, dynamically */
+        /* one head's tiles in a row, so its keys and values stay in this core's cache; later tiles see
+         * more keys, so each head's are handed out from the end, dynamically */
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < kv_heads * tiles; item++) {
             const int h = item / tiles, tile = tiles - 1 - item % tiles;
-            if (scores != NULL)
-                attend_tile(&job, h, tile * TILE_TOKENS, job.kp + h * kp_size(&job), job.vp + h * vp_size(&job),
-                            scores, probs, qpack, o, inv);
+            if (scores != NULL) attend_tile(&job, h, tile * TILE_TOKENS, &views[h], scores, probs, qpack, o, inv);
         }
         free(scores);
     }
-    free(job.kp);
+    free(views);
+    free(space);
     return status;
 #else
     (void)q, (void)k, (void)v, (void)table, (void)out, (void)scale, (void)threads;
+    return 3;
+#endif
+}
+
+/* Returns 0 on success, 1 on bad arguments, 2 when memory could not be had, 3 when this CPU or
+ * head_dim is not supported (see pd_prefill_supported). k, v: a dense cache. */
+int pd_paged_prefill_attention(const void *q, int64_t q_stride, const void *k, const void *v,
+                               const int32_t *table, void *out, int q_len, int seq_len, int q_heads,
+                               int kv_heads, int head_dim, int block_size, float scale, int threads) {
+    return prefill(q, q_stride, k, v, table, out, q_len, seq_len, q_heads, kv_heads, head_dim, block_size, scale,
+                   threads, 0);
+}
+
+/* pd_paged_prefill_attention over a tiled cache (pd_store_kv_tiled); block_size a multiple of 16. */
+int pd_paged_prefill_tiled(const void *q, int64_t q_stride, const void *k, const void *v, const int32_t *table,
+                           void *out, int q_len, int seq_len, int q_heads, int kv_heads, int head_dim,
+                           int block_size, float scale, int threads) {
+    return prefill(q, q_stride, k, v, table, out, q_len, seq_len, q_heads, kv_heads, head_dim, block_size, scale,
+                   threads, 1);
+}
+
+static int decode_rows(const void *q, int64_t q_stride, const void *k, const void *v, const int32_t *tables,
+                       int64_t tables_stride, const int32_t *row_token, const int32_t *row_seq,
+                       const int32_t *ctx_lens, void *out, int rows, int q_heads, int kv_heads, int head_dim,
+                       int block_size, float scale, int threads, int tiled) {
+    rows_plan_t plan;
+    if (plan_rows(ctx_lens, rows, q_heads, kv_heads, head_dim, block_size, q_stride, MAX_GROUP, threads, &plan) ||
+        (tiled && block_size % GROUP_KEYS != 0))
+        return 1;
+    if (!pd_prefill_supported(head_dim)) return 3;
+#ifdef HAVE_AVX512_BF16
+    const int parts = plan.parts, items = plan.items;
+    const int group = q_heads / kv_heads, rows_padded = (group + MR - 1) / MR * MR;
+    const size_t lds = (size_t)(plan.longest + PANEL - 1) / PANEL * PANEL;
+    const size_t packed = tiled ? 0 : lds * (size_t)head_dim; /* words of packed keys plus packed values */
+    const size_t per_view = view_words(plan.longest, head_dim, block_size);
+    const size_t tile = rows_padded * (lds * sizeof(float) + lds * sizeof(uint16_t) +
+                                       (size_t)head_dim * (2 + sizeof(float)) + sizeof(float));
+    int status = 0;
+#pragma omp parallel num_threads(plan.threads) reduction(| : status)
+    {
+        uint32_t *kp = (uint32_t *)thread_scratch((packed + per_view) * sizeof(uint32_t) + tile);
+        if (kp == NULL) status = 2;
+        uint32_t *vp = kp + packed / 2, *space = kp + packed;
+        float *scores = (float *)(space + per_view);
+        uint16_t *probs = (uint16_t *)(scores + rows_padded * lds);
+        uint32_t *qpack = (uint32_t *)(probs + rows_padded * lds);
+        float *o = (float *)(qpack + rows_padded * (size_t)head_dim / 2);
+        float *inv = o + rows_padded * (size_t)head_dim;
+#pragma omp for schedule(static)
+        for (int item = 0; item < items; item++) {
+            const int r = item / parts, h0 = parts == 1 ? 0 : item % parts, h1 = parts == 1 ? kv_heads : h0 + 1;
+            const int n = ctx_lens[r];
+            const job_t job = {(const uint16_t *)q + (int64_t)row_token[r] * q_stride, k, v,
+                               tables + (int64_t)row_seq[r] * tables_stride,
+                               (uint16_t *)out + (int64_t)row_token[r] * q_heads * head_dim, q_stride, 1, n, q_heads,
+                               kv_heads, head_dim, block_size, scale, (int64_t)(n + PANEL - 1) / PANEL * PANEL,
+                               NULL, NULL};
+            for (int h = h0; h < h1 && kp != NULL; h++) {
+                kv_view_t view;
+                head_view(&job, h, tiled, space, kp, vp, &view);
+                attend_tile(&job, h, 0, &view, scores, probs, qpack, o, inv);
+            }
+        }
+    }
+    return status;
+#else
+    (void)q, (void)q_stride, (void)k, (void)v, (void)tables, (void)tables_stride, (void)row_token, (void)row_seq;
+    (void)ctx_lens, (void)out, (void)scale, (void)threads, (void)tiled;
     return 3;
 #endif
 }
@@ -331,47 +490,49 @@ int pd_paged_decode_rows(const void *q, int64_t q_stride, const void *k, const v
                          int64_t tables_stride, const int32_t *row_token, const int32_t *row_seq,
                          const int32_t *ctx_lens, void *out, int rows, int q_heads, int kv_heads, int head_dim,
                          int block_size, float scale, int threads) {
-    rows_plan_t plan;
-    if (plan_rows(ctx_lens, rows, q_heads, kv_heads, head_dim, block_size, q_stride, MAX_GROUP, threads, &plan))
+    return decode_rows(q, q_stride, k, v, tables, tables_stride, row_token, row_seq, ctx_lens, out, rows, q_heads,
+                       kv_heads, head_dim, block_size, scale, threads, 0);
+}
+
+/* pd_paged_decode_rows over a tiled cache (pd_store_kv_tiled), read in place: nothing is packed. */
+int pd_paged_decode_rows_tiled(const void *q, int64_t q_stride, const void *k, const void *v, const int32_t *tables,
+                               int64_t tables_stride, const int32_t *row_token, const int32_t *row_seq,
+                               const int32_t *ctx_lens, void *out, int rows, int q_heads, int kv_heads,
+                               int head_dim, int block_size, float scale, int threads) {
+    return decode_rows(q, q_stride, k, v, tables, tables_stride, row_token, row_seq, ctx_lens, out, rows, q_heads,
+                       kv_heads, head_dim, block_size, scale, threads, 1);
+}
+
+/* The paged KV write into a tiled cache: cache[slot[r]] = key[r], value[r] for rows of kv_heads *
+ * head_dim bfloat16 values (row r of key at key + r * key_stride, in elements). A tiled block holds,
+ * per kv head, its keys as block_size / 16 groups [dim pair][16 keys] and its values as [key pair][dim],
+ * each word a pair of bfloat16 (the lower dim, or the even key, in the low half): the layouts the
+ * kernel above multiplies with VDPBF16PS, so attention reads the cache in place. A block has the
+ * dense layout's size, so blocks move between like caches as bytes. Returns 0, or 1 for bad arguments. */
+int pd_store_kv_tiled(const void *key, int64_t key_stride, const void *value, int64_t value_stride, void *k_cache,
+                      void *v_cache, const int64_t *slots, int64_t num_slots, int rows, int kv_heads, int head_dim,
+                      int block_size, int threads) {
+    const int width = kv_heads * head_dim, pairs = head_dim / 2;
+    if (rows < 0 || kv_heads <= 0 || head_dim <= 0 || head_dim % 2 || block_size <= 0 || block_size % GROUP_KEYS ||
+        key_stride < width || value_stride < width || num_slots % block_size)
         return 1;
-    if (!pd_prefill_supported(head_dim)) return 3;
-#ifdef HAVE_AVX512_BF16
-    const int parts = plan.parts, items = plan.items;
-    const int group = q_heads / kv_heads, rows_padded = (group + MR - 1) / MR * MR;
-    const size_t lds = (size_t)(plan.longest + PANEL - 1) / PANEL * PANEL;
-    const size_t packed = lds * (size_t)head_dim; /* words of packed keys plus packed values */
-    const size_t tile = rows_padded * (lds * sizeof(float) + lds * sizeof(uint16_t) +
-                                       (size_t)head_dim * (2 + sizeof(float)) + sizeof(float));
-    int status = 0;
-#pragma omp parallel num_threads(plan.threads) reduction(| : status)
-    {
-        uint32_t *kp = (uint32_t *)thread_scratch(packed * sizeof(uint32_t) + tile);
-        if (kp == NULL) status = 2;
-        uint32_t *vp = kp + lds * (size_t)head_dim / 2;
-        float *scores = (float *)(vp + lds * (size_t)head_dim / 2);
-        uint16_t *probs = (uint16_t *)(scores + rows_padded * lds);
-        uint32_t *qpack = (uint32_t *)(probs + rows_padded * lds);
-        float *o = (float *)(qpack + rows_padded * (size_t)head_dim / 2);
-        float *inv = o + rows_padded * (size_t)head_dim;
-#pragma omp for schedule(static)
-        for (int item = 0; item < items; item++) {
-            const int r = item / parts, h0 = parts == 1 ? 0 : item % parts, h1 = parts == 1 ? kv_heads : h0 + 1;
-            const int n = ctx_lens[r];
-            const job_t job = {(const uint16_t *)q + (int64_t)row_token[r] * q_stride, k, v,
-                               tables + (int64_t)row_seq[r] * tables_stride,
-                               (uint16_t *)out + (int64_t)row_token[r] * q_heads * head_dim, q_stride, 1, n, q_heads,
-                               kv_heads, head_dim, block_size, scale, (int64_t)(n + PANEL - 1) / PANEL * PANEL,
-                               NULL, NULL};
-            for (int h = h0; h < h1 && kp != NULL; h++) {
-                pack_head(&job, h, kp, vp);
-                attend_tile(&job, h, 0, kp, vp, scores, probs, qpack, o, inv);
-            }
+    for (int r = 0; r < rows; r++)
+        if (slots[r] < 0 || slots[r] >= num_slots) return 1;
+    const int64_t head_words = (int64_t)block_size * pairs;
+#pragma omp parallel for num_threads(threads) if (rows >= 64) schedule(static)
+    for (int r = 0; r < rows; r++) {
+        const int64_t block = slots[r] / block_size;
+        const int t = (int)(slots[r] % block_size);
+        const uint32_t *krow = (const uint32_t *)((const uint16_t *)key + r * key_stride);
+        const uint16_t *vrow = (const uint16_t *)value + r * value_stride;
+        for (int h = 0; h < kv_heads; h++) {
+            uint32_t *kb = (uint32_t *)k_cache + (block * kv_heads + h) * head_words;
+            uint32_t *kg = kb + (int64_t)(t / GROUP_KEYS) * GROUP_KEYS * pairs + t % GROUP_KEYS;
+            for (int p = 0; p < pairs; p++) kg[p * GROUP_KEYS] = krow[h * pairs + p];
+            uint16_t *vb = (uint16_t *)((uint32_t *)v_cache + (block * kv_heads + h) * head_words);
+            uint16_t *vpair = vb + (int64_t)(t / 2) * head_dim * 2 + t % 2;
+            for (int c = 0; c < head_dim; c++) vpair[2 * c] = vrow[h * head_dim + c];
         }
     }
-    return status;
-#else
-    (void)q, (void)q_stride, (void)k, (void)v, (void)tables, (void)tables_stride, (void)row_token, (void)row_seq;
-    (void)ctx_lens, (void)out, (void)scale, (void)threads;
-    return 3;
-#endif
+    return 0;
 }
