@@ -198,7 +198,7 @@ typedef struct {
 static void packed_view(const job_t *j, const uint32_t *kp, const uint32_t *vp, kv_view_t *view) {
     const int pairs = j->head_dim / 2;
     for (int64_t g = 0; g < j->keys_padded / GROUP_KEYS; g++) view->kg[g] = kp + g * GROUP_KEYS * pairs;
-    view->vs[0] = vp;
+    view->vs[0] = view->vs[1] = vp;
     view->seg_pairs = (int)(j->keys_padded / 2);
 }
 
@@ -221,6 +221,7 @@ static void tiled_view(const job_t *j, int h, uint32_t *tail, kv_view_t *view) {
             view->kg[b * groups_per_block + g] = k + at + (int64_t)g * GROUP_KEYS * d / 2;
         view->vs[b] = v + at;
     }
+    view->vs[blocks] = view->vs[blocks - 1]; /* what the last segment prefetches */
     for (int64_t g = (int64_t)blocks * groups_per_block; g < groups; g++) view->kg[g] = ZERO_GROUP;
     const int used = n - (blocks - 1) * bs; /* tokens of the last block */
     if (used < bs) {
@@ -241,6 +242,7 @@ static inline void qk_block(const uint32_t *q, int pairs, const uint32_t *const 
     for (int m = 0; m < MR; m++)
         for (int x = 0; x < 4; x++) acc[m][x] = _mm512_setzero_ps();
     for (int p = 0; p < pairs; p++) {
+        for (int x = 0; x < 4; x++) _mm_prefetch((const char *)(g[4 + x] + p * GROUP_KEYS), _MM_HINT_T0);
         const __m512bh b0 = (__m512bh)_mm512_loadu_si512(g[0] + p * GROUP_KEYS);
         const __m512bh b1 = (__m512bh)_mm512_loadu_si512(g[1] + p * GROUP_KEYS);
         const __m512bh b2 = (__m512bh)_mm512_loadu_si512(g[2] + p * GROUP_KEYS);
@@ -267,10 +269,11 @@ static inline void pv_block(const uint32_t *p, int64_t ldp, int key_pairs, const
     for (int m = 0; m < MR; m++)
         for (int x = 0; x < 4; x++) acc[m][x] = _mm512_setzero_ps();
     for (int k0 = 0; k0 < key_pairs; k0 += seg_pairs) {
-        const uint32_t *seg = vs[k0 / seg_pairs] + c0;
+        const uint32_t *seg = vs[k0 / seg_pairs] + c0, *next = vs[k0 / seg_pairs + 1] + c0;
         const int end = key_pairs - k0 < seg_pairs ? key_pairs - k0 : seg_pairs;
         for (int i = 0; i < end; i++) {
             const uint32_t *vr = seg + (int64_t)i * d;
+            for (int x = 0; x < 4; x++) _mm_prefetch((const char *)(next + (int64_t)i * d + 16 * x), _MM_HINT_T0);
             const __m512bh b0 = (__m512bh)_mm512_loadu_si512(vr), b1 = (__m512bh)_mm512_loadu_si512(vr + 16);
             const __m512bh b2 = (__m512bh)_mm512_loadu_si512(vr + 32), b3 = (__m512bh)_mm512_loadu_si512(vr + 48);
             for (int m = 0; m < MR; m++) {
@@ -333,7 +336,7 @@ static void attend_tile(const job_t *j, int h, int t0, const kv_view_t *view, fl
 /* Pointers of one kv head's view of a sequence of n tokens (kv_view_t), and the tail copy, in words. */
 static inline size_t view_words(int n, int head_dim, int block_size) {
     const size_t groups = (size_t)(n + PANEL - 1) / PANEL * PANEL / GROUP_KEYS, blocks = (size_t)(n + block_size - 1) / block_size;
-    return (groups + blocks + 1) * sizeof(uint32_t *) / sizeof(uint32_t) + (size_t)block_size * head_dim / 2;
+    return (groups + 4 + blocks + 1) * sizeof(uint32_t *) / sizeof(uint32_t) + (size_t)block_size * head_dim / 2;
 }
 
 /* Lays out view for head h of job j in `space` (view_words words): packed into kp/vp for a dense
@@ -341,7 +344,8 @@ static inline size_t view_words(int n, int head_dim, int block_size) {
 static void head_view(const job_t *j, int h, int tiled, uint32_t *space, uint32_t *kp, uint32_t *vp, kv_view_t *view) {
     const int64_t groups = j->keys_padded / GROUP_KEYS;
     view->kg = (const uint32_t **)space;
-    view->vs = view->kg + groups;
+    view->vs = view->kg + groups + 4;
+    for (int x = 0; x < 4; x++) view->kg[groups + x] = ZERO_GROUP; /* what the last panel prefetches */
     if (tiled) {
         const int blocks = (j->seq_len + j->block_size - 1) / j->block_size;
         tiled_view(j, h, (uint32_t *)(view->vs + blocks + 1), view);
