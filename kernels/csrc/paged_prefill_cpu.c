@@ -523,7 +523,7 @@ int pd_store_kv_tiled(const void *key, int64_t key_stride, const void *value, in
     for (int r = 0; r < rows; r++)
         if (slots[r] < 0 || slots[r] >= num_slots) return 1;
     const int64_t head_words = (int64_t)block_size * pairs;
-#pragma omp parallel for num_threads(threads) if (rows >= 64) schedule(static)
+#pragma omp parallel for num_threads(threads) if ((int64_t)rows * kv_heads >= 16) schedule(static)
     for (int r = 0; r < rows; r++) {
         const int64_t block = slots[r] / block_size;
         const int t = (int)(slots[r] % block_size);
