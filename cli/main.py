@@ -36,7 +36,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
         "prefill and decode speed beside the machine's floors",
     ),
     (("bench", "transfer"), "pdfabric.bench.transfer", "KV transfer bandwidth per transport beside memcpy"),
-    (("bench", "kernels"), "pdfabric.bench.kernels_bench", "decode attention and KV pack bandwidth vs copy"),
+    (("bench", "kernels"), "pdfabric.bench.kernels_bench", "attention, linears vs cuBLAS, KV pack on a GPU"),
     (("bench", "replay"), "pdfabric.bench.replay_cmd", "replay a trace open-loop: TTFT, ITL, SLO attainment"),
     (("bench", "goodput"), "pdfabric.bench.goodput_cmd", "highest rate meeting both SLOs (rate search)"),
     (("bench", "compare"), "pdfabric.bench.compare_cmd", "one workload against several servers side by side"),

@@ -18,7 +18,7 @@ from pdfabric.engine.kv_cache import allocate_kv_cache
 from pdfabric.engine.model import LlamaForCausalLM
 from pdfabric.kernels import AttentionMetadata, get_backend
 from pdfabric.kernels.decoder_cpu import Decoder
-from pdfabric.kernels.linear_cpu import can_pack, pack_linears, packed
+from pdfabric.kernels.linear import can_pack, check_kind, pack_linears, packed
 from pdfabric.kernels.paged_attention_cpu import tiled_kv_supported
 
 
@@ -44,9 +44,10 @@ class PreparedStep:
 class ModelRunner:
     """Owns the model and its KV-cache tensors on one device.
 
-    On the CPU it packs the model's linear layers and its head once (``kernels/linear_cpu.py``; by
-    default the batch-invariant kernel, ``linears="onednn"`` for measuring oneDNN's) unless the kernel
-    backend is ``torch`` (the plain reference path); the model passed in is changed in place. Steps of
+    It packs the model's linear layers and its head once (``kernels/linear.py``; by default the
+    batch-invariant kernel of the model's device: C on CPUs, Triton on CUDA; ``linears="onednn"`` or
+    ``"cublas"`` for measuring the vendor library's) unless the kernel backend is ``torch`` (the plain
+    reference path); the model passed in is changed in place. Steps of
     decode rows only then run their decoder layers in one C call (``kernels/decoder_cpu.py``) where
     every kernel of a layer is a C one; other steps run the model's forward.
     """
@@ -149,7 +150,9 @@ class ModelRunner:
 
 def _pack_model(model: LlamaForCausalLM, kind: str) -> None:
     """Packs the linear layers, and a tied head as a layer of its own: the head then runs the same
-    kernel as every other projection (a copy of the embedding table, which the lookup keeps using)."""
+    kernel as every other projection (on CPUs a copy of the embedding table, which the lookup keeps
+    using; on CUDA the table itself)."""
+    check_kind(kind, model.model.embed_tokens.weight.device.type)
     pack_linears(model, kind)
     if model.lm_head is None:
         embed = model.model.embed_tokens.weight

@@ -1,6 +1,7 @@
 """Chooses, per call, the implementation of each kernel: torch reference, C kernel for the CPU, or Triton.
 
-``auto`` runs the Triton kernels on CUDA tensors (when Triton imports), the CPU attention
+``auto`` runs the Triton kernels (attention, RMSNorm, KV write and block copies) on CUDA tensors
+(when Triton imports), the CPU attention
 (``paged_attention_cpu``: C kernels for decode rows and bfloat16 prompts, fused SDPA elsewhere) and
 the fused layer ops (``layer_ops_cpu``: RMSNorm, rotary embedding, SiLU-gated product) on CPU tensors
 they support, and the torch references everywhere else; ``torch`` always runs the
@@ -40,12 +41,16 @@ def get_backend() -> str:
     return _backend
 
 
-def _use_triton(t: torch.Tensor) -> bool:
+def runs_triton(t: torch.Tensor) -> bool:
+    """Whether the Triton kernels serve tensors like ``t`` under the current backend."""
     if _backend in ("torch", "cpu"):
         return False
     if _backend == "triton":
         return True
     return t.is_cuda and _triton_ready()
+
+
+_use_triton = runs_triton
 
 
 @functools.cache
@@ -81,11 +86,19 @@ def _layer_ops() -> ModuleType:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / rms(x)`` per row of ``x: [T, hidden]``, normalised in float32."""
+    if _use_triton(x) and weight.dtype == x.dtype:
+        from pdfabric.kernels.rms_norm_triton import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps)
     if _use_cpu_layer_ops(x):
         from pdfabric.kernels.layer_ops_cpu import rms_norm_cpu
 
         return rms_norm_cpu(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
+
+
+# The rotary embedding and the SiLU product have no Triton kernel: on CUDA their references are
+# element-wise torch ops (no sum across a row), so an element's result never depends on the batch.
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

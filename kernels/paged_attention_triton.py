@@ -11,10 +11,25 @@ tile of its new query tokens, one KV head and one slice ("split") of the context
 3. with one split it writes the normalised output; with several it writes the unnormalised partial
    sum and its running max and denominator, and ``_merge_splits_kernel`` combines the splits.
 
-Split-K keeps the GPU busy when a decode batch has few sequences but long contexts. Splits are a fixed
-``_SPLIT_TOKENS`` keys long, never sized by the batch, so a decode row's sums (and so its result) are
-the same alone or in any batch; an empty split merges in as an exact zero. The reference is
-``attention_ref.paged_attention_ref``.
+A position's result is the same to the bit whatever the batch, decoded or in a prompt chunk of any
+size, after any cached prefix, because the floating-point operations that make it never change:
+
+- Decode rows are one-token prompt tiles: the same ``TILE_ROWS``-row tile shape (so the same MMA
+  instruction, register layout and order of every row sum) and the same compiled kernel. A row's
+  result does not depend on its place in the tile or on the rows beside it.
+- Splits are a fixed ``_SPLIT_TOKENS`` keys from key 0, never sized by the batch, and inside a split
+  key tiles start at the same keys, so a position meets its keys in the same tiles. A prompt tile also
+  walks keys past a row's position (the tile's later tokens); for that row they are masked to
+  ``-inf``, so such a tile leaves its max, denominator and sum exactly as they were (the rescale factor
+  is exactly 1 when the max does not move, and the probabilities are exact zeros).
+- The merge adds the splits in chunks of a fixed ``_SPLIT_CHUNK``, slot by slot, then sums the slots:
+  one shape of sum whatever the batch's split count. A split past a row's position (empty) adds an
+  exact zero, and a single split merges as ``acc * 1 / (l * 1)``, the same division the one-split path
+  does, so a row with one split gets the same bits merged or not.
+
+Decode rows pay for a 64-row tile where the group needs fewer rows (four times the MMA and softmax
+work of a 16-row tile, on a path bound by reading the cache; ``pdfabric bench kernels`` measures it,
+``docs/kernels.md``). The reference is ``attention_ref.paged_attention_ref``.
 """
 
 from __future__ import annotations
@@ -29,15 +44,19 @@ from pdfabric.kernels.metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
 _BLOCK_N = 64  # keys per inner step
-_PREFILL_ROWS = 64  # query rows (tokens x group heads) per prefill tile
+TILE_ROWS = 64  # query rows (tokens x group heads) per tile, decode rows and prompt chunks alike
 _SPLIT_TOKENS = 512  # keys per split, whatever the batch: a row's sums then do not depend on it
 _MAX_SPLITS = 256
+_SPLIT_CHUNK = 32  # splits the merge adds in one step, whatever the batch's split count
 
 
 @triton.jit
-def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    if UPCAST:  # the CPU interpreter multiplies bf16 tiles wrongly; products of bf16 are exact in fp32
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+def _dot(a, b, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+    if INTERPRET:
+        # The CPU interpreter's tl.dot is numpy's matmul: it multiplies bf16 tiles wrongly, and a row's
+        # result depends on its place in the tile (the BLAS kernel's edges). Products and sums in float32,
+        # k in order, depend on the row's own inputs only, as the GPU's MMA does.
+        return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
     return tl.dot(a, b, input_precision=DOT_PRECISION)
 
 
@@ -49,7 +68,7 @@ def _paged_attn_kernel(
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
     KV_BLOCK: tl.constexpr, GROUP: tl.constexpr, TILE_TOKENS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     seq = tl.program_id(0)
     tile = tl.program_id(1)
@@ -85,16 +104,17 @@ def _paged_attn_kernel(
             kv_off = block.to(tl.int64) * stride_kb + (n % KV_BLOCK) * stride_ks + kv_head * stride_kh
             k = tl.load(k_ptr + kv_off[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
             # k: [BLOCK_D, BLOCK_N]
-            s = _dot(q, k, DOT_PRECISION, UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N]
+            s = _dot(q, k, DOT_PRECISION, INTERPRET) * qk_scale  # [BLOCK_M, BLOCK_N]
             s = tl.where(n_ok[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
             p = tl.exp2(s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
-            alpha = tl.exp2(m_i - m_safe)
+            # an unchanged max rescales by exactly 1: a tile of keys a row cannot see is a no-op for it
+            alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_safe))
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + kv_off[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
             # v: [BLOCK_N, BLOCK_D]
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, INTERPRET)
             m_i = m_new
 
         if SPLIT:
@@ -114,22 +134,34 @@ def _paged_attn_kernel(
 @triton.jit
 def _merge_splits_kernel(
     out_ptr, part_o_ptr, part_m_ptr, part_l_ptr, head_dim, num_splits, q_heads, stride_ot, stride_oh,
-    MAX_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     token = tl.program_id(0)
     head = tl.program_id(1)
-    row = token.to(tl.int64) * q_heads + head
-    sp = tl.arange(0, MAX_SPLITS)
-    sp_ok = sp < num_splits
+    first = (token.to(tl.int64) * q_heads + head) * num_splits  # this row's split 0
+    sp = tl.arange(0, SPLIT_CHUNK)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
-    m = tl.load(part_m_ptr + row * num_splits + sp, mask=sp_ok, other=float("-inf"))  # [MAX_SPLITS]
-    l_part = tl.load(part_l_ptr + row * num_splits + sp, mask=sp_ok, other=0.0)
     # Split 0 always holds key 0, which every query sees, so the max is finite.
-    w = tl.where(sp_ok, tl.exp2(m - tl.max(m, 0)), 0.0)  # [MAX_SPLITS]
-    o = tl.load(part_o_ptr + (row * num_splits + sp)[:, None] * head_dim + d[None, :],
-                mask=sp_ok[:, None] & d_ok[None, :], other=0.0)  # [MAX_SPLITS, BLOCK_D]
-    res = tl.sum(o * w[:, None], 0) / tl.sum(l_part * w, 0)  # [BLOCK_D]
+    top = tl.full([SPLIT_CHUNK], float("-inf"), tl.float32)
+    for c in range(0, num_splits, SPLIT_CHUNK):
+        m = tl.load(part_m_ptr + first + c + sp, mask=c + sp < num_splits, other=float("-inf"))
+        top = tl.maximum(top, m)
+    m_max = tl.max(top, 0)
+    # Chunks of SPLIT_CHUNK splits are added slot by slot, then the slots summed once: the same shape
+    # of sum for every row, whatever the batch's split count (empty splits and slots add exact zeros).
+    o_acc = tl.zeros([SPLIT_CHUNK, BLOCK_D], tl.float32)
+    l_acc = tl.zeros([SPLIT_CHUNK], tl.float32)
+    for c in range(0, num_splits, SPLIT_CHUNK):
+        sp_ok = c + sp < num_splits
+        part = first + c + sp  # [SPLIT_CHUNK]
+        m = tl.load(part_m_ptr + part, mask=sp_ok, other=float("-inf"))
+        w = tl.where(m == m_max, 1.0, tl.exp2(m - m_max))  # [SPLIT_CHUNK]; exactly 1 for the top split
+        l_acc += tl.load(part_l_ptr + part, mask=sp_ok, other=0.0) * w
+        o = tl.load(part_o_ptr + part[:, None] * head_dim + d[None, :],
+                    mask=sp_ok[:, None] & d_ok[None, :], other=0.0)  # [SPLIT_CHUNK, BLOCK_D]
+        o_acc += o * w[:, None]
+    res = tl.sum(o_acc, 0) / tl.sum(l_acc, 0)  # [BLOCK_D]
     dst = out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + d
     tl.store(dst, res.to(out_ptr.dtype.element_ty), mask=d_ok)
 
@@ -191,14 +223,10 @@ def paged_attention_triton(
     if num_tokens == 0:
         return out
     group = q_heads // kv_heads
-    max_q_len = max(meta.query_lens_host)
-    if max_q_len == 1:
-        block_m = max(16, triton.next_power_of_2(group))
-        tile_tokens = 1
-    else:
-        block_m = max(_PREFILL_ROWS, triton.next_power_of_2(group))
-        tile_tokens = block_m // group
-    q_tiles = -(-max_q_len // tile_tokens)
+    # one tile shape for decode rows and prompt chunks alike (module docstring)
+    block_m = max(TILE_ROWS, triton.next_power_of_2(group))
+    tile_tokens = block_m // group
+    q_tiles = -(-max(meta.query_lens_host) // tile_tokens)
     longest = max(meta.max_seq_len, 1)
     if num_splits is None:
         split_len = split_tokens(longest)
@@ -224,12 +252,12 @@ def paged_attention_triton(
         KV_BLOCK=block_size, GROUP=group, TILE_TOKENS=tile_tokens,
         BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_D=block_d,
         SPLIT=use_split, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST=INTERPRETED and q.dtype == torch.bfloat16,
+        INTERPRET=INTERPRETED,
         num_warps=4, num_stages=2,
     )
     if use_split:
         _merge_splits_kernel[(num_tokens, q_heads)](
             out, part_o, part_m, part_l, head_dim, splits, q_heads, out.stride(0), out.stride(1),
-            MAX_SPLITS=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d,
+            SPLIT_CHUNK=_SPLIT_CHUNK, BLOCK_D=block_d,
         )
     return out

@@ -1,4 +1,4 @@
-"""Backend choice of the kernel seam; runs without Triton."""
+"""Backend choice of the kernel seam, and of the linear-layer seam; runs without Triton."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+from torch import nn
 
 from pdfabric.kernels import dispatch, gather_blocks, paged_attention, scatter_blocks, store_kv
 from pdfabric.kernels.attention_ref import paged_attention_ref
+from pdfabric.kernels.linear import can_pack, check_kind
 from pdfabric.kernels.testing import make_batch
 
 
@@ -45,3 +47,15 @@ def test_torch_backend_never_uses_triton(backend: Callable[[str], None]) -> None
 def test_unknown_backend_is_rejected(backend: Callable[[str], None]) -> None:
     with pytest.raises(ValueError, match="unknown kernel backend"):
         backend("cuda")
+
+
+def test_linear_kinds_are_checked_against_the_device() -> None:
+    for kind, device in (("invariant", "cpu"), ("onednn", "cpu"), ("invariant", "cuda"), ("cublas", "cuda")):
+        check_kind(kind, device)
+    with pytest.raises(ValueError, match="'cublas' does not run on cpu"):
+        can_pack(nn.Linear(4, 4), "cublas")
+    with pytest.raises(ValueError, match="'onednn' does not run on cuda; there: invariant, cublas"):
+        check_kind("onednn", "cuda")
+    with pytest.raises(ValueError, match="unknown linear kernel 'mkl'"):
+        check_kind("mkl", "cpu")
+    assert not can_pack(nn.Linear(4, 4, device="meta"))  # a device without kernels keeps nn.Linear

@@ -1,12 +1,18 @@
-"""The compiled Triton kernels against their references at serving sizes, on a CUDA device."""
+"""The compiled Triton kernels against their references at serving sizes, on a CUDA device, and the
+batch invariance that the interpreter cannot show: on a GPU a tile's shape picks the MMA instruction,
+so only compiled kernels can tell whether a row's bits change with the rows beside it."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from pdfabric.kernels.attention_ref import paged_attention_ref, store_kv_ref
 from pdfabric.kernels.kv_pack_ref import gather_blocks_ref, scatter_blocks_ref
+from pdfabric.kernels.layer_ops_ref import rms_norm_ref
+from pdfabric.kernels.metadata import AttentionMetadata
 from pdfabric.kernels.testing import assert_close, make_batch
 
 pytestmark = [
@@ -77,3 +83,109 @@ def test_auto_backend_picks_triton_on_cuda() -> None:
         assert not dispatch._use_triton(torch.zeros(1))
     finally:
         dispatch.set_backend(saved)
+
+
+# (in_features, out_features): SmolLM2-135M's projections and head, and an 8B model's up projection
+SMOL_SHAPES = [(576, 960), (576, 1728), (1536, 576), (576, 49152)]
+ROW_COUNTS = [1, 2, 3, 8, 17, 32, 64, 100, 128, 300, 512, 1000, 2048]
+
+
+def _rows_alone_and_batched(
+    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, counts: list[int]
+) -> None:
+    """``fn`` of rows alone against the same rows inside the first ``n`` rows, for each count: equal bits."""
+    rows = sorted({0, 1, 7, 31, 63, 64, 65, 127, 999, x.shape[0] - 1})
+    alone = {r: fn(x[r : r + 1])[0] for r in rows}
+    for n in counts:
+        got = fn(x[:n])
+        for r in rows:
+            if r < n:
+                assert torch.equal(got[r], alone[r]), (n, r)
+    got = fn(x[5:305])  # at an offset: another tile position for every row
+    assert all(torch.equal(got[r - 5], alone[r]) for r in rows if 5 <= r < 305)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("k", "n"), [*SMOL_SHAPES, (4096, 14336)])
+def test_linear_matches_reference_and_gives_a_row_the_same_bits_in_any_batch(
+    dtype: torch.dtype, k: int, n: int
+) -> None:
+    from pdfabric.kernels.linear_triton import linear_ref, linear_triton
+
+    if dtype == torch.float32 and k == 4096:
+        pytest.skip("float32 runs on CUDA cores: 2048 rows of the 8B shape take seconds")
+    gen = torch.Generator(device="cuda").manual_seed(k + n)
+    w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(dtype)  # [out, in]
+    b = torch.randn(n, device="cuda", generator=gen).to(dtype) if n == 960 else None  # a Qwen2-like bias
+    x = torch.randn(2048, k, device="cuda", generator=gen).to(dtype)
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(linear_triton(x, w, b).float(), linear_ref(x, w, b).float(), **tol)
+    _rows_alone_and_batched(lambda rows: linear_triton(rows, w, b), x, ROW_COUNTS)
+
+
+def test_linear_adds_the_bias_before_its_one_rounding() -> None:
+    """Integer inputs make every sum exact in any order; a bias of a fraction then shows the rounding:
+    ``round(sum + b)`` (``nn.Linear``'s, one rounding) and not ``round(round(sum) + b)``."""
+    from pdfabric.kernels.linear_triton import linear_ref, linear_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randint(-8, 9, (64, 256), device="cuda", generator=gen).to(torch.bfloat16)
+    w = torch.randint(-8, 9, (192, 256), device="cuda", generator=gen).to(torch.bfloat16)
+    b = (torch.rand(192, device="cuda", generator=gen) * 3).to(torch.bfloat16)
+    got = linear_triton(x, w, b)
+    assert torch.equal(got, linear_ref(x, w, b))
+    twice = (linear_triton(x, w) + b).to(torch.bfloat16)
+    assert not torch.equal(got, twice)  # the data tells the two roundings apart
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [576, 4096])
+def test_rms_norm_matches_reference_and_gives_a_row_the_same_bits_in_any_batch(
+    dtype: torch.dtype, hidden: int
+) -> None:
+    from pdfabric.kernels.rms_norm_triton import rms_norm_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(hidden)
+    x = (torch.randn(2048, hidden, device="cuda", generator=gen) * 3).to(dtype)
+    w = (1 + torch.randn(hidden, device="cuda", generator=gen) / 4).to(dtype)
+    tol = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 2**-6}[dtype]  # about an ulp
+    torch.testing.assert_close(rms_norm_triton(x, w, 1e-5).float(), rms_norm_ref(x, w, 1e-5).float(),
+                               atol=tol, rtol=tol)
+    _rows_alone_and_batched(lambda rows: rms_norm_triton(rows, w, 1e-5), x, ROW_COUNTS)
+
+
+def _attend(
+    q: torch.Tensor, kv: torch.Tensor, table: list[int], entries: list[tuple[int, int]]
+) -> torch.Tensor:
+    """Attention of one sequence's queries ``q[start:end]`` after ``start`` cached keys, for each entry
+    ``(start, end)`` of one batch (entries share the sequence's blocks, read only)."""
+    from pdfabric.kernels.paged_attention_triton import paged_attention_triton
+
+    bs = kv.shape[2]
+    meta = AttentionMetadata.build([e - s for s, e in entries], [e for _, e in entries],
+                                   [table[: -(-e // bs)] for _, e in entries], bs, device="cuda")
+    return paged_attention_triton(torch.cat([q[s:e] for s, e in entries]), kv, meta, q.shape[2] ** -0.5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("q_heads", "kv_heads", "head_dim"), [(9, 3, 64), (32, 8, 128), (28, 4, 128)])
+def test_a_position_gets_the_same_bits_decoded_and_in_any_prompt_chunk(
+    dtype: torch.dtype, q_heads: int, kv_heads: int, head_dim: int
+) -> None:
+    """Every position of a 3,000-token sequence: decoded (all as one batch of decode rows, and a few
+    alone), prefilled in one chunk, in 512-token chunks and in 300-token chunks after a cached prefix,
+    and beside a 3,000-token decode row (more splits in the batch): the same bits."""
+    length = 3000
+    q, kv, meta = make_batch([length], [length], q_heads, kv_heads, head_dim, 16, dtype, seed=q_heads,
+                             device="cuda")
+    table = meta.block_tables[0].tolist()
+    decoded = _attend(q, kv, table, [(p, p + 1) for p in range(length)])  # [length, Hq, D]
+    assert_close(decoded, paged_attention_ref(q, kv, meta, head_dim**-0.5))
+    for p in (0, 63, 511, 512, 1500, length - 1):
+        assert torch.equal(_attend(q, kv, table, [(p, p + 1)])[0], decoded[p]), p
+    assert torch.equal(_attend(q, kv, table, [(0, length)]), decoded)
+    for size in (512, 300, 77):
+        chunks = [_attend(q, kv, table, [(s, min(s + size, length))]) for s in range(0, length, size)]
+        assert torch.equal(torch.cat(chunks), decoded), size
+    got = _attend(q, kv, table, [(length - 1, length), (700, 1300), (40, 41)])
+    assert torch.equal(got[1:601], decoded[700:1300]) and torch.equal(got[601], decoded[40])

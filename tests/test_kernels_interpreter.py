@@ -24,6 +24,7 @@ import torch
 from pdfabric.kernels import dispatch
 from pdfabric.kernels.attention_ref import paged_attention_ref, store_kv_ref
 from pdfabric.kernels.kv_pack_ref import gather_blocks_ref, scatter_blocks_ref
+from pdfabric.kernels.layer_ops_ref import rms_norm_ref
 from pdfabric.kernels.metadata import AttentionMetadata
 from pdfabric.kernels.testing import assert_close, make_batch
 
@@ -33,7 +34,9 @@ in_child = pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTER
 if INTERPRETING:
     pytest.importorskip("triton")
     from pdfabric.kernels import kv_pack_triton as pack
+    from pdfabric.kernels import linear_triton as lin
     from pdfabric.kernels import paged_attention_triton as pa
+    from pdfabric.kernels import rms_norm_triton as norm
     from pdfabric.kernels import store_kv_triton as store
 
 
@@ -165,6 +168,112 @@ def test_a_decode_row_is_the_same_alone_and_beside_longer_contexts(dtype: torch.
         alone_meta = AttentionMetadata.build([1], [ctx], [blocks], 16)
         alone = pa.paged_attention_triton(q[row : row + 1], kv, alone_meta, 0.2)
         assert torch.equal(alone[0], together[row]), row
+
+
+def _position_alone_and_in_chunks(
+    q: torch.Tensor, kv: torch.Tensor, table: list[int], pos: int, chunks: list[tuple[int, int]],
+    beside: int | None,
+) -> None:
+    """``pos`` decoded (one query after ``pos`` cached keys) against the same position inside each prompt
+    chunk ``[start, end)`` after ``start`` cached keys, optionally beside a decode row of ``beside`` keys
+    (more splits in the batch); all of one sequence whose keys are ``kv`` through ``table``."""
+    bs = kv.shape[2]
+
+    def run(query_lens: list[int], seq_lens: list[int], rows: torch.Tensor) -> torch.Tensor:
+        tables = [table[: -(-n // bs)] for n in seq_lens]
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, bs)
+        return pa.paged_attention_triton(rows, kv, meta, 0.2)
+
+    want = run([1], [pos + 1], q[pos : pos + 1])[0]  # [Hq, D]
+    for start, end in chunks:
+        lens, seqs, rows = [end - start], [end], [q[start:end]]
+        if beside is not None:
+            lens, seqs, rows = [1, *lens], [beside, *seqs], [q[beside - 1 : beside], *rows]
+        got = run(lens, seqs, torch.cat(rows))
+        assert torch.equal(got[pos - start + len(lens) - 1], want), (pos, start, end, beside)
+
+
+@in_child
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_row_equals_the_same_position_in_any_prompt_chunk(dtype: torch.dtype) -> None:
+    """Decode rows and prompt tiles share one tile shape, split boundaries and merge: a position gets the
+    same bits decoded, in a prompt chunk of any size, after a cached prefix, and across the 512-key
+    splits (contexts of 700 and 1,300 keys; 3 query heads per KV head: tiles of 21 tokens)."""
+    q, kv, meta = make_batch([1300], [1300], 3, 1, head_dim=16, block_size=16, dtype=dtype, seed=9)
+    table = meta.block_tables[0].tolist()
+    _position_alone_and_in_chunks(q, kv, table, 20, [(0, 21), (15, 22)], beside=None)
+    _position_alone_and_in_chunks(q, kv, table, 512, [(505, 526)], beside=None)  # first key of split 1
+    _position_alone_and_in_chunks(q, kv, table, 699, [(680, 700), (690, 701)], beside=1300)
+    _position_alone_and_in_chunks(q, kv, table, 1299, [(1285, 1300)], beside=None)
+
+
+@in_child
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_reference(dtype: torch.dtype, bias: bool) -> None:
+    """96 inputs (a full and a part step of 64), 200 outputs (a full and a part tile of 128)."""
+    gen = torch.Generator().manual_seed(2)
+    w = (torch.randn(200, 96, generator=gen) / 96**0.5).to(dtype)  # [out, in]
+    b = torch.randn(200, generator=gen).to(dtype) if bias else None
+    layer = lin.TritonLinear(w, b)
+    for rows in (1, 70):
+        x = torch.randn(rows, 96, generator=gen).to(dtype)
+        got = layer(x)
+        tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+        torch.testing.assert_close(got.float(), lin.linear_ref(x, w, b).float(), **tol)
+    x = torch.randn(2, 5, 96, generator=gen).to(dtype)
+    assert layer(x).shape == (2, 5, 200)
+    assert torch.equal(layer(x)[1], layer(x[1]))
+
+
+@in_child
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_gives_a_row_the_same_bits_in_any_batch(dtype: torch.dtype) -> None:
+    """A row alone and among 2 to 300 rows (one row tile to five, at any offset) gets the same bits."""
+    gen = torch.Generator().manual_seed(3)
+    w = (torch.randn(136, 100, generator=gen) / 10).to(dtype)
+    b = torch.randn(136, generator=gen).to(dtype)
+    x = torch.randn(300, 100, generator=gen).to(dtype)
+    batches = ((0, 2), (5, 3), (40, 17), (100, 64), (0, 300))
+    rows = sorted({r for start, n in batches for r in (start, start + n - 1, start + n // 2)} | {63, 64, 299})
+    alone = {r: lin.linear_triton(x[r : r + 1], w, b)[0] for r in rows}
+    for start, n in batches:
+        got = lin.linear_triton(x[start : start + n], w, b)
+        for r in rows:
+            if start <= r < start + n:
+                assert torch.equal(got[r - start], alone[r]), (start, n, r)
+
+
+@in_child
+def test_linear_rejects_bad_arguments() -> None:
+    w = torch.randn(8, 16)
+    with pytest.raises(ValueError, match="in_features"):
+        lin.linear_triton(torch.randn(3, 15), w)
+    with pytest.raises(ValueError, match="weight is torch.float16"):
+        lin.linear_triton(torch.randn(3, 16), w.half())
+    with pytest.raises(ValueError, match="unit stride"):
+        lin.linear_triton(torch.randn(16, 3).t(), w)
+    with pytest.raises(ValueError, match="bias must be"):
+        lin.linear_triton(torch.randn(3, 16), w, torch.randn(7))
+
+
+@in_child
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_rms_norm_matches_reference(dtype: torch.dtype) -> None:
+    """SmolLM2's hidden size (576, a block of 1,024), rows read through a stride, the dispatch entry."""
+    gen = torch.Generator().manual_seed(4)
+    x = (torch.randn(7, 700, generator=gen) * 3).to(dtype)[:, :576]  # row stride 700
+    w = (1 + torch.randn(576, generator=gen) / 4).to(dtype)
+    got = norm.rms_norm_triton(x, w, 1e-5)
+    want = rms_norm_ref(x, w, 1e-5)
+    # fp32 to an ulp; fp16 to an ulp of h and of the product; bf16 wider: the interpreter truncates to
+    # bf16 where compiled Triton rounds to nearest (the GPU test checks that)
+    tol = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 3e-2}[dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    assert torch.equal(dispatch.rms_norm(x, w, 1e-5), got)
+    assert torch.equal(norm.rms_norm_triton(x[3:4], w, 1e-5)[0], got[3])
+    with pytest.raises(ValueError, match="weight is"):
+        norm.rms_norm_triton(x, w.float() if dtype != torch.float32 else w.half(), 1e-5)
 
 
 @in_child

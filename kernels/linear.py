@@ -1,0 +1,68 @@
+"""Which kernel runs a model's linear layers and LM head: one seam over the CPU and CUDA kernels.
+
+``pack_linears(model, kind)`` replaces each ``nn.Linear`` by a module of the kind asked for, on the
+layer's device; the model calls it like ``nn.Linear`` and never learns which it got. Kinds:
+
+- ``invariant`` (what pdfabric serves): every output summed in one fixed order whatever the number of
+  rows, so a token's logits are the same to the bit in any batch, chunking or step kind. On CPUs
+  ``linear_cpu.InvariantLinear`` (C, weights packed once); on CUDA ``linear_triton.TritonLinear``
+  (Triton, one tile configuration for every row count), when the kernel backend runs Triton there.
+- ``onednn`` (CPUs) and ``cublas`` (CUDA): the vendor library, for measurement only; its blocking
+  follows the problem's shape, so a row's sums change with the batch. ``cublas`` is what ``nn.Linear``
+  runs on CUDA, so it leaves the layers as they are.
+
+A layer that no kernel of the kind takes (a dtype the CPU cannot multiply natively, no C compiler, no
+Triton) stays ``nn.Linear``.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from pdfabric.kernels import dispatch, linear_cpu
+from pdfabric.kernels.launch_checks import FLOAT_DTYPES
+
+LINEAR_KINDS = ("invariant", "onednn", "cublas")
+DEVICE_KINDS = {"cpu": ("invariant", "onednn"), "cuda": ("invariant", "cublas")}
+
+
+def check_kind(kind: str, device: str) -> None:
+    """``ValueError`` unless ``kind`` is a linear kernel, and one for ``device`` if that has kernels."""
+    if kind not in LINEAR_KINDS:
+        raise ValueError(f"unknown linear kernel {kind!r}; expected one of {', '.join(LINEAR_KINDS)}")
+    kinds = DEVICE_KINDS.get(device)
+    if kinds is not None and kind not in kinds:
+        raise ValueError(f"linear kernel {kind!r} does not run on {device}; there: {', '.join(kinds)}")
+
+
+def can_pack(linear: nn.Linear, kind: str = "invariant") -> bool:
+    """Whether ``linear`` gets a module of ``kind`` on its device (``False``: it stays ``nn.Linear``)."""
+    device = linear.weight.device.type
+    check_kind(kind, device)
+    if device == "cpu":
+        return linear_cpu.can_pack(linear, kind)
+    if device != "cuda" or kind == "cublas":
+        return False  # other devices have no kernel of their own; on CUDA nn.Linear already is cuBLAS
+    return dispatch.runs_triton(linear.weight) and linear.weight.dtype in FLOAT_DTYPES
+
+
+def packed(linear: nn.Linear, kind: str = "invariant") -> nn.Module:
+    """``linear`` as a module of ``kind`` (the caller checks ``can_pack`` first)."""
+    if linear.weight.device.type == "cpu":
+        return linear_cpu.packed(linear, kind)
+    from pdfabric.kernels.linear_triton import TritonLinear  # imports Triton: only for CUDA layers
+
+    return TritonLinear(linear.weight, linear.bias)
+
+
+def pack_linears(module: nn.Module, kind: str = "invariant") -> int:
+    """Replaces every ``nn.Linear`` under ``module`` that ``can_pack`` by its module of ``kind``; returns
+    how many. The plain weights are released, so the model's weights stay in memory once."""
+    count = 0
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear) and can_pack(child, kind):
+            setattr(module, name, packed(child, kind))
+            count += 1
+        else:
+            count += pack_linears(child, kind)
+    return count
