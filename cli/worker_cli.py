@@ -18,7 +18,7 @@ from dataclasses import replace
 from pdfabric.config import load_serve_config
 from pdfabric.control import KINDS
 from pdfabric.kv_config import CHOICES as KV_TRANSPORTS
-from pdfabric.worker_config import WorkerConfig, worker_config_from_json, worker_default
+from pdfabric.worker_config import LINEARS, WorkerConfig, worker_config_from_json, worker_default
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -43,11 +43,12 @@ OVERRIDES: tuple[tuple[str, type, str], ...] = (
     ("profile_seconds", float, "start-up profiling budget in seconds, 0: none"),
     ("kv_transport", str, "how KV moves to decode workers (auto: shm on one host, zmq across hosts)"),
     ("prefix_caching", bool, "on or off: reuse the KV of prompt prefixes computed before"),
+    ("linears", str, "linear-layer kernel: invariant (the same bits in any batch), onednn or cublas"),
     ("served", str, "the model version it serves, NAME@VERSION, for a router with [[models]]"),
 )
 _QUOTED = ("model", "pool", "block_size", "kv_memory_mb", "max_batch_tokens", "max_running", "kv_host",
            "heartbeat_s", "drain_timeout_s", "device", "profile_seconds", "kv_transport",
-           "prefix_caching")  # fmt: skip
+           "prefix_caching", "linears")  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,7 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, type_, text in OVERRIDES:
         default = f" (default {worker_default(name)})" if name in _QUOTED else ""
         flag = "--" + name.replace("_", "-")
-        choices = {"kind": KINDS, "dtype": DTYPES, "kv_transport": KV_TRANSPORTS}.get(name)
+        choices = {"kind": KINDS, "dtype": DTYPES, "kv_transport": KV_TRANSPORTS, "linears": LINEARS}
+        choices = choices.get(name)
         parse = _on_off if type_ is bool else type_
         o.add_argument(flag, type=parse, choices=choices, help=text + default)
     p = parser.add_argument_group("process")

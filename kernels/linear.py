@@ -21,8 +21,9 @@ from torch import nn
 
 from pdfabric.kernels import dispatch, linear_cpu
 from pdfabric.kernels.launch_checks import FLOAT_DTYPES
+from pdfabric.worker_config import LINEARS
 
-LINEAR_KINDS = ("invariant", "onednn", "cublas")
+LINEAR_KINDS = LINEARS  # the worker's `linears` setting names these
 DEVICE_KINDS = {"cpu": ("invariant", "onednn"), "cuda": ("invariant", "cublas")}
 
 

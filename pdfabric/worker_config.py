@@ -23,6 +23,12 @@ _PER_PROCESS = frozenset({"kind", "join", "model", "dtype", "worker_id", "served
 AUTO_KV_TOKENS = 1024
 AUTO_KV_MIN_MB = 256
 
+# The linear-layer kernels a worker may run (kernels/linear.py keeps the same names): "invariant" sums
+# every output in one order whatever the batch (C on CPUs, Triton on CUDA); the vendor libraries,
+# "onednn" on CPUs and "cublas" on CUDA, are faster on long prompts on a GPU but give a token other
+# bits in another batch, so greedy text is no longer the same in every deployment (docs/serving.md).
+LINEARS = ("invariant", "onednn", "cublas")
+
 
 @dataclass(frozen=True)
 class WorkerConfig:
@@ -49,6 +55,7 @@ class WorkerConfig:
         "auto"  # auto (per pair: shm on one host, zmq across, dist when set up) | zmq | shm | dist
     )
     prefix_caching: bool = True  # keep computed full blocks for prompts that share their prefix
+    linears: str = "invariant"  # the linear-layer kernel (LINEARS); a vendor one gives up batch invariance
     served: str = ""  # the model version it serves, "name@version" ("": the deployment's one model)
 
     def __post_init__(self) -> None:
@@ -71,6 +78,9 @@ class WorkerConfig:
             raise ValueError(
                 f"kv_transport must be one of {', '.join(KV_TRANSPORTS)}, got {self.kv_transport!r}"
             )
+
+        if self.linears not in LINEARS:
+            raise ValueError(f"linears must be one of {', '.join(LINEARS)}, got {self.linears!r}")
 
     def to_json(self) -> str:
         """Every field, as the one JSON object ``worker_config_from_json`` reads back."""

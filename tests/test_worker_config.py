@@ -106,6 +106,7 @@ def test_a_serialized_config_is_checked_like_a_deployment_config(tmp_path: Path)
         ({**good, "max_running": True}, "max_running must be int"),
         ({**good, "heartbeat_s": 0}, "heartbeat_s must be positive"),
         ({**good, "kind": "both"}, "kind must be one of"),
+        ({**good, "linears": "mkl"}, "linears must be one of"),
     ]
     for data, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -182,3 +183,19 @@ def test_the_kv_budget_is_sized_by_the_model_unless_set() -> None:
     assert replace(auto, num_blocks=10).kv_blocks(smollm2) == 10
     with pytest.raises(ValueError, match="kv_memory_mb"):
         WorkerConfig(kind="decode", kv_memory_mb=-1)
+
+
+def test_the_linears_setting_picks_the_runners_kernel() -> None:
+    from pdfabric.kernels.linear import LINEAR_KINDS
+    from pdfabric.kernels.linear_cpu import InvariantLinear
+    from pdfabric.worker.loop import build_engine
+
+    assert LINEAR_KINDS == ("invariant", "onednn", "cublas")
+    base = WorkerConfig(kind="colocated", model="tiny", dtype="float32", device="cpu", num_blocks=8)
+    assert WorkerConfig(kind="decode").linears == "invariant"
+    layer = build_engine(base).runner.model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(layer, InvariantLinear)
+    vendor = build_engine(replace(base, linears="onednn")).runner.model.model.layers[0].self_attn.qkv_proj
+    assert not isinstance(vendor, InvariantLinear)
+    with pytest.raises(ValueError, match="does not run on cpu"):
+        build_engine(replace(base, linears="cublas"))

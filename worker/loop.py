@@ -264,7 +264,7 @@ def build_engine(cfg: WorkerConfig) -> Engine:
     num_blocks = cfg.kv_blocks(mcfg.kv_bytes_per_token)
     # One sequence must always fit in the pool on its own, or it could wait forever.
     max_model_len = min(mcfg.max_position_embeddings, num_blocks * cfg.block_size)
-    runner = ModelRunner(model, num_blocks, cfg.block_size)
+    runner = ModelRunner(model, num_blocks, cfg.block_size, linears=cfg.linears)
     return Engine(runner, num_blocks, max_model_len, ProfileBuilder())
 
 
