@@ -25,10 +25,11 @@ import zmq
 
 from pdfabric.kv_config import TransferConfig
 from pdfabric.kvtransfer.frames import check_blocks, layout_of
-from pdfabric.kvtransfer.messages import Abort, Ack, Chunk, Hello, PeerInfo, decode, encode
+from pdfabric.kvtransfer.messages import Abort, Ack, Chunk, Hello, PeerInfo
 from pdfabric.kvtransfer.reservations import BlockReservations
 from pdfabric.kvtransfer.state import MetricsHook, Transfer, TransferResult, TransferState
 from pdfabric.kvtransfer.transport import Incoming, RecvPath, dist_ready, host_id
+from pdfabric.wire import decode, encode
 
 log = logging.getLogger(__name__)
 _REMEMBER_ENDED = 4096  # ended request ids kept to answer late chunks with the real reason
@@ -197,6 +198,8 @@ class KVReceiver:
                 self._lift_quarantine(msg.request_id)
         elif isinstance(msg, Chunk):
             self._on_chunk(peer, msg, frames[1:])
+        else:
+            log.warning("kv receiver: dropped a %s, which is no message of this channel", type(msg).__name__)
 
     def _lift_quarantine(self, request_id: str) -> None:
         """The sender has stopped writing for ``request_id``: its quarantined blocks can go back now."""

@@ -21,10 +21,11 @@ import zmq
 
 from pdfabric.kv_config import TransferConfig
 from pdfabric.kvtransfer.frames import dtype_name, layout_of
-from pdfabric.kvtransfer.messages import Abort, Ack, Chunk, Hello, Meta, PeerInfo, decode, encode
+from pdfabric.kvtransfer.messages import Abort, Ack, Chunk, Hello, Meta, PeerInfo
 from pdfabric.kvtransfer.reservations import BlockReservations
 from pdfabric.kvtransfer.state import MetricsHook, Transfer, TransferResult, TransferState
 from pdfabric.kvtransfer.transport import Outgoing, SendPath, choose_transport
+from pdfabric.wire import decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +195,9 @@ class KVSender:
                 self._on_info(peer, msg)
             elif isinstance(msg, Ack | Abort):
                 self._on_reply(msg)
+            else:
+                kind = type(msg).__name__
+                log.warning("kv sender: %s sent a %s, no message of this channel", peer.endpoint, kind)
 
     def _on_info(self, peer: _Peer, info: PeerInfo) -> None:
         peer.info = info

@@ -12,10 +12,11 @@ import zmq
 
 from pdfabric.kv_config import TransferConfig
 from pdfabric.kvtransfer.frames import as_bytes, crc32, pack_layer
-from pdfabric.kvtransfer.messages import Ack, Chunk, decode, encode
+from pdfabric.kvtransfer.messages import Ack, Chunk
 from pdfabric.kvtransfer.receiver import KVReceiver
 from pdfabric.kvtransfer.sender import KVSender
 from pdfabric.kvtransfer.state import TransferResult, TransferState
+from pdfabric.wire import decode, encode
 from tests.kvtransfer_helpers import FakePool, make_caches, pump
 
 LAYERS, BLOCKS = 2, 16

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgpack
 import pytest
 import torch
 
@@ -16,8 +17,9 @@ from pdfabric.kvtransfer.frames import (
     torch_dtype,
     unpack_layer,
 )
-from pdfabric.kvtransfer.messages import Abort, Ack, Chunk, Hello, KVLayout, PeerInfo, decode, encode
+from pdfabric.kvtransfer.messages import Abort, Ack, Chunk, Hello, KVLayout, PeerInfo
 from pdfabric.kvtransfer.reservations import BlockReservations
+from pdfabric.wire import decode, encode
 from tests.kvtransfer_helpers import FakePool, make_caches
 
 LAYOUT = KVLayout(2, 16, 8, 64, "bfloat16", 2)
@@ -46,9 +48,13 @@ def test_messages_round_trip(msg: object) -> None:
         b"",
         b"\xc1",
         encode(Ack("r", True))[:-1],
-        b"\x92\xa5Bogus\x80",  # unknown kind
-        b"\x92\xa3Ack\x81\xa1x\x01",  # unknown field
-        b"\x92\xa3Ack\x82\xaarequest_id\x01\xa2ok\xc3",  # request id not a string
+        msgpack.packb([999, "r"]),  # unknown tag
+        msgpack.packb(["Ack", {"request_id": "r", "ok": True}]),  # the old codec's shape
+        msgpack.packb([43, "r", True, "", "one field too many"]),
+        msgpack.packb([43, 1, True]),  # request id not a string
+        msgpack.packb([43, "r", 1]),  # ok not a bool
+        msgpack.packb([42, "r", 0, 0, 1, [1, True], "bfloat16", 64]),  # a bool among the block ids
+        msgpack.packb([41, "zmq", [2, 16, 8, 64, "bfloat16", 0], 5]),  # a layout refused by its checks
     ],
 )
 def test_malformed_messages_raise_value_error(raw: bytes) -> None:
