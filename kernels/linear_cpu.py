@@ -1,6 +1,6 @@
 """Linear layers on the CPU, with weights laid out once at start-up for the kernel that multiplies them.
 
-Two kernels, one seam (``pack_linears``):
+Two kernels, behind the seam ``kernels/linear.py`` (``pack_linears``) that also serves CUDA:
 
 - ``invariant`` (the default): ``csrc/linear_cpu.c``. Every output is one float32 sum over the inputs in
   a fixed order, whatever the number of rows, the thread count or the kind of step, so a token's
@@ -158,16 +158,3 @@ def packed(linear: nn.Linear, kind: str = "invariant") -> nn.Module:
     if kind == "onednn":
         return PackedLinear(linear)
     return InvariantLinear(linear.weight, linear.bias)
-
-
-def pack_linears(module: nn.Module, kind: str = "invariant") -> int:
-    """Replaces every packable ``nn.Linear`` under ``module`` by its packed form; returns how many.
-    The plain weights are released, so the model's weights stay in memory once."""
-    count = 0
-    for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear) and can_pack(child, kind):
-            setattr(module, name, packed(child, kind))
-            count += 1
-        else:
-            count += pack_linears(child, kind)
-    return count

@@ -9,7 +9,6 @@ on another worker). Float32 and a tiny vocabulary hide reduction-order differenc
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 
 import pytest
@@ -20,6 +19,7 @@ from pdfabric.engine.loader import load_model
 from pdfabric.engine.runner import ModelRunner, StepEntry
 from pdfabric.kernels.cpu_build import cpu_has_half_math
 from pdfabric.kernels.paged_attention_cpu import decodes_as_prefill
+from tests.invariance_helpers import Tables, prefill, prompts
 from tests.test_gguf import packaged
 
 pytestmark = packaged
@@ -37,38 +37,9 @@ def runner(request: pytest.FixtureRequest) -> ModelRunner:
     return ModelRunner(model, num_blocks=24 * SEQ_BLOCKS, block_size=BLOCK)
 
 
-class Tables:
-    """Hands out disjoint block tables (a sequence's own blocks), in scattered order like a pool's."""
-
-    def __init__(self) -> None:
-        self.free = list(range(24 * SEQ_BLOCKS))
-        random.Random(3).shuffle(self.free)
-
-    def take(self) -> tuple[int, ...]:
-        table, self.free = self.free[:SEQ_BLOCKS], self.free[SEQ_BLOCKS:]
-        return tuple(table)
-
-
 @pytest.fixture
 def tables() -> Iterator[Tables]:
-    yield Tables()
-
-
-def prompts(count: int, seed: int = 0) -> list[tuple[int, ...]]:
-    gen = torch.Generator().manual_seed(seed)
-    lengths = [23 + 29 * i % 140 for i in range(count)]
-    return [tuple(torch.randint(0, 49152, (n,), generator=gen).tolist()) for n in lengths]
-
-
-def prefill(
-    runner: ModelRunner, prompt: tuple[int, ...], table: tuple[int, ...], chunks: list[int]
-) -> torch.Tensor:
-    """Prefills ``prompt`` in chunks of the given sizes (the last takes the rest); its last logits."""
-    done = 0
-    for size in chunks:
-        runner.step([StepEntry(prompt[done : done + size], done, table, needs_logits=False)])
-        done += size
-    return runner.step([StepEntry(prompt[done:], done, table)])[0]
+    yield Tables(24 * SEQ_BLOCKS, SEQ_BLOCKS)
 
 
 def test_prompts_alone_and_batched_in_any_size_and_order(runner: ModelRunner, tables: Tables) -> None:

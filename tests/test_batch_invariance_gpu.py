@@ -10,14 +10,14 @@ packaged SmolLM2 is not needed): what is checked is the order of the sums, not t
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from pdfabric.engine.config import ModelConfig
 from pdfabric.engine.model import LlamaForCausalLM
 from pdfabric.engine.runner import ModelRunner, StepEntry
+from tests.invariance_helpers import Tables, prefill
+from tests.invariance_helpers import prompts as shared_prompts
 
 pytestmark = [
     pytest.mark.gpu,
@@ -58,37 +58,13 @@ def runner() -> ModelRunner:
     return r
 
 
-class Tables:
-    """Hands out disjoint block tables in scattered order, like a pool's."""
-
-    def __init__(self) -> None:
-        self.free = list(range(POOL))
-        random.Random(3).shuffle(self.free)
-
-    def take(self) -> tuple[int, ...]:
-        table, self.free = self.free[:SEQ_BLOCKS], self.free[SEQ_BLOCKS:]
-        return tuple(table)
-
-
-def prompts(count: int, seed: int = 0, longest: int = 900) -> list[tuple[int, ...]]:
-    gen = torch.Generator().manual_seed(seed)
-    lengths = [23 + 211 * i % longest for i in range(count)]
-    return [tuple(torch.randint(0, 49152, (n,), generator=gen).tolist()) for n in lengths]
-
-
-def prefill(
-    runner: ModelRunner, prompt: tuple[int, ...], table: tuple[int, ...], chunks: list[int]
-) -> torch.Tensor:
-    """Prefills ``prompt`` in chunks of the given sizes (the last takes the rest); its last logits."""
-    done = 0
-    for size in chunks:
-        runner.step([StepEntry(prompt[done : done + size], done, table, needs_logits=False)])
-        done += size
-    return runner.step([StepEntry(prompt[done:], done, table)])[0]
+def prompts(count: int, seed: int = 0) -> list[tuple[int, ...]]:
+    """Random prompts of 23 to 900 tokens: long enough to cross the attention's 512-key splits."""
+    return shared_prompts(count, seed, step=211, longest=900)
 
 
 def test_prompts_alone_and_batched_in_any_size_and_order(runner: ModelRunner) -> None:
-    tables = Tables()
+    tables = Tables(POOL, SEQ_BLOCKS)
     ps = prompts(6)  # 23 to 867 tokens
     alone = [prefill(runner, p, tables.take(), []) for p in ps]
     for order in ([0, 1], [5, 2, 0], [3, 1, 4, 0, 5, 2]):
@@ -98,7 +74,7 @@ def test_prompts_alone_and_batched_in_any_size_and_order(runner: ModelRunner) ->
 
 
 def test_a_prompt_in_any_chunks_and_after_a_cache_hit(runner: ModelRunner) -> None:
-    tables = Tables()
+    tables = Tables(POOL, SEQ_BLOCKS)
     prompt = prompts(1, seed=1)[0] * 40  # 920 tokens
     want = prefill(runner, prompt, tables.take(), [])
     for chunks in ([1], [16], [37, 20], [512], [300, 300, 300], [5, 600, 5], [919]):
@@ -111,7 +87,7 @@ def test_a_prompt_in_any_chunks_and_after_a_cache_hit(runner: ModelRunner) -> No
 
 
 def test_decoded_tokens_equal_a_re_prefill_of_prompt_and_output(runner: ModelRunner) -> None:
-    tables = Tables()
+    tables = Tables(POOL, SEQ_BLOCKS)
     seqs = [(p, tables.take()) for p in prompts(5, seed=2)]
     first = runner.step([StepEntry(p, 0, t) for p, t in seqs])
     outputs = [[int(row.argmax())] for row in first]
@@ -131,7 +107,7 @@ def test_decoded_tokens_equal_a_re_prefill_of_prompt_and_output(runner: ModelRun
 def test_decode_rows_beside_a_long_prompt_chunk(runner: ModelRunner) -> None:
     """Colocated steps mix decode rows with a prompt chunk: the matmuls then see 1,000 rows instead of
     4, and the attention more splits; a row's sums must not change with them."""
-    tables = Tables()
+    tables = Tables(POOL, SEQ_BLOCKS)
     seqs = [(p, tables.take()) for p in prompts(4, seed=3)]
     for p, t in seqs:
         runner.step([StepEntry(p[:-1], 0, t, needs_logits=False)])

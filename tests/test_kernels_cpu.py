@@ -16,7 +16,8 @@ from pdfabric.kernels import cpu_build, dispatch, paged_attention
 from pdfabric.kernels.attention_ref import paged_attention_ref, store_kv_ref
 from pdfabric.kernels.layer_ops_cpu import can_store_kv, rms_norm_cpu, rope_cpu, silu_mul_cpu, store_kv_cpu
 from pdfabric.kernels.layer_ops_ref import rms_norm_ref, rope_ref, silu_mul_ref
-from pdfabric.kernels.linear_cpu import LINEAR_KINDS, InvariantLinear, can_pack, pack_linears, packed
+from pdfabric.kernels.linear import pack_linears
+from pdfabric.kernels.linear_cpu import LINEAR_KINDS, InvariantLinear, can_pack, packed
 from pdfabric.kernels.paged_attention_cpu import (
     decodes_as_prefill,
     paged_attention_cpu,
