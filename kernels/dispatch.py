@@ -50,9 +50,6 @@ def runs_triton(t: torch.Tensor) -> bool:
     return t.is_cuda and _triton_ready()
 
 
-_use_triton = runs_triton
-
-
 @functools.cache
 def _triton_ready() -> bool:
     try:
@@ -86,7 +83,7 @@ def _layer_ops() -> ModuleType:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / rms(x)`` per row of ``x: [T, hidden]``, normalised in float32."""
-    if _use_triton(x) and weight.dtype == x.dtype:
+    if runs_triton(x) and weight.dtype == x.dtype:
         from pdfabric.kernels.rms_norm_triton import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps)
@@ -136,7 +133,7 @@ def store_kv(
             store_kv_tiled(key, value, kv_cache, slot_mapping)
         else:
             store_kv_ref(key, value, kv_cache, slot_mapping, tiled=True)
-    elif _use_triton(kv_cache):
+    elif runs_triton(kv_cache):
         from pdfabric.kernels.store_kv_triton import store_kv_triton
 
         store_kv_triton(key, value, kv_cache, slot_mapping)
@@ -158,7 +155,7 @@ def paged_attention(
     if meta.tiled_kv and not _use_cpu_attention(q, kv_cache):
         # only the CPU kernels and the reference read a tiled cache
         return paged_attention_ref(q, kv_cache, meta, scale)
-    if _use_triton(q):
+    if runs_triton(q):
         from pdfabric.kernels.paged_attention_triton import paged_attention_triton
 
         return paged_attention_triton(q, kv_cache, meta, scale)
@@ -173,7 +170,7 @@ def gather_blocks(
     kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Packs ``kv_cache[:, block_ids]`` into one contiguous ``[2, n, block_size, kv_heads, head_dim]``."""
-    if _use_triton(kv_cache):
+    if runs_triton(kv_cache):
         from pdfabric.kernels.kv_pack_triton import gather_blocks_triton
 
         return gather_blocks_triton(kv_cache, block_ids, out)
@@ -182,7 +179,7 @@ def gather_blocks(
 
 def scatter_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, packed: torch.Tensor) -> None:
     """Unpacks ``packed`` into ``kv_cache[:, block_ids]``."""
-    if _use_triton(kv_cache):
+    if runs_triton(kv_cache):
         from pdfabric.kernels.kv_pack_triton import scatter_blocks_triton
 
         scatter_blocks_triton(kv_cache, block_ids, packed)

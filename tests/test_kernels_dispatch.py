@@ -41,7 +41,7 @@ def test_auto_never_touches_triton_on_cpu(
 
 def test_torch_backend_never_uses_triton(backend: Callable[[str], None]) -> None:
     backend("torch")
-    assert not dispatch._use_triton(torch.zeros(1))
+    assert not dispatch.runs_triton(torch.zeros(1))
 
 
 def test_unknown_backend_is_rejected(backend: Callable[[str], None]) -> None:

@@ -79,8 +79,8 @@ def test_auto_backend_picks_triton_on_cuda() -> None:
     saved = dispatch.get_backend()
     dispatch.set_backend("auto")
     try:
-        assert dispatch._use_triton(torch.zeros(1, device="cuda"))
-        assert not dispatch._use_triton(torch.zeros(1))
+        assert dispatch.runs_triton(torch.zeros(1, device="cuda"))
+        assert not dispatch.runs_triton(torch.zeros(1))
     finally:
         dispatch.set_backend(saved)
 
