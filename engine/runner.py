@@ -46,10 +46,10 @@ class ModelRunner:
 
     It packs the model's linear layers and its head once (``kernels/linear.py``; by default the
     batch-invariant kernel of the model's device: C on CPUs, Triton on CUDA; ``linears="onednn"`` or
-    ``"cublas"`` for measuring the vendor library's) unless the kernel backend is ``torch`` (the plain
-    reference path); the model passed in is changed in place. Steps of
-    decode rows only then run their decoder layers in one C call (``kernels/decoder_cpu.py``) where
-    every kernel of a layer is a C one; other steps run the model's forward.
+    ``"cublas"`` for the vendor library's, which gives up batch invariance) unless the kernel backend
+    is ``torch`` (the plain reference path); the model passed in is changed in place. Steps of decode
+    rows only then run their decoder layers in one C call (``kernels/decoder_cpu.py``) where every
+    kernel of a layer is a C one; other steps run the model's forward.
     """
 
     def __init__(

@@ -7,9 +7,9 @@ layer's device; the model calls it like ``nn.Linear`` and never learns which it 
   rows, so a token's logits are the same to the bit in any batch, chunking or step kind. On CPUs
   ``linear_cpu.InvariantLinear`` (C, weights packed once); on CUDA ``linear_triton.TritonLinear``
   (Triton, one tile configuration for every row count), when the kernel backend runs Triton there.
-- ``onednn`` (CPUs) and ``cublas`` (CUDA): the vendor library, for measurement only; its blocking
-  follows the problem's shape, so a row's sums change with the batch. ``cublas`` is what ``nn.Linear``
-  runs on CUDA, so it leaves the layers as they are.
+- ``onednn`` (CPUs) and ``cublas`` (CUDA): the vendor library (a worker's ``linears`` setting); its
+  blocking follows the problem's shape, so a row's sums change with the batch. ``cublas`` is what
+  ``nn.Linear`` runs on CUDA, so it leaves the layers as they are.
 
 A layer that no kernel of the kind takes (a dtype the CPU cannot multiply natively, no C compiler, no
 Triton) stays ``nn.Linear``.
