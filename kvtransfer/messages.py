@@ -2,12 +2,14 @@
 
 They are registered with the one codec every socket speaks (``pdfabric.wire``: ``wire.encode`` and
 ``wire.decode``, every field checked on arrival), under tags of their own. One ZeroMQ message is one
-encoded message, followed, for a ``Chunk`` sent over the ZeroMQ transport, by its raw tensor frames
+encoded message, followed, for a ``KVChunk`` sent over the ZeroMQ transport, by its raw tensor frames
 (two per layer: keys then values, each ``[n, block_size, kv_heads, head_dim]`` in the cache's dtype).
 Tensor bytes never go through msgpack.
 
-sender -> receiver: ``Hello`` (once per connection), ``Chunk`` (one per layer range), ``Abort``.
-receiver -> sender: ``PeerInfo`` (answers ``Hello``), ``Ack`` (transfer DONE or FAILED), ``Abort``.
+sender -> receiver: ``Hello`` (once per connection), ``KVChunk`` (one per layer range), ``KVAbort``.
+(``KVChunk`` and ``KVAbort``, so that they are never taken for the scheduler's ``Chunk``, a piece of a
+step, or the control channel's ``Abort``, which ends a request on a worker.)
+receiver -> sender: ``PeerInfo`` (answers ``Hello``), ``Ack`` (transfer DONE or FAILED), ``KVAbort``.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ class PeerInfo:
 
 @message(42)
 @dataclass(frozen=True)
-class Chunk:
+class KVChunk:
     """Layers ``[layer_start, layer_end)`` of one request, for destination ``blocks``."""
 
     request_id: str
@@ -98,9 +100,9 @@ class Ack:
 
 @message(44)
 @dataclass(frozen=True)
-class Abort:
+class KVAbort:
     request_id: str
     reason: str
 
 
-Message = Hello | PeerInfo | Chunk | Ack | Abort
+Message = Hello | PeerInfo | KVChunk | Ack | KVAbort

@@ -6,10 +6,10 @@ A request's transfer, as the decode worker's loop polls it (never blocking):
 2. TRANSFERRING: chunks arrive in order and are checked (known request, sequence, layer range,
    dtype, size, blocks owned by this request, crc32 when sent) and written into the reserved blocks;
 3. DONE once every layer has landed: the sender is acknowledged and the blocks are handed over to
-   the caller (not released); FAILED on a bad chunk, an ``Abort`` from the sender, ``abort()`` here,
+   the caller (not released); FAILED on a bad chunk, an ``KVAbort`` from the sender, ``abort()`` here,
    the deadline, or no progress for ``idle_timeout_s`` (sender gone): the blocks are released once
    and the sender is told. Where a sender may write into them directly (shared memory), they are
-   released only after ``quarantine_s``, or as soon as the sender says it has stopped (its ``Abort``).
+   released only after ``quarantine_s``, or as soon as the sender says it has stopped (its ``KVAbort``).
    ``poll()`` returns each ended transfer once; the metrics hook sees it too.
 """
 
@@ -25,7 +25,7 @@ import zmq
 
 from pdfabric.kv_config import TransferConfig
 from pdfabric.kvtransfer.frames import check_blocks, layout_of
-from pdfabric.kvtransfer.messages import Abort, Ack, Chunk, Hello, PeerInfo
+from pdfabric.kvtransfer.messages import Ack, Hello, KVAbort, KVChunk, PeerInfo
 from pdfabric.kvtransfer.reservations import BlockReservations
 from pdfabric.kvtransfer.state import MetricsHook, Transfer, TransferResult, TransferState
 from pdfabric.kvtransfer.transport import Incoming, RecvPath, dist_ready, host_id
@@ -113,7 +113,7 @@ class KVReceiver:
         t = self._in.get(request_id)
         if t is not None:
             self._end(
-                t, TransferState.FAILED, f"aborted by receiver: {reason}", tell=Abort(request_id, reason)
+                t, TransferState.FAILED, f"aborted by receiver: {reason}", tell=KVAbort(request_id, reason)
             )
 
     @property
@@ -188,7 +188,7 @@ class KVReceiver:
                 **extra,
             )
             self._reply(peer, info)
-        elif isinstance(msg, Abort):
+        elif isinstance(msg, KVAbort):
             t = self._in.get(msg.request_id)
             if t is not None:
                 self._end(
@@ -196,7 +196,7 @@ class KVReceiver:
                 )
             else:
                 self._lift_quarantine(msg.request_id)
-        elif isinstance(msg, Chunk):
+        elif isinstance(msg, KVChunk):
             self._on_chunk(peer, msg, frames[1:])
         else:
             log.warning("kv receiver: dropped a %s, which is no message of this channel", type(msg).__name__)
@@ -209,7 +209,7 @@ class KVReceiver:
                 self.reservations.release(rid)
                 return
 
-    def _on_chunk(self, peer: bytes, chunk: Chunk, frames: list[zmq.Frame]) -> None:
+    def _on_chunk(self, peer: bytes, chunk: KVChunk, frames: list[zmq.Frame]) -> None:
         t = self._in.get(chunk.request_id)
         if t is None:
             ended = self._ended.get(chunk.request_id)
@@ -233,7 +233,7 @@ class KVReceiver:
         t.pending.append(incoming)
         self._advance(t)
 
-    def _check(self, t: _In, c: Chunk) -> str:
+    def _check(self, t: _In, c: KVChunk) -> str:
         lay = self.layout
         if c.seq != t.next_seq:
             return f"chunk {c.seq} out of order (expected {t.next_seq})"
@@ -272,7 +272,7 @@ class KVReceiver:
     def _fail(self, t: _In, reason: str) -> None:
         self._end(t, TransferState.FAILED, reason, tell=Ack(t.request_id, False, reason))
 
-    def _reply(self, peer: bytes, msg: PeerInfo | Ack | Abort) -> None:
+    def _reply(self, peer: bytes, msg: PeerInfo | Ack | KVAbort) -> None:
         """Sends without blocking; ROUTER drops messages to a peer that is gone or full."""
         try:
             self.sock.send_multipart([peer, encode(msg)], flags=zmq.NOBLOCK)
@@ -280,7 +280,7 @@ class KVReceiver:
             log.warning("kv receiver: reply %s not sent: %s", type(msg).__name__, exc)
 
     def _end(
-        self, t: _In, state: TransferState, reason: str, tell: Ack | Abort | None, sender_done: bool = False
+        self, t: _In, state: TransferState, reason: str, tell: Ack | KVAbort | None, sender_done: bool = False
     ) -> None:
         t.state, t.reason = state, reason
         quarantine = 0.0 if sender_done else self._quarantine_s

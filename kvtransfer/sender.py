@@ -5,7 +5,7 @@ A request's transfer, as the prefill worker's loop polls it (never blocking):
 1. WAITING: ``start()`` holds its local blocks; chunks queue until the receiver's ``PeerInfo``
    (asked with ``Hello`` once per endpoint) arrives and matches our layout;
 2. TRANSFERRING: ``send_layers(l0, l1)`` ships layers as they are computed (``send()`` ships all);
-3. DONE when the receiver acknowledges every layer; FAILED on a refusal, an ``Abort`` from the
+3. DONE when the receiver acknowledges every layer; FAILED on a refusal, an ``KVAbort`` from the
    receiver, ``abort()`` here, or the deadline. Either way its local blocks are released once, the
    receiver is told on failure, and the result is returned by ``poll()`` and given to the metrics hook.
 """
@@ -21,7 +21,7 @@ import zmq
 
 from pdfabric.kv_config import TransferConfig
 from pdfabric.kvtransfer.frames import dtype_name, layout_of
-from pdfabric.kvtransfer.messages import Abort, Ack, Chunk, Hello, Meta, PeerInfo
+from pdfabric.kvtransfer.messages import Ack, Hello, KVAbort, KVChunk, Meta, PeerInfo
 from pdfabric.kvtransfer.reservations import BlockReservations
 from pdfabric.kvtransfer.state import MetricsHook, Transfer, TransferResult, TransferState
 from pdfabric.kvtransfer.transport import Outgoing, SendPath, choose_transport
@@ -193,7 +193,7 @@ class KVSender:
                 continue
             if isinstance(msg, PeerInfo):
                 self._on_info(peer, msg)
-            elif isinstance(msg, Ack | Abort):
+            elif isinstance(msg, Ack | KVAbort):
                 self._on_reply(msg)
             else:
                 kind = type(msg).__name__
@@ -214,13 +214,13 @@ class KVSender:
             if out.endpoint == peer.endpoint and not out.state.finished:
                 self._pump(out)
 
-    def _on_reply(self, msg: Ack | Abort) -> None:
+    def _on_reply(self, msg: Ack | KVAbort) -> None:
         out = self._out.get(msg.request_id)
         if out is None or out.state.finished:
             return
-        # After a failure on the receiver's side, the Abort sent back says that nothing more will be
+        # After a failure on the receiver's side, the KVAbort sent back says that nothing more will be
         # written, so that the receiver can give blocks that a shared-memory write could reach back early.
-        if isinstance(msg, Abort):
+        if isinstance(msg, KVAbort):
             self._end(out, TransferState.FAILED, f"aborted by receiver: {msg.reason}", notify="stopped")
         elif not msg.ok:
             self._end(out, TransferState.FAILED, f"receiver refused: {msg.reason}", notify="stopped")
@@ -253,10 +253,10 @@ class KVSender:
         return [range(l0, min(l0 + step, layers.stop)) for l0 in range(layers.start, layers.stop, step)]
 
     def _ship(self, peer: _Peer, out: _Out, layers: range, meta: Meta) -> bool:
-        """Moves ``layers`` and sends their ``Chunk``; False when the transfer failed instead."""
+        """Moves ``layers`` and sends their ``KVChunk``; False when the transfer failed instead."""
         assert peer.path is not None  # set with info when there is no error
         sent = peer.path.send(self.caches, out.blocks, out.remote_blocks, layers, self.config.checksum)
-        chunk = Chunk(
+        chunk = KVChunk(
             out.request_id,
             out.next_seq,
             layers.start,
@@ -290,7 +290,7 @@ class KVSender:
         peer = self._peers.get(out.endpoint)
         if notify is not None and peer is not None:
             try:
-                peer.sock.send(encode(Abort(out.request_id, notify)), zmq.NOBLOCK)
+                peer.sock.send(encode(KVAbort(out.request_id, notify)), zmq.NOBLOCK)
             except zmq.ZMQError as exc:
                 log.warning("kv sender: could not tell %s about %s: %s", out.endpoint, out.request_id, exc)
         self.held.release(out.request_id)

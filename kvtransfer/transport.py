@@ -2,7 +2,7 @@
 
 The sender and receiver state machines (``sender.py``, ``receiver.py``) own the ZeroMQ control
 channel, the transfer records, the checks and the deadlines. A transport only moves the bytes of one
-``Chunk`` (layers ``[l0, l1)`` of one request):
+``KVChunk`` (layers ``[l0, l1)`` of one request):
 
 - ``SendPath.send(...)`` starts moving them and returns an ``Outgoing``: frames to append to the
   chunk's control message (ZeroMQ only), tensors to keep alive, and a ``done()`` test;
@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import torch
 import zmq
 
-from pdfabric.kvtransfer.messages import Chunk, PeerInfo
+from pdfabric.kvtransfer.messages import KVChunk, PeerInfo
 
 
 @dataclass
@@ -40,7 +40,7 @@ class Outgoing:
 
 @dataclass
 class Incoming:
-    chunk: Chunk
+    chunk: KVChunk
     nbytes: int
     finish: Callable[[], str]  # checks and writes into the cache; returns a reason or ""
     works: list[Any] = field(default_factory=list)
@@ -65,7 +65,9 @@ class SendPath(Protocol):
 class RecvPath(Protocol):
     def info(self) -> dict[str, Any]: ...  # extra PeerInfo fields (shm paths, rank)
 
-    def begin(self, chunk: Chunk, frames: list[zmq.Frame], caches: list[torch.Tensor]) -> Incoming | str: ...
+    def begin(
+        self, chunk: KVChunk, frames: list[zmq.Frame], caches: list[torch.Tensor]
+    ) -> Incoming | str: ...
 
     def close(self) -> None: ...
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import zmq
 
 from pdfabric.kvtransfer.frames import as_bytes, crc32, host, pack_layer, unpack_layer
-from pdfabric.kvtransfer.messages import Chunk, PeerInfo
+from pdfabric.kvtransfer.messages import KVChunk, PeerInfo
 from pdfabric.kvtransfer.transport import Incoming, Outgoing
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ class DistRecvPath:
     def info(self) -> dict[str, Any]:
         return {"rank": dist.get_rank()}
 
-    def begin(self, chunk: Chunk, frames: list[zmq.Frame], caches: list[torch.Tensor]) -> Incoming | str:
+    def begin(self, chunk: KVChunk, frames: list[zmq.Frame], caches: list[torch.Tensor]) -> Incoming | str:
         if frames:
             return f"dist chunk carries {len(frames)} unexpected tensor frames"
         if chunk.src_rank < 0 or chunk.tag < 0:

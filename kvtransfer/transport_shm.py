@@ -14,7 +14,7 @@ import torch
 import zmq
 
 from pdfabric.kvtransfer.frames import copy_blocks, crc32_blocks, torch_dtype
-from pdfabric.kvtransfer.messages import Chunk, PeerInfo
+from pdfabric.kvtransfer.messages import KVChunk, PeerInfo
 from pdfabric.kvtransfer.shm_pool import map_caches
 from pdfabric.kvtransfer.transport import Incoming, Outgoing
 
@@ -60,7 +60,7 @@ class ShmRecvPath:
     def info(self) -> dict[str, Any]:
         return {"shm_paths": self.shm_paths}
 
-    def begin(self, chunk: Chunk, frames: list[zmq.Frame], caches: list[torch.Tensor]) -> Incoming | str:
+    def begin(self, chunk: KVChunk, frames: list[zmq.Frame], caches: list[torch.Tensor]) -> Incoming | str:
         if frames:
             return f"shm chunk carries {len(frames)} unexpected tensor frames"
 

@@ -23,7 +23,7 @@ import torch
 import zmq
 
 from pdfabric.kvtransfer.frames import as_bytes, crc32, frame_tensor, host, pack_layer, unpack_layer
-from pdfabric.kvtransfer.messages import Chunk
+from pdfabric.kvtransfer.messages import KVChunk
 from pdfabric.kvtransfer.transport import Incoming, Outgoing
 
 
@@ -84,7 +84,7 @@ class ZmqRecvPath:
     def info(self) -> dict[str, Any]:
         return {}
 
-    def begin(self, chunk: Chunk, frames: list[zmq.Frame], caches: list[torch.Tensor]) -> Incoming | str:
+    def begin(self, chunk: KVChunk, frames: list[zmq.Frame], caches: list[torch.Tensor]) -> Incoming | str:
         if len(frames) != chunk.num_frames:
             return f"expected {chunk.num_frames} tensor frames, got {len(frames)}"
         bufs = [f.buffer for f in frames]

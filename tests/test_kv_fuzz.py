@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdfabric.kv_config import TransferConfig
-from pdfabric.kvtransfer.messages import Abort, Ack, Chunk, Hello, KVLayout, PeerInfo
+from pdfabric.kvtransfer.messages import Ack, Hello, KVAbort, KVChunk, KVLayout, PeerInfo
 from pdfabric.kvtransfer.receiver import KVReceiver
 from pdfabric.kvtransfer.sender import KVSender
 from pdfabric.kvtransfer.state import TransferState
@@ -32,10 +32,10 @@ CONFIG = TransferConfig(timeout_s=600, idle_timeout_s=600, checksum=True)  # the
 FRAME_BYTES = 4 * 2 * 8 * 2  # one block of one layer's keys: [block_size 4, heads 2, dim 8] bfloat16
 BASES = [  # valid messages for requests the receiver does not expect
     Hello("stranger"),
-    Chunk("stranger-1", 0, 0, LAYERS, (3, 4), "bfloat16", 2 * FRAME_BYTES, ()),
-    Chunk("stranger-2", 1, 1, 2, (0,), "bfloat16", FRAME_BYTES, (1, 2)),
+    KVChunk("stranger-1", 0, 0, LAYERS, (3, 4), "bfloat16", 2 * FRAME_BYTES, ()),
+    KVChunk("stranger-2", 1, 1, 2, (0,), "bfloat16", FRAME_BYTES, (1, 2)),
     Ack("stranger-3", True),
-    Abort("stranger-4", "gone"),
+    KVAbort("stranger-4", "gone"),
     PeerInfo("zmq", KVLayout(LAYERS, 4, 2, 8, "bfloat16", 2), BLOCKS),
 ]
 

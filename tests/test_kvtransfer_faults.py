@@ -12,7 +12,7 @@ import zmq
 
 from pdfabric.kv_config import TransferConfig
 from pdfabric.kvtransfer.frames import as_bytes, crc32, pack_layer
-from pdfabric.kvtransfer.messages import Ack, Chunk
+from pdfabric.kvtransfer.messages import Ack, KVChunk
 from pdfabric.kvtransfer.receiver import KVReceiver
 from pdfabric.kvtransfer.sender import KVSender
 from pdfabric.kvtransfer.state import TransferResult, TransferState
@@ -52,11 +52,11 @@ def raw(rx: tuple[KVReceiver, FakePool]) -> Iterator[zmq.Socket]:
 
 def _chunk_frames(
     rid: str, blocks: tuple[int, ...], layers: range = range(LAYERS), seq: int = 0
-) -> tuple[Chunk, list[memoryview]]:
+) -> tuple[KVChunk, list[memoryview]]:
     caches = make_caches(LAYERS, BLOCKS, torch.bfloat16, 5)
     tensors = [t for layer in layers for t in pack_layer(caches[layer], blocks)]
     nbytes = tensors[0].numel() * 2
-    chunk = Chunk(
+    chunk = KVChunk(
         rid, seq, layers.start, layers.stop, blocks, "bfloat16", nbytes, tuple(crc32(t) for t in tensors)
     )
     return chunk, [as_bytes(t).tobytes() for t in tensors]
@@ -291,7 +291,7 @@ def test_shm_checksum_mismatch_and_stray_frames() -> None:
         ):
             blocks = pool.allocate(2)
             receiver.expect(rid, blocks)
-            chunk = Chunk(rid, 0, 0, LAYERS, blocks, "bfloat16", 2 * 4 * 2 * 8 * 2, (1, 2, 3, 4))
+            chunk = KVChunk(rid, 0, 0, LAYERS, blocks, "bfloat16", 2 * 4 * 2 * 8 * 2, (1, 2, 3, 4))
             sock.send_multipart([encode(chunk), *frames])
             result, ack = _fail_one(receiver, sock)
             assert words in result.reason and ack is not None and not ack.ok

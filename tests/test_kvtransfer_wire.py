@@ -17,7 +17,7 @@ from pdfabric.kvtransfer.frames import (
     torch_dtype,
     unpack_layer,
 )
-from pdfabric.kvtransfer.messages import Abort, Ack, Chunk, Hello, KVLayout, PeerInfo
+from pdfabric.kvtransfer.messages import Ack, Hello, KVAbort, KVChunk, KVLayout, PeerInfo
 from pdfabric.kvtransfer.reservations import BlockReservations
 from pdfabric.wire import decode, encode
 from tests.kvtransfer_helpers import FakePool, make_caches
@@ -32,10 +32,10 @@ LAYOUT = KVLayout(2, 16, 8, 64, "bfloat16", 2)
         PeerInfo("shm", LAYOUT, 100, ("/dev/shm/a", "/dev/shm/b")),
         PeerInfo("dist", LAYOUT, 5, rank=1),
         PeerInfo("zmq", KVLayout(2, 16, 8, 64, "bfloat16", 2, tiled=True), 5),
-        Chunk("r1", 0, 0, 2, (3, 4, 9), "bfloat16", 16384, (1, 2, 3, 4), meta={"first_token": 7}),
+        KVChunk("r1", 0, 0, 2, (3, 4, 9), "bfloat16", 16384, (1, 2, 3, 4), meta={"first_token": 7}),
         Ack("r1", True),
         Ack("r1", False, "unknown request"),
-        Abort("r1", "client gone"),
+        KVAbort("r1", "client gone"),
     ],
 )
 def test_messages_round_trip(msg: object) -> None:
