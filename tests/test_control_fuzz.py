@@ -12,16 +12,14 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-import msgpack
 import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from pdfabric.control import Heartbeat, Register, StepOutputs, TokenDelta
 from pdfabric.profile import WorkerProfile
-from pdfabric.wire import _BY_TAG, encode
 from tests.fabric import free_port, get_json, post_json, running_fabric
+from tests.wire_fuzz import frames
 
 PROFILE = WorkerProfile((0.01, 1e-4, 1e-8), (0.005, 1e-4, 1e-7), 3, 4, 0.1)
 BASES = [  # valid messages from a stranger that serves no model the test asks for
@@ -38,28 +36,6 @@ GREEDY = {
     "temperature": 0,
     "ignore_eos": True,
 }
-
-values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=12)
-    | st.binary(max_size=12),
-    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
-    max_leaves=16,
-)  # fmt: skip
-
-
-@st.composite
-def frames(draw: st.DrawFn) -> bytes:
-    kind = draw(st.sampled_from(["bytes", "tagged", "mutated"]))
-    if kind == "bytes":
-        return draw(st.binary(max_size=256))
-    if kind == "tagged":
-        tag = draw(st.sampled_from(sorted(_BY_TAG)))
-        return msgpack.packb([tag, *draw(st.lists(values, max_size=16))], use_bin_type=True)
-    fields = list(msgpack.unpackb(encode(draw(st.sampled_from(BASES))), raw=False))
-    at = draw(st.integers(1, len(fields) - 1))
-    fields[at] = draw(values)
-    return msgpack.packb(fields, use_bin_type=True)
-
 
 @pytest.fixture(scope="module")
 def fabric() -> Iterator[tuple[str, int]]:
@@ -89,7 +65,7 @@ def before(fabric: tuple[str, int]) -> list[int]:
 
 @settings(max_examples=400, deadline=None, database=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])  # fmt: skip
-@given(frame=frames())
+@given(frame=frames(BASES))
 def test_frames_thrown_at_the_control_socket(stranger: zmq.Socket, before: list[int], frame: bytes) -> None:
     stranger.send(frame)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-import msgpack
 import pytest
 import torch
 import zmq
@@ -24,8 +23,8 @@ from pdfabric.kvtransfer.messages import Ack, Hello, KVAbort, KVChunk, KVLayout,
 from pdfabric.kvtransfer.receiver import KVReceiver
 from pdfabric.kvtransfer.sender import KVSender
 from pdfabric.kvtransfer.state import TransferState
-from pdfabric.wire import _BY_TAG, encode
 from tests.kvtransfer_helpers import FakePool, digest, make_caches, pump
+from tests.wire_fuzz import KINDS, frames
 
 LAYERS, BLOCKS = 2, 16
 CONFIG = TransferConfig(timeout_s=600, idle_timeout_s=600, checksum=True)  # the victim waits out the fuzz
@@ -39,29 +38,10 @@ BASES = [  # valid messages for requests the receiver does not expect
     PeerInfo("zmq", KVLayout(LAYERS, 4, 2, 8, "bfloat16", 2), BLOCKS),
 ]
 
-values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=12)
-    | st.binary(max_size=12),
-    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
-    max_leaves=16,
-)  # fmt: skip
-
-
 @st.composite
 def messages(draw: st.DrawFn) -> list[bytes]:
     """One ZeroMQ message: a head frame, then 0-4 tensor-like frames."""
-    kind = draw(st.sampled_from(["bytes", "tagged", "mutated", "valid"]))
-    if kind == "bytes":
-        head = draw(st.binary(max_size=256))
-    elif kind == "tagged":
-        tag = draw(st.sampled_from(sorted(_BY_TAG)))
-        head = msgpack.packb([tag, *draw(st.lists(values, max_size=14))], use_bin_type=True)
-    else:
-        fields = list(msgpack.unpackb(encode(draw(st.sampled_from(BASES))), raw=False))
-        if kind == "mutated":
-            at = draw(st.integers(1, len(fields) - 1))
-            fields[at] = draw(values)
-        head = msgpack.packb(fields, use_bin_type=True)
+    head = draw(frames(BASES, (*KINDS, "valid")))
     sizes = draw(st.lists(st.sampled_from([0, 1, FRAME_BYTES - 1, FRAME_BYTES, 2 * FRAME_BYTES]), max_size=4))
     return [head, *(bytes(draw(st.binary(min_size=n, max_size=n))) for n in sizes)]
 
