@@ -22,7 +22,7 @@ from pdfabric.bench.sim_spec import SimWorker
 from pdfabric.bench.simulator import SimConfig
 from pdfabric.config import ServeConfig
 from pdfabric.profile_file import ProfileFile, for_kind
-from pdfabric.worker.core import CoreSpec
+from pdfabric.worker.spec import CoreSpec
 
 
 def sim_config(
@@ -34,13 +34,10 @@ def sim_config(
     workers = []
     for worker_id, w in serve.launch_plan():
         pf = for_kind(profiles, w.kind)
-        num_blocks = w.kv_blocks(pf.kv_bytes_per_token)
         rate = pf.kv_rate(transport) if pf.kv_bytes_per_s else serve.predictor.default_kv_bytes_per_s
-        core = CoreSpec(
-            worker_id, w.kind, num_blocks, w.block_size, min(pf.max_model_len, num_blocks * w.block_size),
-            w.max_running, w.max_batch_tokens, pf.kv_bytes_per_token, w.heartbeat_s, w.pool, pf.model,
-            prefix_caching=w.prefix_caching,
-        )  # fmt: skip
+        core = CoreSpec.sized(
+            w, worker_id=worker_id, model_max_len=pf.max_model_len, kv_bytes_per_token=pf.kv_bytes_per_token
+        )
         workers.append(SimWorker(core, pf.profile, rate))
     return SimConfig(tuple(workers), serve.routing, serve.predictor)
 

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from pdfabric.bench.sim_spec import SimWorker
 from pdfabric.control import DECODE
 from pdfabric.kvtransfer.state import TransferResult, TransferState
-from pdfabric.worker.core import CancelKV, ExpectKV, PushKV, kv_meta
+from pdfabric.worker.kv import CancelKV, ExpectKV, PushKV, kv_meta
 
 SIM_TRANSPORT = "sim"  # the transport name simulated pushes report (rates per transport in heartbeats)
 At = Callable[[float, Callable[[Any], None], Any], None]  # the simulation's event scheduler
@@ -57,7 +57,7 @@ class SimLink:
         if isinstance(cmd, PushKV):
             decode = self._by_endpoint[cmd.endpoint]
             spec = worker.spec
-            nbytes = len(cmd.local_blocks) * spec.core.block_size * spec.core.kv_bytes_per_token
+            nbytes = len(cmd.local_blocks) * spec.core.config.block_size * spec.core.kv_bytes_per_token
             rate = min(spec.kv_bytes_per_s, decode.spec.kv_bytes_per_s)
             pid, did = spec.worker_id, decode.spec.worker_id
             done = max(now, self._free[pid], self._free[did]) + nbytes / rate

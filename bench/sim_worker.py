@@ -1,5 +1,6 @@
-"""One simulated worker of ``bench.simulator``: the server's own worker core (``pdfabric.worker.core``:
-``PrefillCore``, ``DecodeCore`` or ``ColocatedCore``) driven by simulated time instead of sockets.
+"""One simulated worker of ``bench.simulator``: the server's own worker core (``PrefillCore``,
+``DecodeCore`` or ``ColocatedCore``, as ``kinds.table`` maps its kind) driven by simulated time
+instead of sockets.
 
 The core does everything the real worker decides (admission, scheduling, block accounting, the
 messages it sends, heartbeat content); this driver only models time the way the real loop
@@ -23,11 +24,12 @@ from typing import Any, Protocol
 
 from pdfabric.bench.sim_link import SimLink, endpoint_of
 from pdfabric.bench.sim_spec import SimWorker
-from pdfabric.control import COLOCATED, DECODE, PREFILL, Register
-from pdfabric.decode.core import ColocatedCore, DecodeCore
+from pdfabric.control import DECODE, Register
+from pdfabric.kinds.table import KINDS
 from pdfabric.kvtransfer.state import TransferResult
-from pdfabric.prefill.core import PrefillCore
-from pdfabric.worker.core import CancelKV, ExpectKV, FixedProfile, Out, PushKV, Step, WorkerCore
+from pdfabric.worker.core import Out, Step
+from pdfabric.worker.kv import CancelKV, ExpectKV, PushKV
+from pdfabric.worker.spec import FixedProfile
 
 
 class Host(Protocol):
@@ -42,9 +44,6 @@ class Host(Protocol):
     def receive(self, msg: object) -> None: ...
 
 
-CORES: dict[str, type[WorkerCore]] = {PREFILL: PrefillCore, DECODE: DecodeCore, COLOCATED: ColocatedCore}
-
-
 class SimulatedWorker:
     """One worker's loop: messages between steps, then a step of ``profile.step_seconds`` if it has work."""
 
@@ -52,7 +51,7 @@ class SimulatedWorker:
         self.sim = sim
         self.spec = spec
         endpoint = endpoint_of(spec.worker_id) if spec.kind == DECODE else ""
-        self.core = CORES[spec.kind](spec.core, FixedProfile(spec.profile), endpoint)
+        self.core = KINDS[spec.kind].core(spec.core, FixedProfile(spec.profile), endpoint)
         self.scheduler, self.tables = self.core.scheduler, self.core.tables
         self.busy = False  # a step is running
         self._wake = False  # a boundary is queued for an idle worker

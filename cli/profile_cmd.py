@@ -190,11 +190,11 @@ def profile(args: argparse.Namespace, transports: list[str]) -> tuple[ProfileFil
     started = time.perf_counter()
     engine = build_engine(cfg)
     runner, builder = engine.runner, engine.profile
-    kv_tokens = engine.num_blocks * cfg.block_size
+    kv_tokens = engine.spec.num_blocks * cfg.block_size
     plan = profiling_plan(
         cfg.max_batch_tokens,
         cfg.max_running,
-        engine.max_model_len,
+        engine.spec.max_model_len,
         kv_tokens,
         points_per_kind=args.points,
         repeats=args.repeats,
@@ -216,7 +216,8 @@ def profile(args: argparse.Namespace, transports: list[str]) -> tuple[ProfileFil
         raise ValueError(f"no step was timed within --seconds {args.seconds:g}; give it more time")
     fitted = builder.profile(force=True)
     mcfg = runner.config
-    sizes = [t for t in TRANSFER_PROMPTS if t <= min(engine.max_model_len, kv_tokens)] or [cfg.block_size]
+    fits = min(engine.spec.max_model_len, kv_tokens)
+    sizes = [t for t in TRANSFER_PROMPTS if t <= fits] or [cfg.block_size]
     rates = measure_kv_rates(
         mcfg, cfg.block_size, sizes, transports, args.transfer_repeats, not args.no_progress
     )
@@ -228,7 +229,7 @@ def profile(args: argparse.Namespace, transports: list[str]) -> tuple[ProfileFil
         block_size=cfg.block_size,
         max_batch_tokens=measured.max_prefill_tokens or cfg.max_batch_tokens,
         max_running=measured.max_batch or cfg.max_running,
-        max_model_len=engine.max_model_len,
+        max_model_len=engine.spec.max_model_len,
         role=args.role,
         device=runner.device.type,
         device_name=_device_name(device),

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 from dataclasses import replace
 
 from pdfabric.config import load_serve_config
 from pdfabric.control import KINDS
+from pdfabric.kinds.table import kind
 from pdfabric.kv_config import CHOICES as KV_TRANSPORTS
+from pdfabric.worker.loop import run_worker
 from pdfabric.worker_config import LINEARS, WorkerConfig, worker_config_from_json, worker_default
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -98,20 +99,6 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     return cfg
 
 
-def build(cfg: WorkerConfig, parent_pid: int = 0):  # noqa: ANN201 - a Worker subclass
-    if cfg.kind == "colocated":
-        from pdfabric.decode.colocated import ColocatedWorker
-
-        return ColocatedWorker(cfg, parent_pid)
-    if cfg.kind == "decode":
-        from pdfabric.decode.worker import DecodeWorker
-
-        return DecodeWorker(cfg, parent_pid)
-    from pdfabric.prefill.worker import PrefillWorker
-
-    return PrefillWorker(cfg, parent_pid)
-
-
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
@@ -119,7 +106,5 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"pdfabric worker: error: {exc}", file=sys.stderr)
         return 2
-    worker = build(cfg, args.parent_pid)
-    signal.signal(signal.SIGTERM, lambda *_: worker.drain())
-    worker.serve_forever()
+    run_worker(cfg, kind(cfg.kind), args.parent_pid)
     return 0

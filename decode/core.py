@@ -29,16 +29,9 @@ from __future__ import annotations
 from pdfabric.control import Generate, Reserve, Reserved, TokenDelta
 from pdfabric.engine.sequence import SeqState, Sequence
 from pdfabric.kvtransfer.state import TransferResult
-from pdfabric.worker.core import (
-    CancelKV,
-    CoreSpec,
-    ExpectKV,
-    Out,
-    ProfileSource,
-    WorkerCore,
-    WrongMessage,
-    first_token_of,
-)
+from pdfabric.worker.core import Out, WorkerCore, WrongMessage
+from pdfabric.worker.kv import CancelKV, ExpectKV, first_token_of
+from pdfabric.worker.spec import CoreSpec, ProfileSource
 
 
 class DecodeCore(WorkerCore):

@@ -26,11 +26,14 @@ from pdfabric.profile import StepShape
 Pick = tuple[int, float] | tuple[int, float, TopLogprobs]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
-    max_batch_tokens: int = 512  # tokens per forward step (decode tokens + prefill chunks)
-    max_running: int = 64  # sequences decoding at once
-    max_model_len: int = 4096
+    """A worker's limits as its scheduler applies them; the worker core builds it from its
+    ``CoreSpec`` (the limits' defaults are ``WorkerConfig``'s, written there once)."""
+
+    max_batch_tokens: int  # tokens per forward step (decode tokens + prefill chunks)
+    max_running: int  # sequences decoding at once
+    max_model_len: int  # tokens one sequence may hold
     on_prefilled: str = "decode"  # or "handoff"
     prefix_salt: bytes | None = None  # prefix caching on, hashes salted by the model (None: off)
 

@@ -21,18 +21,9 @@ from dataclasses import replace
 from pdfabric.control import HandedOff, Prefill, TokenDelta
 from pdfabric.engine.sequence import SeqState, Sequence
 from pdfabric.kvtransfer.state import TransferResult
-from pdfabric.worker.core import (
-    CancelKV,
-    CoreSpec,
-    OpenPush,
-    Out,
-    ProfileSource,
-    PushKV,
-    Step,
-    WorkerCore,
-    WrongMessage,
-    delta_of,
-)
+from pdfabric.worker.core import Out, Step, WorkerCore, WrongMessage, delta_of
+from pdfabric.worker.kv import CancelKV, OpenPush, PushKV
+from pdfabric.worker.spec import CoreSpec, ProfileSource
 
 
 class PrefillCore(WorkerCore):

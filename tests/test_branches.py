@@ -11,7 +11,10 @@ from pdfabric.decode.core import ColocatedCore, DecodeCore
 from pdfabric.kvtransfer.state import TransferResult, TransferState
 from pdfabric.profile import WorkerProfile
 from pdfabric.sampling_params import Branch, SamplingParams
-from pdfabric.worker.core import CoreSpec, ExpectKV, FixedProfile, Out, WorkerCore
+from pdfabric.worker.core import Out, WorkerCore
+from pdfabric.worker.kv import ExpectKV
+from pdfabric.worker.spec import CoreSpec, FixedProfile
+from tests.core_helpers import core_spec
 
 PROFILE = FixedProfile(WorkerProfile())
 BS = 4
@@ -19,7 +22,7 @@ PROMPT = tuple(range(1, 12))  # 11 tokens: two full blocks and a partial one
 
 
 def _spec(kind: str, num_blocks: int = 64) -> CoreSpec:
-    return CoreSpec(f"{kind}-0", kind, num_blocks, block_size=BS, max_model_len=128, max_batch_tokens=32)
+    return core_spec(kind, num_blocks, block_size=BS, max_model_len=128, max_batch_tokens=32)
 
 
 def _token(history: tuple[int, ...], choice: int) -> int:

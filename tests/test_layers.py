@@ -4,7 +4,8 @@ The nodes are the modules directly in ``pdfabric/`` (protocol, config, wire, pro
 ``pdfabric``) and each subpackage (``pdfabric.<folder>``). From the bottom up:
 
     pdfabric (protocol and config)  <  kernels  <  engine  <  kvtransfer  <  worker (what every worker
-    kind shares)  <  prefill, decode  <  router  <  bench  <  cli (the command line, the launcher)
+    kind shares)  <  prefill, decode (the kinds)  <  kinds (their table)  <  router  <  bench  <  cli
+    (the command line, the launcher)
 
 A module may import its own node and any node below it, at module level or inside a function (an
 import inside a function is still a dependency), and never one above it; the nodes of one layer
@@ -25,6 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("kvtransfer",),
     ("worker",),
     ("prefill", "decode"),
+    ("kinds",),
     ("router",),
     ("bench",),
     ("cli",),

@@ -15,7 +15,9 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SUBPACKAGES = ("engine", "kernels", "kvtransfer", "worker", "prefill", "decode", "router", "bench", "cli")
+SUBPACKAGES = (
+    "engine", "kernels", "kvtransfer", "worker", "prefill", "decode", "kinds", "router", "bench", "cli"
+)
 IMPORT_ALL = (
     "import json, pdfabric, pdfabric.kernels, pdfabric.kernels.dispatch, pdfabric.engine.block_pool, "
     "pdfabric.kvtransfer.state, pdfabric.worker.core, pdfabric.prefill, pdfabric.decode, "

@@ -109,7 +109,8 @@ def test_prompt_scores_are_the_same_whole_chunked_and_in_a_worker(hf_llama_dir: 
     from pdfabric.decode.core import ColocatedCore
     from pdfabric.engine.stepper import Stepper
     from pdfabric.profile import WorkerProfile
-    from pdfabric.worker.core import CoreSpec, FixedProfile
+    from pdfabric.worker.spec import FixedProfile
+    from tests.core_helpers import core_spec
 
     prompt = list(_ids(21, 5))
     params = SamplingParams(max_tokens=3, ignore_eos=True, logprobs=2, prompt_logprobs=True)
@@ -119,7 +120,7 @@ def test_prompt_scores_are_the_same_whole_chunked_and_in_a_worker(hf_llama_dir: 
         len(t) == 2 for _, t in whole.prompt_logprobs
     )
     chunked = reference.generate(prompt, params, chunk_size=4)
-    spec = CoreSpec("c", "colocated", 64, block_size=BLOCK, max_model_len=256, max_batch_tokens=6)
+    spec = core_spec("colocated", 64, worker_id="c", block_size=BLOCK, max_model_len=256, max_batch_tokens=6)
     core = ColocatedCore(spec, FixedProfile(WorkerProfile()))
     stepper = Stepper(ModelRunner(reference.model, 64, BLOCK))
     core.handle(Generate("other", tuple(_ids(9, 6)), SamplingParams(max_tokens=4), ()))

@@ -15,7 +15,10 @@ from pdfabric.kvtransfer.state import TransferResult, TransferState
 from pdfabric.prefill.core import PrefillCore
 from pdfabric.profile import WorkerProfile
 from pdfabric.sampling_params import SamplingParams
-from pdfabric.worker.core import CoreSpec, ExpectKV, FixedProfile, PushKV, WorkerCore
+from pdfabric.worker.core import WorkerCore
+from pdfabric.worker.kv import ExpectKV, PushKV
+from pdfabric.worker.spec import CoreSpec, FixedProfile
+from tests.core_helpers import core_spec
 from tests.test_worker_core import _run_step, _tokens
 
 SALT = b"model"
@@ -57,8 +60,8 @@ def test_cached_blocks_wait_idle_count_as_free_and_are_evicted_oldest_first() ->
 
 
 def _spec(num_blocks: int = 64, caching: bool = True) -> CoreSpec:
-    return CoreSpec("colocated-0", "colocated", num_blocks, block_size=4, max_model_len=256,
-                    max_batch_tokens=16, model="m", prefix_caching=caching)  # fmt: skip
+    return core_spec("colocated", num_blocks, block_size=4, max_model_len=256, max_batch_tokens=16,
+                     model="m", prefix_caching=caching)  # fmt: skip
 
 
 def _serve(core: WorkerCore, prompts: dict[str, tuple[int, ...]], max_tokens: int) -> list[TokenDelta]:
@@ -122,7 +125,8 @@ def test_with_the_real_model_cache_hits_change_no_token(tiny: tuple) -> None:
     """Greedy and seeded requests sharing prefixes (a system prompt, a conversation's turns), some at
     once and some after others: every output equals the single-process reference."""
     reference, stepper = tiny
-    spec = CoreSpec("colocated-0", "colocated", 128, 16, 2048, 8, 64, model="tiny", prefix_caching=True)
+    spec = core_spec("colocated", 128, block_size=16, max_model_len=2048, max_running=8, max_batch_tokens=64,
+                     model="tiny", prefix_caching=True)  # fmt: skip
     core = ColocatedCore(spec, FixedProfile(WorkerProfile()))
     system = tuple(range(40, 90))  # 50 tokens: three full blocks
     greedy = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -188,7 +192,7 @@ def test_a_decode_worker_that_holds_a_prefix_receives_only_the_rest() -> None:
     """Turn 2 of a conversation on the decode worker that served turn 1: it reserves only the blocks
     it lacks and the prefill worker ships only those; the tokens are what colocated gives."""
     def spec(kind: str) -> CoreSpec:
-        return CoreSpec(f"{kind}-0", kind, 64, block_size=4, max_model_len=256, max_batch_tokens=16,
+        return core_spec(kind, 64, block_size=4, max_model_len=256, max_batch_tokens=16,
                         model="m", prefix_caching=True)  # fmt: skip
 
     pre, dec = PrefillCore(spec("prefill"), FixedProfile(WorkerProfile())), DecodeCore(

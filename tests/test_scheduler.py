@@ -12,6 +12,12 @@ from pdfabric.engine.sequence import SeqState, Sequence
 from pdfabric.sampling_params import SamplingParams
 
 
+def _config(**kw: object) -> SchedulerConfig:
+    """A scheduler's limits: a worker's defaults (``WorkerConfig``) and a 4096-token context."""
+    limits = {"max_batch_tokens": 512, "max_running": 64, "max_model_len": 4096, **kw}
+    return SchedulerConfig(**limits)  # type: ignore[arg-type]
+
+
 def _fake_token(seq: Sequence, start: int, stop: int) -> int:
     # Depends on the whole token history, like a model would.
     return hash((seq.request_id, seq.token_slice(0, stop))) % 1000 + 10
@@ -46,7 +52,7 @@ def test_everything_finishes_without_leaks(num_blocks: int) -> None:
     rng = random.Random(num_blocks)
     tables = BlockTables(BlockPool(num_blocks, 4))
     sched = Scheduler(
-        tables, SchedulerConfig(max_batch_tokens=24, max_running=6, max_model_len=num_blocks * 4)
+        tables, _config(max_batch_tokens=24, max_running=6, max_model_len=num_blocks * 4)
     )
     seqs = [s for s in _seqs(30, rng) if s.num_tokens + s.params.max_tokens <= num_blocks * 4]
     for s in seqs:
@@ -65,7 +71,7 @@ def test_preemption_recomputes_to_the_same_tokens() -> None:
     seqs_large = _seqs(12, rng)
     for seqs, blocks in ((seqs_small, 40), (seqs_large, 1000)):
         sched = Scheduler(
-            BlockTables(BlockPool(blocks, 4)), SchedulerConfig(max_batch_tokens=64, max_model_len=160)
+            BlockTables(BlockPool(blocks, 4)), _config(max_batch_tokens=64, max_model_len=160)
         )
         for s in seqs:
             sched.add(s)
@@ -75,7 +81,7 @@ def test_preemption_recomputes_to_the_same_tokens() -> None:
 
 def test_stop_tokens_and_eos() -> None:
     tables = BlockTables(BlockPool(32, 4))
-    sched = Scheduler(tables, SchedulerConfig())
+    sched = Scheduler(tables, _config())
     seq = Sequence("a", (1, 2, 3), SamplingParams(max_tokens=50), frozenset({5}))
     sched.add(seq)
     chunks = sched.schedule()
@@ -92,7 +98,7 @@ def test_stop_tokens_and_eos() -> None:
 
 
 def test_chunked_prefill_respects_budget_and_keeps_order() -> None:
-    sched = Scheduler(BlockTables(BlockPool(64, 4)), SchedulerConfig(max_batch_tokens=10))
+    sched = Scheduler(BlockTables(BlockPool(64, 4)), _config(max_batch_tokens=10))
     a = Sequence("a", tuple(range(25)), SamplingParams(max_tokens=3))
     b = Sequence("b", tuple(range(4)), SamplingParams(max_tokens=3))
     sched.add(a)
@@ -107,7 +113,7 @@ def test_chunked_prefill_respects_budget_and_keeps_order() -> None:
 
 def test_handoff_reserve_and_abort() -> None:
     tables = BlockTables(BlockPool(10, 4))
-    prefill = Scheduler(tables, SchedulerConfig(on_prefilled="handoff"))
+    prefill = Scheduler(tables, _config(on_prefilled="handoff"))
     seq = Sequence("p", tuple(range(9)), SamplingParams(max_tokens=1))
     prefill.add(seq)
     prefill.complete(prefill.schedule(), [(42, 0.0)])
@@ -115,7 +121,7 @@ def test_handoff_reserve_and_abort() -> None:
     prefill.finish("p", "handed_off")
     assert tables.pool.num_free == 10
 
-    decode = Scheduler(tables, SchedulerConfig())
+    decode = Scheduler(tables, _config())
     reserved = decode.reserve(Sequence("d", tuple(range(9)), SamplingParams(max_tokens=4)))
     assert reserved is not None and len(reserved[0]) == 3 and reserved[1] == 0  # no prefix cache here
     assert decode.reserve(Sequence("e", tuple(range(40)), SamplingParams())) is None  # 10 blocks, 3 taken

@@ -24,7 +24,7 @@ from pdfabric.control import COLOCATED, DECODE, PREFILL
 from pdfabric.profile import StepShape, WorkerProfile
 from pdfabric.profile_file import ProfileFile
 from pdfabric.routing_config import AdmissionConfig
-from pdfabric.worker.core import CoreSpec
+from tests.core_helpers import core_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 LOOSE = AdmissionConfig(ttft_ms=3_600_000.0, itl_ms=3_600_000.0)  # no request ever waits or is turned away
@@ -40,7 +40,7 @@ def sim_worker(
 ) -> SimWorker:
     """A simulated worker with room for every test's prompts and ``CoreSpec``'s other defaults."""
     limits.setdefault("num_blocks", 4096)
-    return SimWorker(CoreSpec(worker_id, kind, **limits), profile, kv_bytes_per_s)
+    return SimWorker(core_spec(kind, worker_id=worker_id, **limits), profile, kv_bytes_per_s)
 
 
 def constant(seconds: float) -> WorkerProfile:
@@ -192,7 +192,7 @@ def test_sim_config_cpu_small_1p1d() -> None:
     ]
     p, d = cfg.workers
     assert p.profile == _profiles()[0].profile and d.profile == _profiles()[1].profile
-    assert (p.core.max_batch_tokens, p.core.max_running, p.kv_bytes_per_s) == (256, 32, 1.2e9)
+    assert (p.core.config.max_batch_tokens, p.core.config.max_running, p.kv_bytes_per_s) == (256, 32, 1.2e9)
     assert d.kv_bytes_per_s == serve.predictor.default_kv_bytes_per_s  # none measured for it
     assert (p.core.max_model_len, d.core.max_model_len) == (4096, 2048)
     assert sim_config(serve, _profiles()).workers[0].kv_bytes_per_s == 5e9  # the fastest measured
@@ -204,7 +204,8 @@ def test_sim_config_slo_pools() -> None:
     serve = load_serve_config(ROOT / "configs" / "slo-pools.toml", {})
     cfg = sim_config(serve, _profiles())
     blocks = 128 * 2**20 // (49152 * 16)
-    got = [(w.worker_id, w.kind, w.core.pool, w.core.max_running, w.core.num_blocks) for w in cfg.workers]
+    got = [(w.worker_id, w.kind, w.core.config.pool, w.core.config.max_running, w.core.num_blocks)
+           for w in cfg.workers]  # fmt: skip
     assert got == [
         ("prefill-0", PREFILL, "default", 64, blocks),
         ("decode-tight-0", DECODE, "tight", 4, blocks),
@@ -262,7 +263,8 @@ def test_prompts_that_share_hash_ids_hit_the_simulated_prefix_cache() -> None:
     ttft: dict[tuple[str, bool], list[float]] = {}
     for name, reqs in (("shared", shared), ("unshared", unshared)):
         for caching in (True, False):
-            worker = SimWorker(CoreSpec("c", COLOCATED, 4096, prefix_caching=caching), per_token, 1e9)
+            spec = core_spec(COLOCATED, 4096, worker_id="c", prefix_caching=caching)
+            worker = SimWorker(spec, per_token, 1e9)
             records = simulate(SimConfig((worker,), LOOSE), Workload(name, tuple(reqs)))
             assert [r.status for r in records] == [OK] * 6
             ttft[(name, caching)] = [r.ttft_ms for r in records]

@@ -26,13 +26,16 @@ from pdfabric.kvtransfer.state import TransferResult, TransferState
 from pdfabric.prefill.core import PrefillCore
 from pdfabric.profile import WorkerProfile
 from pdfabric.sampling_params import SamplingParams
-from pdfabric.worker.core import CancelKV, CoreSpec, ExpectKV, FixedProfile, Out, PushKV, WorkerCore
+from pdfabric.worker.core import Out, WorkerCore
+from pdfabric.worker.kv import CancelKV, ExpectKV, PushKV
+from pdfabric.worker.spec import CoreSpec, FixedProfile
+from tests.core_helpers import core_spec
 
 PROFILE = FixedProfile(WorkerProfile())
 
 
 def _spec(kind: str, num_blocks: int = 64, **kw: int) -> CoreSpec:
-    return CoreSpec(f"{kind}-0", kind, num_blocks, block_size=4, max_model_len=128, max_batch_tokens=16, **kw)
+    return core_spec(kind, num_blocks, block_size=4, max_model_len=128, max_batch_tokens=16, **kw)
 
 
 def _token(history: tuple[int, ...]) -> int:

@@ -9,13 +9,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from pdfabric.decode.worker import ReceiverSide
+from pdfabric.decode.kind import ReceiverSide
 from pdfabric.kv_config import TransferConfig
 from pdfabric.kvtransfer.sender import KVSender
 from pdfabric.kvtransfer.shm_pool import SharedKVPool
 from pdfabric.kvtransfer.state import TransferResult, TransferState
-from pdfabric.prefill.worker import SenderSide
-from pdfabric.worker.core import CancelKV, ExpectKV, OpenPush, PushKV, first_token_of
+from pdfabric.prefill.kind import SenderSide
+from pdfabric.worker.kv import CancelKV, ExpectKV, OpenPush, PushKV, first_token_of
 
 LAYERS, BLOCKS, BLOCK, HEADS, DIM = 3, 32, 4, 2, 8
 Made = tuple[SenderSide, ReceiverSide, list[torch.Tensor]]
@@ -30,16 +30,15 @@ def sides() -> Iterator:
         src = [torch.randn(2, BLOCKS, BLOCK, HEADS, DIM, generator=g) for _ in range(LAYERS)]
         pool = SharedKVPool.create(LAYERS, BLOCKS, BLOCK, HEADS, DIM, torch.float32, anonymous=True)
         config = TransferConfig(transport=transport, shm_quarantine_s=quarantine_s)
-        recv = ReceiverSide(pool.caches, config, "127.0.0.1", pool.paths, tiled=False)
+        recv = ReceiverSide(pool.caches, config, "127.0.0.1", pool, tiled=False)
         send = SenderSide(KVSender(src, TransferConfig(transport=transport)))
         made.append((send, recv, pool))
         return send, recv, src
 
     yield make
-    for send, recv, pool in made:
+    for send, recv, _ in made:
         send.close()
-        recv.close()
-        pool.close()
+        recv.close()  # and the pool, which the receiving side owns
 
 
 def _until(fn, *others: SenderSide | ReceiverSide, timeout: float = 5.0):  # noqa: ANN001, ANN202

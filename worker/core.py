@@ -18,7 +18,7 @@ that a driver can ship each layer's KV as the model finishes that layer (the ser
 simulator's link model starts the push at the step's end).
 
 Each call returns the messages to send: control messages for the router (``pdfabric.control``) and
-commands for the worker's own KV side (``PushKV``, ``ExpectKV``, ``CancelKV``, below), which the
+commands for the worker's own KV side (``PushKV``, ``ExpectKV``, ``CancelKV``: ``worker.kv``), which the
 driver hands to the kvtransfer state machines (or to the simulator's link model).
 """
 
@@ -27,7 +27,6 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from pdfabric.control import (
     Abort,
@@ -43,68 +42,11 @@ from pdfabric.control import (
 )
 from pdfabric.engine.block_pool import BlockPool, BlockTables, prefix_salt
 from pdfabric.engine.scheduler import Chunk, Pick, Scheduler, SchedulerConfig, step_shape
-from pdfabric.engine.sequence import Sequence, TopLogprobs
-from pdfabric.kvtransfer.messages import Meta
+from pdfabric.engine.sequence import Sequence
 from pdfabric.kvtransfer.state import TransferResult
-from pdfabric.profile import StepShape, WorkerProfile
-
-# --- commands to the worker's KV side (in process, never on the wire) -----------------------------
-
-
-@dataclass(frozen=True)
-class PushKV:
-    """Prefill side: ship ``local_blocks`` into ``remote_blocks`` at ``endpoint``, the first token
-    riding along."""
-
-    request_id: str
-    endpoint: str
-    local_blocks: tuple[int, ...]
-    remote_blocks: tuple[int, ...]
-    first_token: int
-    first_logprob: float
-    first_top: TopLogprobs = ()  # its top log-probabilities, when the request asked for them
-
-
-def kv_meta(push: PushKV) -> Meta:
-    """What rides along with a push's KV: the first token, its logprob and top log-probabilities."""
-    return {"first_token": push.first_token, "first_logprob": push.first_logprob, "first_top": push.first_top}
-
-
-def first_token_of(meta: Meta) -> tuple[int, float, TopLogprobs]:
-    """The decode side's reading of ``kv_meta``."""
-    top = meta.get("first_top", ())
-    pairs = tuple((int(t), float(lp)) for t, lp in top) if isinstance(top, (tuple, list)) else ()
-    return int(meta.get("first_token", -1)), float(meta.get("first_logprob", 0.0)), pairs
-
-
-@dataclass(frozen=True)
-class OpenPush:
-    """Prefill side, before a step that finishes the prompt: start the transfer so that its layers can
-    leave as the step computes them (``PushKV`` after the step sends the rest with the first token)."""
-
-    request_id: str
-    endpoint: str
-    local_blocks: tuple[int, ...]
-    remote_blocks: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class ExpectKV:
-    """Decode side: accept a request's KV into ``blocks`` (reserved by the scheduler)."""
-
-    request_id: str
-    blocks: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class CancelKV:
-    """Either side: end the request's transfer; the decode side then reports ``kv_released``."""
-
-    request_id: str
-    reason: str
-
-
-KVCommand = PushKV | ExpectKV | CancelKV
+from pdfabric.profile import StepShape
+from pdfabric.worker.kv import OpenPush
+from pdfabric.worker.spec import CoreSpec, ProfileSource
 
 
 class WrongMessage(TypeError):
@@ -112,51 +54,6 @@ class WrongMessage(TypeError):
 
 
 Out = list[object]  # control messages for the router and KV commands, in the order they were made
-
-
-# --- what a core is told about itself ----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CoreSpec:
-    """A worker's identity and limits, as it registers them."""
-
-    worker_id: str
-    kind: str
-    num_blocks: int
-    block_size: int = 16
-    max_model_len: int = 4096
-    max_running: int = 64
-    max_batch_tokens: int = 512
-    kv_bytes_per_token: int = 0
-    heartbeat_s: float = 0.25
-    pool: str = "default"
-    model: str = ""
-    pid: int = 0
-    host: str = ""  # kvtransfer.transport.host_id() of the worker's machine ("": unknown)
-    prefix_caching: bool = False  # keep computed full blocks for prompts that share their prefix
-    served: str = ""  # the model version it serves, "name@version" ("": the deployment's one model)
-
-
-class ProfileSource(Protocol):
-    """Where step times go and the latency profile comes from (online fit, or a fixed profile)."""
-
-    def observe(self, shape: StepShape, seconds: float) -> None: ...
-
-    def profile(self, force: bool = False) -> WorkerProfile: ...
-
-
-class FixedProfile:
-    """A profile that does not learn (the simulator's workers step exactly as it says)."""
-
-    def __init__(self, profile: WorkerProfile) -> None:
-        self._profile = profile
-
-    def observe(self, shape: StepShape, seconds: float) -> None:
-        pass
-
-    def profile(self, force: bool = False) -> WorkerProfile:
-        return self._profile
 
 
 @dataclass(frozen=True)
@@ -217,11 +114,12 @@ class WorkerCore:
         self.worker_id = spec.worker_id
         self.kv_endpoint = kv_endpoint
         self.profile = profile
-        self.tables = BlockTables(BlockPool(spec.num_blocks, spec.block_size))
-        salt = prefix_salt(spec.model) if spec.prefix_caching else None
+        c = spec.config
+        self.tables = BlockTables(BlockPool(spec.num_blocks, c.block_size))
         sched = SchedulerConfig(
-            spec.max_batch_tokens, spec.max_running, spec.max_model_len, self.on_prefilled, salt
-        )
+            max_batch_tokens=c.max_batch_tokens, max_running=c.max_running, max_model_len=spec.max_model_len,
+            on_prefilled=self.on_prefilled, prefix_salt=prefix_salt(c.model) if c.prefix_caching else None,
+        )  # fmt: skip
         self.scheduler = Scheduler(self.tables, sched)
         self.kv_rates = KVRates()
         self._recent_ms: deque[float] = deque(maxlen=32)
@@ -232,12 +130,7 @@ class WorkerCore:
     # --- inputs ---------------------------------------------------------------------------------
 
     def registration(self) -> Register:
-        s = self.spec
-        return Register(
-            s.worker_id, s.kind, s.pool, s.model, s.max_model_len, s.block_size, s.num_blocks,
-            self.kv_endpoint, s.pid, s.max_running, s.max_batch_tokens, s.kv_bytes_per_token,
-            self.profile.profile(force=True), s.host, s.served,
-        )  # fmt: skip
+        return self.spec.registration(self.kv_endpoint, self.profile.profile(force=True))
 
     def handle(self, msg: object) -> Out:
         """A control message from the router. A draining worker refuses new requests: a reservation
@@ -309,7 +202,7 @@ class WorkerCore:
         """This worker's load, if a heartbeat is due at ``now``."""
         if now < self.next_heartbeat:
             return None
-        self.next_heartbeat = now + self.spec.heartbeat_s
+        self.next_heartbeat = now + self.spec.config.heartbeat_s
         s, pool = self.scheduler, self.tables.pool
         cached, evicted = pool.take_events()
         return Heartbeat(

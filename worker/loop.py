@@ -23,30 +23,22 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import zmq
 
 from pdfabric.control import Drain, Shutdown
 from pdfabric.engine.stepper import Stepper
-from pdfabric.kvtransfer.state import TransferResult
 from pdfabric.kvtransfer.transport import host_id
 from pdfabric.profile import ProfileBuilder
 from pdfabric.wire import WireError, decode, encode
-from pdfabric.worker.core import (
-    CancelKV,
-    CoreSpec,
-    ExpectKV,
-    OpenPush,
-    Out,
-    ProfileSource,
-    PushKV,
-    WorkerCore,
-    WrongMessage,
-)
+from pdfabric.worker.core import Out, WrongMessage
+from pdfabric.worker.kind import WorkerKind
+from pdfabric.worker.kv import CancelKV, ExpectKV, PushKV
+from pdfabric.worker.spec import CoreSpec
 from pdfabric.worker_config import WorkerConfig
 
 if TYPE_CHECKING:
@@ -55,31 +47,17 @@ if TYPE_CHECKING:
 log = logging.getLogger("pdfabric.worker.loop")
 
 
-class KVSide(Protocol):
-    """A worker's end of the KV channel, driven by the loop (the prefill sender, the decode receiver)."""
-
-    endpoint: str  # where prefill workers push to (decode); "" otherwise
-
-    def sockets(self) -> list[zmq.Socket]: ...  # whose messages should wake the loop
-
-    def command(self, cmd: PushKV | ExpectKV | CancelKV) -> None: ...
-
-    def layer_hook(self, opens: tuple[OpenPush, ...]) -> Callable[[int], None] | None: ...  # per layer
-
-    def poll(self) -> tuple[list[TransferResult], list[str]]: ...  # ended transfers, released requests
-
-    def close(self) -> None: ...
-
-
 class Worker:
-    """Base class: subclasses say which core runs here (``make_core``) and which KV side (``make_kv``)."""
+    """One worker process's loop around the core and KV side of its ``kind``."""
 
-    def __init__(self, cfg: WorkerConfig, parent_pid: int = 0) -> None:
+    def __init__(self, cfg: WorkerConfig, kind: WorkerKind, parent_pid: int = 0) -> None:
+        if kind.name != cfg.kind:
+            raise ValueError(f"a {kind.name} worker cannot run a {cfg.kind} config")
         self.cfg = cfg
-        self.worker_id = cfg.worker_id or f"{cfg.kind}-{os.getpid()}"
         self.parent_pid = parent_pid
         engine = build_engine(cfg)
-        self.runner, self.max_model_len, self.profile = engine.runner, engine.max_model_len, engine.profile
+        self.worker_id = engine.spec.worker_id
+        self.runner, self.profile = engine.runner, engine.profile
         self.stepper = Stepper(engine.runner)
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -91,22 +69,8 @@ class Worker:
         self._watched: set[zmq.Socket] = set()
         self._running = True
         self._drain_until = float("inf")
-        self.kv = self.make_kv(cfg)
-        spec = CoreSpec(
-            self.worker_id, cfg.kind, engine.num_blocks, cfg.block_size, engine.max_model_len,
-            cfg.max_running, cfg.max_batch_tokens, engine.runner.config.kv_bytes_per_token,
-            cfg.heartbeat_s, cfg.pool, cfg.model, os.getpid(), host_id(), cfg.prefix_caching, cfg.served,
-        )  # fmt: skip
-        self.core = self.make_core(cfg, spec, self.profile)
-        self.core.kv_endpoint = self.kv.endpoint if self.kv is not None else ""
-
-    # --- subclass hooks -------------------------------------------------------------------------
-
-    def make_core(self, cfg: WorkerConfig, spec: CoreSpec, profile: ProfileSource) -> WorkerCore:
-        raise NotImplementedError
-
-    def make_kv(self, cfg: WorkerConfig) -> KVSide | None:
-        return None
+        self.kv = kind.open_kv(cfg, self.worker_id, engine.runner) if kind.open_kv is not None else None
+        self.core = kind.core(engine.spec, self.profile, self.kv.endpoint if self.kv is not None else "")
 
     # --- loop -----------------------------------------------------------------------------------
 
@@ -135,8 +99,8 @@ class Worker:
         plan = profiling_plan(
             self.cfg.max_batch_tokens,
             self.cfg.max_running,
-            self.max_model_len,
-            spec.num_blocks * spec.block_size,
+            spec.max_model_len,
+            spec.num_blocks * self.cfg.block_size,
         )
         done = run_plan(self.runner, plan, self.profile, self.cfg.profile_seconds)
         log.info(
@@ -240,17 +204,18 @@ class Worker:
 
 @dataclass(frozen=True)
 class Engine:
-    """What a worker computes with: the model runner, its cache size and the online latency profile."""
+    """What a worker computes with: the model runner, its core's spec (the KV blocks and context limit
+    sized for the model) and the online latency profile."""
 
     runner: ModelRunner
-    num_blocks: int
-    max_model_len: int
+    spec: CoreSpec
     profile: ProfileBuilder
 
 
 def build_engine(cfg: WorkerConfig) -> Engine:
     """Loads the model and sizes its KV cache as ``cfg`` says (threads, dtype, device, block budget);
-    no sockets, so ``pdfabric profile`` measures exactly what a worker runs."""
+    no sockets, so ``pdfabric profile`` measures exactly what a worker runs. The worker's name is
+    ``cfg.worker_id``, else ``KIND-PID``."""
     from pdfabric.engine.default_model import resolve_model
     from pdfabric.engine.loader import load_model
     from pdfabric.engine.runner import ModelRunner
@@ -260,12 +225,21 @@ def build_engine(cfg: WorkerConfig) -> Engine:
 
         torch.set_num_threads(cfg.threads)
     model = load_model(resolve_model(cfg.model), cfg.dtype, _device(cfg.device))
-    mcfg = model.config
-    num_blocks = cfg.kv_blocks(mcfg.kv_bytes_per_token)
-    # One sequence must always fit in the pool on its own, or it could wait forever.
-    max_model_len = min(mcfg.max_position_embeddings, num_blocks * cfg.block_size)
-    runner = ModelRunner(model, num_blocks, cfg.block_size, linears=cfg.linears)
-    return Engine(runner, num_blocks, max_model_len, ProfileBuilder())
+    spec = CoreSpec.sized(
+        cfg, worker_id=cfg.worker_id or f"{cfg.kind}-{os.getpid()}",
+        model_max_len=model.config.max_position_embeddings,
+        kv_bytes_per_token=model.config.kv_bytes_per_token, pid=os.getpid(), host=host_id(),
+    )  # fmt: skip
+    runner = ModelRunner(model, spec.num_blocks, cfg.block_size, linears=cfg.linears)
+    return Engine(runner, spec, ProfileBuilder())
+
+
+def run_worker(cfg: WorkerConfig, kind: WorkerKind, parent_pid: int = 0) -> None:
+    """The worker process: builds the worker of ``kind`` and serves until told to stop; SIGTERM
+    drains it (no new requests; it exits once idle or after ``drain_timeout_s``)."""
+    worker = Worker(cfg, kind, parent_pid)
+    signal.signal(signal.SIGTERM, lambda *_: worker.drain())
+    worker.serve_forever()
 
 
 def _device(name: str) -> str:

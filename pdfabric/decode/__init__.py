@@ -1,4 +1,5 @@
-"""The decode worker (KV from prefill workers) and the colocated worker (prefill and decode in one)."""
+"""The decode kind (KV from prefill workers, received into reserved blocks) and the colocated kind
+(prefill and decode in one): their cores and the receiving KV side."""
 
 from pdfabric._layout import root_folder
 

@@ -1,4 +1,4 @@
-"""The prefill worker: chunked prefill, KV shipping to decode workers, first token."""
+"""The prefill kind: its core (chunked prefill, first token) and its sending KV side."""
 
 from pdfabric._layout import root_folder
 

@@ -1,6 +1,6 @@
-"""What every worker kind shares: the base core (admission, scheduling, the messages a step returns)
-and the process loop around it. The kinds themselves are in prefill/ and decode/; the process entry
-that picks one is ``pdfabric.cli.worker_cli``."""
+"""What every worker kind shares: the base core (admission, scheduling, the messages a step returns),
+its spec, the KV side's commands and interface, the ``WorkerKind`` value, and the process loop and
+entry around them. The kinds themselves are in prefill/ and decode/, listed in ``pdfabric.kinds``."""
 
 from pdfabric._layout import root_folder
 

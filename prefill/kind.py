@@ -1,42 +1,27 @@
-"""The prefill worker process: the ZeroMQ loop (``pdfabric.worker.loop``) around a ``PrefillCore``, with a
-kvtransfer ``KVSender`` as its KV side.
-
-A request's life here (the core's states, ``prefill.core``):
-1. WAITING: ``Prefill`` queued it with the decode worker's KV endpoint and reserved blocks;
-2. prefilled in chunks, batched with other prompts; the last chunk samples the first token, which
-   goes to the router at once;
-3. the step that runs its last chunk starts the sender's transfer (WAITING for the receiver's
-   ``PeerInfo``, then TRANSFERRING, over shared memory, ZeroMQ tcp or torch.distributed as the pair
-   allows) and ships each layer as the model finishes it; HANDOFF: ``PushKV`` after the step ships
-   the last layer with the first token;
-4. the transfer ends DONE (``HandedOff``, blocks freed) or FAILED (error delta, blocks freed); an
-   ``Abort`` cancels it at any point.
-"""
+"""The prefill kind (``PREFILL``): a ``PrefillCore`` (``prefill.core``) whose KV side is a kvtransfer
+``KVSender`` (``SenderSide``): each finished prompt's blocks leave for the decode worker's reserved
+ones, layer by layer as the model computes them where the cache is on the CPU, the first token with
+the last layer."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import zmq
 
 from pdfabric.kv_config import TransferConfig
-from pdfabric.kvtransfer.sender import KVSender
 from pdfabric.kvtransfer.state import TransferResult
 from pdfabric.prefill.core import PrefillCore
-from pdfabric.worker.core import (
-    CancelKV,
-    CoreSpec,
-    ExpectKV,
-    OpenPush,
-    ProfileSource,
-    PushKV,
-    WorkerCore,
-    kv_meta,
-)
-from pdfabric.worker.loop import KVSide, Worker
+from pdfabric.worker.kind import WorkerKind
+from pdfabric.worker.kv import CancelKV, ExpectKV, OpenPush, PushKV, kv_meta
 from pdfabric.worker_config import WorkerConfig
+
+if TYPE_CHECKING:
+    from pdfabric.engine.runner import ModelRunner
+    from pdfabric.kvtransfer.sender import KVSender
 
 
 class SenderSide:
@@ -109,10 +94,13 @@ class SenderSide:
         self.sender.close()
 
 
-class PrefillWorker(Worker):
-    def make_core(self, cfg: WorkerConfig, spec: CoreSpec, profile: ProfileSource) -> WorkerCore:
-        return PrefillCore(spec, profile)
+def open_sender(cfg: WorkerConfig, worker_id: str, runner: ModelRunner) -> SenderSide:
+    """A prefill worker's KV side: a sender over the runner's caches, as they are laid out. (The sender
+    is imported here, with torch: the kind itself, and so the simulator, stays torch-free.)"""
+    from pdfabric.kvtransfer.sender import KVSender
 
-    def make_kv(self, cfg: WorkerConfig) -> KVSide | None:
-        config = TransferConfig(transport=cfg.kv_transport, name=self.worker_id)
-        return SenderSide(KVSender(self.runner.kv_caches, config, tiled=self.runner.kv_tiled))
+    config = TransferConfig(transport=cfg.kv_transport, name=worker_id)
+    return SenderSide(KVSender(runner.kv_caches, config, tiled=runner.kv_tiled))
+
+
+PREFILL = WorkerKind("prefill", PrefillCore, open_sender)

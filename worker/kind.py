@@ -1,0 +1,33 @@
+"""A worker kind as a value: which core runs it and how it opens its end of the KV channel. The
+kinds are defined in their folders (``prefill.kind``, ``decode.kind``) and listed in one table
+(``pdfabric.kinds.table``), which the worker process, the simulator and the tests read."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pdfabric.worker.core import WorkerCore
+from pdfabric.worker.kv import KVSide
+from pdfabric.worker.spec import CoreSpec, ProfileSource
+from pdfabric.worker_config import WorkerConfig
+
+if TYPE_CHECKING:
+    from pdfabric.engine.runner import ModelRunner
+
+# A kind's core: built from the worker's spec, its profile source and its KV endpoint ("": none).
+CoreFactory = Callable[[CoreSpec, ProfileSource, str], WorkerCore]
+# A kind's KV side, opened over the model runner's caches (it may move them, as a decode worker's
+# receiver moves them into shared memory); the side owns what it opens and closes it.
+KVFactory = Callable[[WorkerConfig, str, "ModelRunner"], KVSide]
+
+
+@dataclass(frozen=True)
+class WorkerKind:
+    """One kind of worker: its name (``control.KINDS``), its core, and its KV side (``None``: it moves
+    no KV, as a colocated worker)."""
+
+    name: str
+    core: CoreFactory
+    open_kv: KVFactory | None = None
