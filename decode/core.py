@@ -10,8 +10,8 @@ A request's life in a ``DecodeCore``:
 3. One token per step, streamed to the router in each step's ``StepOutputs``.
 4. It ends (FINISHED) on a stop token or its length limit (blocks freed at once), or while its KV is
    still in flight: on an ``Abort`` (``CancelKV``) or a failed transfer (an error delta). Then its
-   blocks stay out of the pool (QUARANTINED) until the receiver says no sender can still write into
-   them (``kv_released``).
+   blocks stay out of the pool (held by the worker's ``BlockTables``, their one owner) until the
+   receiver says no sender can still write into them (``kv_released``).
 A decode worker that holds most of a prompt in its prefix cache may get it as ``Generate`` instead
 (the router's local prefill): it then lives as in a ``ColocatedCore``.
 
@@ -31,15 +31,10 @@ from pdfabric.engine.sequence import SeqState, Sequence
 from pdfabric.kvtransfer.state import TransferResult
 from pdfabric.worker.core import Out, WorkerCore, WrongMessage
 from pdfabric.worker.kv import CancelKV, ExpectKV, first_token_of
-from pdfabric.worker.spec import CoreSpec, ProfileSource
 
 
 class DecodeCore(WorkerCore):
     on_prefilled = "decode"  # preempted sequences are recomputed here, and prompts sent with Generate
-
-    def __init__(self, spec: CoreSpec, profile: ProfileSource, kv_endpoint: str = "") -> None:
-        super().__init__(spec, profile, kv_endpoint)
-        self.quarantined: dict[str, list[int]] = {}  # request -> blocks a sender might still write
 
     def on_message(self, msg: object) -> Out:
         if isinstance(msg, Generate):  # its prefix is cached here: the router chose to prefill the rest here
@@ -80,14 +75,12 @@ class DecodeCore(WorkerCore):
         return []
 
     def kv_released(self, request_id: str) -> Out:
-        blocks = self.quarantined.pop(request_id, None)
-        if blocks:
-            self.tables.pool.free(blocks)
+        self.tables.free_held(request_id)
         return []
 
     def _quarantine(self, request_id: str, reason: str) -> None:
         """Ends the sequence but keeps its blocks out of the pool until ``kv_released``."""
-        self.quarantined[request_id] = self.tables.detach(request_id)
+        self.tables.hold(request_id)
         self.scheduler.finish(request_id, reason)
 
 

@@ -160,11 +160,15 @@ class BlockPool:
 
 
 class BlockTables:
-    """Each sequence's block table, grown as its token count grows and freed as a whole."""
+    """Each sequence's block table, grown as its token count grows and freed as a whole: the one owner
+    of a worker's blocks. A table may be *held* after its sequence ended (``hold``): its blocks stay
+    out of the pool, and out of every sequence's reach, until ``free_held`` (a decode worker holds
+    the blocks of a transfer it gave up on until no sender can still write into them)."""
 
     def __init__(self, pool: BlockPool) -> None:
         self.pool = pool
         self._tables: dict[Hashable, list[int]] = {}
+        self._held: dict[Hashable, list[int]] = {}
 
     def __contains__(self, seq_id: Hashable) -> bool:
         return seq_id in self._tables
@@ -199,9 +203,22 @@ class BlockTables:
             raise ValueError(f"sequence {seq_id!r} already has a table")
         self._tables[seq_id] = list(blocks)
 
-    def detach(self, seq_id: Hashable) -> list[int]:
-        """Forgets the sequence's table without freeing its blocks; the caller frees them later."""
-        return self._tables.pop(seq_id, [])
+    def hold(self, seq_id: Hashable) -> None:
+        """Takes the sequence's table away from it without freeing its blocks (``free_held`` does)."""
+        table = self._tables.pop(seq_id, None)
+        if table is not None:
+            self._held.setdefault(seq_id, []).extend(table)
+
+    def free_held(self, seq_id: Hashable) -> int:
+        """Frees a held table's blocks; returns how many (0 if none was held for ``seq_id``)."""
+        table = self._held.pop(seq_id, [])
+        self.pool.free(table)
+        return len(table)
+
+    @property
+    def held(self) -> int:
+        """Tables held (``hold``) and not yet freed."""
+        return len(self._held)
 
     def release(self, seq_id: Hashable) -> int:
         """Frees the sequence's blocks; returns how many it held (0 if it held none)."""

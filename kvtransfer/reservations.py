@@ -1,11 +1,14 @@
-"""Which blocks each in-flight transfer holds, and handing them back exactly once; no torch here.
+"""Which blocks each in-flight transfer may touch, and saying exactly once when it no longer can; no
+torch here.
 
-The decode worker backs this with its block pool: it reserves blocks for a request (the ids go to the
-prefill worker), registers them here, and passes ``release`` = "return these ids to the pool". The
-receiver checks every arriving frame against the registered ids and, when a transfer fails or is
-aborted, releases them. On success the receiver hands them over (the running sequence now owns them,
-nothing is freed). The prefill side uses the same class for the local blocks it ships from; there
-transfers only read their blocks, and two may share one (a cached prefix), so it is not ``exclusive``.
+This is a transfer's record, not the blocks' owner: a decode worker's blocks belong to its core's
+``BlockTables``, which reserved them for the request (the ids go to the prefill worker) and registered
+them here. The receiver checks every arriving frame against the registered ids and, when a transfer
+fails or is aborted, releases them: ``release`` is called to say that no sender can write into them
+any more (the worker's core then frees them). On success the receiver hands them over (the running
+sequence keeps them; nothing is called). The prefill side uses the same class for the local blocks it
+ships from; there transfers only read their blocks, and two may share one (a cached prefix), so it
+is not ``exclusive``.
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from pdfabric.control import (
     Abort,
     Generate,
@@ -290,3 +292,26 @@ def test_a_decode_worker_prefills_a_prompt_sent_as_generate() -> None:
     while not dec.idle:
         indices += [d.index for d in _deltas(_run_step(dec))]
     assert indices == [0, 1, 2] and dec.received == 1
+
+
+def test_the_kinds_table_lists_every_kind_the_router_knows() -> None:
+    from pdfabric.control import KINDS as NAMES
+    from pdfabric.kinds.table import KINDS, kind
+
+    assert tuple(KINDS) == NAMES and all(KINDS[name].name == name for name in NAMES)
+    assert kind("decode").core is DecodeCore and kind("colocated").open_kv is None
+    with pytest.raises(ValueError, match="worker kind must be one of"):
+        kind("router")
+
+
+def test_a_decode_core_holds_a_failed_transfers_blocks_until_they_are_released() -> None:
+    """Its ``BlockTables`` owns the blocks all along: out of the pool while a sender might still write
+    them, back in it on ``kv_released``."""
+    dec = DecodeCore(_spec("decode", num_blocks=8), PROFILE)
+    out = dec.handle(Reserve("r", tuple(range(3, 13)), SamplingParams(max_tokens=4), ()))
+    reserved = next(m for m in out if isinstance(m, Reserved))
+    assert len(reserved.block_ids) == 3 and dec.tables.pool.num_free == 5
+    dec.transfer_ended(TransferResult("r", TransferState.FAILED, "sender gone"))
+    assert dec.tables.held == 1 and dec.tables.pool.num_free == 5 and not dec.idle
+    dec.kv_released("r")
+    assert dec.tables.held == 0 and dec.tables.pool.num_free == 8 and dec.idle
