@@ -11,30 +11,23 @@ and the KV transfers, by the fitted ``WorkerProfile`` and a transfer rate:
   ``ColocatedCore``: admission, continuous batching, chunked prefill, preemption, hand-off, block
   accounting, heartbeats), fed the real control messages; only its step times come from the profile.
 
-A request's life in the simulation, following the real processes:
+What the simulation adds to a request's life (told once in docs/architecture.md) is time:
 
-1. it reaches the router at its arrival time (the bench client sends no ``slo``, no tenant header);
-   the core admits, queues or rejects it (429). Waiting requests are polled when load changes
-   (heartbeats, hand-offs, request ends) and at the core's next deadline;
-2. admitted: its routes are tried best first. A colocated worker gets the prompt. For a pair, the
-   decode worker is asked to reserve blocks; it answers at its next step boundary; with blocks, the
-   prefill worker gets the prompt, without, the next route is tried; none left: 503;
-3. a worker handles messages only between steps, as the real loop does: KV arrivals and
+1. arrival: at its arrival time (the bench client sends no ``slo``, no tenant header); waiting
+   requests are polled when load changes (heartbeats, hand-offs, request ends) and at the core's
+   next deadline;
+2. a worker handles messages only between steps, as the real loop does: KV arrivals and
    acknowledgements first, then control messages, then the next step if it has work. A step lasts
-   ``profile.step_seconds(shape)`` of what ``schedule()`` returned and its tokens leave at its end;
-4. prefill worker: the step that completes a prompt sends its first token to the router at once (the
-   client's TTFT does not include the transfer) and starts the KV push of the prompt's blocks (whole
-   blocks, ``kv_bytes_per_token`` each token) at the slower of the two workers' ``kv_bytes_per_s``,
-   one push at a time per worker link; the blocks stay held until the acknowledgement (sent when the
-   decode worker takes the KV at its next boundary) is handled at the prefill worker's next boundary;
-   the push's bytes and seconds, start to acknowledgement, feed the prefill worker's heartbeat KV rate
-   exactly as in the server;
-5. decode worker: the KV is handled at its next boundary (the first token rides on it); the sequence
-   joins the running batch and gets one token per step until its output length (the bench sends
-   ``ignore_eos``);
-6. heartbeats: after a step once ``heartbeat_s`` has passed since the last one (a busy worker's heartbeat
-   waits for its step to end), on time when idle; the core builds it as in the server (load, free
-   blocks, measured KV rate) and it clears the router's pending load.
+   ``profile.step_seconds(shape)`` of what ``schedule()`` returned and its tokens leave at its end
+   (token 0: the bench sends ``ignore_eos``);
+3. a KV push starts at the end of the step that completes the prompt (whose first token goes to the
+   router at once), moves whole blocks (``kv_bytes_per_token`` each token) at the slower of the two
+   workers' ``kv_bytes_per_s``, one push at a time per worker link; the decode worker takes the KV at
+   its next boundary and the prefill worker handles the acknowledgement at its next one, so its
+   blocks are held until then and the push's bytes and seconds feed its heartbeat's KV rate exactly
+   as in the server;
+4. heartbeats: after a step once ``heartbeat_s`` has passed since the last one (a busy worker's waits
+   for its step to end), on time when idle.
 
 Client times are event times plus ``overhead_ms`` (router, HTTP and network, per token); a request
 is sent exactly at its arrival time.
@@ -60,9 +53,9 @@ from pdfabric.bench.sim_spec import SimWorker
 from pdfabric.bench.sim_worker import SimulatedWorker
 from pdfabric.bench.workload import PREFIX_BLOCK_TOKENS, Request, Workload
 from pdfabric.control import COLOCATED, DECODE, PREFILL, TokenDelta
-from pdfabric.router.core import RouterCore
-from pdfabric.router.effects import Deliver, Effect, Refused, Send
-from pdfabric.router.slo import resolve
+from pdfabric.router.dispatch.core import RouterCore
+from pdfabric.router.dispatch.effects import Deliver, Effect, Refused, Send
+from pdfabric.router.routing.slo import resolve
 from pdfabric.routing_config import AdmissionConfig, PredictorConfig
 from pdfabric.sampling_params import SamplingParams
 

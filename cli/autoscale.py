@@ -23,8 +23,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from pdfabric.cli.supervisor import Workers
 from pdfabric.config import ServeConfig
 from pdfabric.control import KINDS
-from pdfabric.router.registry import WorkerInfo
-from pdfabric.router.scaler import Decision, Observations, Pool, Scaler, Signals
+from pdfabric.router.platform.scaler import Decision, Observations, Pool, Scaler, Signals
+from pdfabric.router.routing.registry import WorkerInfo
 
 log = logging.getLogger("pdfabric.cli.autoscale")
 
@@ -33,7 +33,7 @@ class Autoscaler:
     def __init__(
         self,
         cfg: ServeConfig,
-        dispatcher: Any,  # pdfabric.router.dispatcher.Dispatcher
+        dispatcher: Any,  # pdfabric.router.dispatch.dispatcher.Dispatcher
         workers: Workers,
         observed: Observations,
         registry: CollectorRegistry,
@@ -67,13 +67,13 @@ class Autoscaler:
     def signals(self, now: float) -> Signals:
         pools = {kind: self._pool(kind) for kind in self.scaler.bounds}
         recent = self.observed.recent(now)
-        waiting = len(self.dispatcher.routing.queue)
-        return Signals(now, recent, self.observed.window_s, waiting, pools, len(self.dispatcher.core))
+        waiting = self.dispatcher.fleet.waiting
+        return Signals(now, recent, self.observed.window_s, waiting, pools, self.dispatcher.fleet.in_flight)
 
     def _pool(self, kind: str) -> Pool:
         live = {w.worker_id for w in self.workers.live(kind)}
         infos: list[WorkerInfo] = [
-            i for i in self.dispatcher.registry.workers.values() if i.worker_id in live
+            i for i in self.dispatcher.fleet.workers.values() if i.worker_id in live
         ]
         total = sum(i.reg.num_blocks for i in infos)
         used = total - sum(i.free_blocks for i in infos)
@@ -106,12 +106,12 @@ class Autoscaler:
             self.workers.start(new)
             changed = [w for w, _ in new]
         else:
-            holders = self.dispatcher.holders
-            order = sorted(live, key=lambda w: (holders.count(w.worker_id), -_index(w.worker_id)))
+            fleet = self.dispatcher.fleet
+            order = sorted(live, key=lambda w: (fleet.held_by(w.worker_id), -_index(w.worker_id)))
             changed = []
             for w in order[: len(live) - d.target]:
                 self.workers.retire(w.worker_id)
-                if w.worker_id in self.dispatcher.registry.workers:
+                if w.worker_id in fleet:
                     self.dispatcher.drain_worker(w.worker_id, "scaled in")
                 else:  # not registered yet: nothing to drain
                     w.proc.terminate()

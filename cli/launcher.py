@@ -138,10 +138,10 @@ async def serve(
 ) -> int:
     from aiohttp import web
 
-    from pdfabric.router import catalog as catalog_
-    from pdfabric.router.admin import LIFECYCLE
-    from pdfabric.router.app import build_app
-    from pdfabric.router.dispatcher import Dispatcher
+    from pdfabric.router.dispatch.dispatcher import Dispatcher
+    from pdfabric.router.front.app import build_app
+    from pdfabric.router.platform import catalog as catalog_
+    from pdfabric.router.platform.admin import LIFECYCLE
 
     # Builds each preset once, before the workers, and loads each checkpoint's tokenizer.
     catalog = await asyncio.to_thread(catalog_.from_config, cfg, time.monotonic())
@@ -204,8 +204,8 @@ async def serve(
 
 def _autoscaler(cfg: ServeConfig, app, dispatcher, workers: Workers):  # noqa: ANN001, ANN202
     from pdfabric.cli.autoscale import Autoscaler
-    from pdfabric.router.admin import AUDIT
-    from pdfabric.router.app import METRICS, OBSERVED
+    from pdfabric.router.front.app import METRICS, OBSERVED
+    from pdfabric.router.platform.admin import AUDIT
 
     audit = app[AUDIT]
     on_event = lambda action, target, details: audit.write("router", action, target, 0, details)  # noqa: E731
@@ -229,18 +229,18 @@ async def _drain_requests(lifecycle, dispatcher, limit_s: float, again: asyncio.
     lifecycle.shutting_down = True
     loop = asyncio.get_running_loop()
     deadline = loop.time() + limit_s
-    if len(dispatcher.core):
+    if dispatcher.fleet.in_flight:
         print(
-            f"pdfabric: stopping: {len(dispatcher.core)} requests in flight get up to {limit_s:g}s to "
+            f"pdfabric: stopping: {dispatcher.fleet.in_flight} requests in flight get up to {limit_s:g}s to "
             "finish (signal again to stop now)",
             file=sys.stderr,
             flush=True,
         )
-    while len(dispatcher.core) and loop.time() < deadline and not again.is_set():
+    while dispatcher.fleet.in_flight and loop.time() < deadline and not again.is_set():
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(again.wait(), min(0.1, max(0.0, deadline - loop.time())))
-    if len(dispatcher.core):
-        log.warning("stopping with %d requests still in flight", len(dispatcher.core))
+    if dispatcher.fleet.in_flight:
+        log.warning("stopping with %d requests still in flight", dispatcher.fleet.in_flight)
 
 
 async def _stream_once(url: str, model: str, prompt: str, max_tokens: int, chat: bool) -> int:

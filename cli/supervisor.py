@@ -143,7 +143,7 @@ class Workers:
         """Until every worker has registered; ``StartupError`` when one exits or time runs out."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while not all(w.worker_id in dispatcher.registry.workers for w in self.procs):
+        while not all(w.worker_id in dispatcher.fleet for w in self.procs):
             for w in self.procs:
                 code = w.proc.poll()
                 if code is not None:
@@ -151,7 +151,7 @@ class Workers:
                         f"worker {w.worker_id} exited with code {code} during start-up (see its log above)"
                     )
             if loop.time() > deadline:
-                missing = [w.worker_id for w in self.procs if w.worker_id not in dispatcher.registry.workers]
+                missing = [w.worker_id for w in self.procs if w.worker_id not in dispatcher.fleet]
                 raise StartupError(f"workers did not register within {timeout:.0f}s: {', '.join(missing)}")
             await asyncio.sleep(0.05)
 

@@ -2,7 +2,7 @@
 
 ``[ray]`` (``pdfabric serve --ray [ADDRESS]``) places each worker on a Ray cluster by its resource
 request; ``[autoscale]`` lets the router resize the prefill, decode and colocated pools within bounds
-(``pdfabric.router.scaler``). Both are off by default: workers are local processes, as many as the
+(``pdfabric.router.platform.scaler``). Both are off by default: workers are local processes, as many as the
 config names.
 """
 

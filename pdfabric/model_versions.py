@@ -15,7 +15,7 @@ their own (a checkpoint or preset, a dtype, worker counts and settings per versi
     kv_memory_mb = 64             # any [worker] key: this version's workers only
 
 A version's workers register with ``served = "chat@v1"``; the router sends a request only to workers
-of the version it resolved (``router/catalog.py``).
+of the version it resolved (``router/platform/catalog.py``).
 """
 
 from __future__ import annotations

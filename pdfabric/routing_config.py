@@ -13,7 +13,7 @@ from typing import Any
 
 from pdfabric.control import KINDS
 
-# The routing policies (router/policies.py ranks routes by each).
+# The routing policies (router/routing/policies.py ranks routes by each).
 BUDGET, ROUND_ROBIN, LEAST_LOADED = "budget", "round_robin", "least_loaded"
 POLICIES = (BUDGET, ROUND_ROBIN, LEAST_LOADED)
 
@@ -59,7 +59,7 @@ class SloClass:
 @dataclass(frozen=True)
 class Tenant:
     """A tenant: its share of the wait queue (``weight``), class and budgets (0: inherit), and the
-    platform's hold on it (``router/tenants.py``): the SHA-256 of its API keys, the models it may use
+    platform's hold on it (``router/platform/tenants.py``): the SHA-256 of its API keys, the models it may use
     (empty: all) and its limits (0: none), enforced at admission."""
 
     name: str
@@ -136,7 +136,7 @@ _DEFAULT_CLASSES = (
 class AdmissionConfig:
     """Budgets, classes, tenants, pools, the wait queue's limits and the routing policy (the ``[routing]``
     table). ``policy`` is ``budget`` (routes that meet the budgets), or a baseline to measure it
-    against: ``round_robin`` or ``least_loaded`` (see ``pdfabric.router.policies``)."""
+    against: ``round_robin`` or ``least_loaded`` (see ``pdfabric.router.routing.policies``)."""
 
     ttft_ms: float = 30_000.0
     itl_ms: float = 5_000.0

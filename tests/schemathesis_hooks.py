@@ -1,5 +1,5 @@
 """Schemathesis hooks for ``tests/test_openapi.py``: the rules between fields of a generation request
-that JSON Schema cannot state (router/openapi.py states them in the fields' descriptions), written out
+that JSON Schema cannot state (router/front/openapi.py states them in the fields' descriptions), written out
 here on their own. Before a request the fuzzer generated as valid is sent, the fields that break one of
 these rules are brought back inside it (the smallest change: ``best_of`` to ``n``, ``min_tokens`` to
 ``max_tokens``, a prompt cut, ``max_tokens`` to the room left); everything else is sent as generated,
@@ -16,7 +16,7 @@ from typing import Any
 
 import schemathesis
 
-from pdfabric.router.openai_api import MAX_BEST_OF, MAX_OUTPUTS
+from pdfabric.router.front.openai_api import MAX_BEST_OF, MAX_OUTPUTS
 
 CONTEXT = 512  # 32 blocks of 16 tokens
 LONGEST_PROMPT = 256  # tokens (chat: bytes of text); a longer one is cut

@@ -12,8 +12,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
-from pdfabric.router import admin
-from pdfabric.router.tenants import UsageBook
+from pdfabric.router.platform import admin
+from pdfabric.router.platform.tenants import UsageBook
 from pdfabric.routing_config import AdmissionConfig
 
 KEY = "s3cret-admin"

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from pdfabric.router.admission import (
+from pdfabric.router.routing.admission import (
     ADMIT,
     DEADLINE,
     QUEUE,
@@ -17,8 +17,8 @@ from pdfabric.router.admission import (
     Outcome,
     Ticket,
 )
-from pdfabric.router.routes import BATCH_FULL, Budgets, Choice, Ranking
-from pdfabric.router.slo import BudgetError, resolve
+from pdfabric.router.routing.routes import BATCH_FULL, Budgets, Choice, Ranking
+from pdfabric.router.routing.slo import BudgetError, resolve
 from pdfabric.routing_config import AdmissionConfig, PoolConfig, SloClass, Tenant
 
 ROUTE = Choice("d", "p", False, 10.0, 5.0, 0.0, 10.0, 0.0, 1.0, 0.1)

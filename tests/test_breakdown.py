@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pdfabric.router.breakdown import TokenTimes, breakdown
-from pdfabric.router.routes import Budgets, Choice
-from pdfabric.router.slo import resolve
+from pdfabric.router.front.breakdown import TokenTimes, breakdown
+from pdfabric.router.routing.routes import Budgets, Choice
+from pdfabric.router.routing.slo import resolve
 from pdfabric.routing_config import AdmissionConfig
 
 RESOLVED = resolve(AdmissionConfig(), {})

@@ -11,9 +11,9 @@ import pytest
 
 from pdfabric.config import load_serve_config
 from pdfabric.control import Register
-from pdfabric.router.catalog import Catalog, Version
-from pdfabric.router.openai_api import ApiError
-from pdfabric.router.registry import Registry, has_route
+from pdfabric.router.errors import ApiError
+from pdfabric.router.platform.catalog import Catalog, Version
+from pdfabric.router.routing.registry import Registry, has_route
 
 CONFIG = """
 [worker]
@@ -126,9 +126,9 @@ def _reg(wid: str, kind: str, served: str) -> Register:
 
 
 def test_routes_exist_per_version_and_a_request_sees_only_its_versions_workers() -> None:
-    from pdfabric.router.admission import Ticket
-    from pdfabric.router.routes import Budgets
-    from pdfabric.router.routing import Routing
+    from pdfabric.router.routing.admission import Ticket
+    from pdfabric.router.routing.choice import Routing
+    from pdfabric.router.routing.routes import Budgets
 
     registry = Registry()
     registry.register(_reg("c0", "colocated", ""))

@@ -26,9 +26,9 @@ from pdfabric.control import (
     TokenDelta,
 )
 from pdfabric.profile import WorkerProfile
-from pdfabric.router.dispatcher import Dispatcher, RequestStream
-from pdfabric.router.holders import Holders
-from pdfabric.router.slo import resolve
+from pdfabric.router.dispatch.dispatcher import Dispatcher, RequestStream
+from pdfabric.router.routing.holders import Holders
+from pdfabric.router.routing.slo import resolve
 from pdfabric.routing_config import AdmissionConfig
 from pdfabric.sampling_params import SamplingParams
 from pdfabric.wire import decode, encode
@@ -174,7 +174,7 @@ async def fabric(*kinds: tuple[str, str]) -> AsyncIterator[tuple[Dispatcher, dic
     try:
         for w in workers.values():
             await w.start()
-        await until(lambda: len(dispatcher.registry.workers) == len(workers))
+        await until(lambda: len(dispatcher.fleet.workers) == len(workers))
         yield dispatcher, workers
     finally:
         await dispatcher.close()
@@ -213,7 +213,7 @@ def test_ended_requests_abort_every_holder_and_nothing_stays_held() -> None:
             # 1. A client gone mid-stream: the prefill and the decode worker both get an Abort.
             await submit(dispatcher, "gone")
             await until(lambda: any(isinstance(m, Prefill) for m in w["p"].got))
-            assert dispatcher.holders.holders("gone") == {"p", "d"}
+            assert dispatcher.fleet.holders_of("gone") == {"p", "d"}
             dispatcher.release("gone", "request ended")
             await until(lambda: "gone" in w["p"].aborted() and "gone" in w["d"].aborted())
             # 2. A finished request: the prefill worker handed off, the decode worker finished; no Abort.
@@ -221,12 +221,12 @@ def test_ended_requests_abort_every_holder_and_nothing_stays_held() -> None:
             w["p"].delta("done", 0)
             w["p"].send(HandedOff("p", "done"))
             w["d"].delta("done", 1, "length")
-            await until(lambda: dispatcher.holders.holders("done") == frozenset())
+            await until(lambda: dispatcher.fleet.holders_of("done") == frozenset())
             assert [d.finish_reason for d in terminals(stream)] == ["length"]
             dispatcher.release("done", "request ended")
             await asyncio.sleep(0.05)
             assert "done" not in w["p"].aborted() + w["d"].aborted()
-            assert len(dispatcher.holders) == 0 and dispatcher.streams == {}
+            assert dispatcher.fleet.held == 0 and dispatcher.streams == {}
 
     asyncio.run(scenario())
 
@@ -244,7 +244,7 @@ def test_a_client_gone_while_blocks_are_reserved_aborts_the_decode_worker() -> N
             assert "r" not in w["p"].aborted() and not any(isinstance(m, Prefill) for m in w["p"].got)
             w["d"].send(Reserved("d", "r", (5, 6)))  # the late reply's blocks are given back too
             await until(lambda: w["d"].aborted().count("r") == 2)
-            assert len(dispatcher.holders) == 0 and dispatcher.streams == {}
+            assert dispatcher.fleet.held == 0 and dispatcher.streams == {}
 
     asyncio.run(scenario())
 
@@ -260,14 +260,14 @@ def test_a_dead_worker_fails_its_requests_once_and_reservations_fail_over() -> N
             w[second].on_reserve = lambda m: Reserved(second, m.request_id, (3,))
             dispatcher.worker_gone(first, "test")  # its reservation fails over to the other pair
             stream = await asyncio.wait_for(task, 5)
-            assert dispatcher.holders.holders("r") == {"p", second} and stream.route == f"p->{second}"
+            assert dispatcher.fleet.holders_of("r") == {"p", second} and stream.route == f"p->{second}"
             dispatcher.worker_gone("p", "test")
             dispatcher.worker_gone("p", "test again")
             [end] = terminals(stream)
             assert end.finish_reason == "error" and "worker p failed" in end.error
             dispatcher.release("r", "request ended")
             await until(lambda: "r" in w[second].aborted())
-            assert len(dispatcher.holders) == 0
+            assert dispatcher.fleet.held == 0
             assert not any(isinstance(m, Generate | Shutdown) for m in w["p"].got)
 
     asyncio.run(scenario())

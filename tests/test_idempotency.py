@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from pdfabric.config import ServeConfig, load_serve_config
-from pdfabric.router.idempotency import HEADER, IdempotencyStore, Reply, check_key, fingerprint
-from pdfabric.router.openai_api import ApiError
+from pdfabric.router.errors import ApiError
+from pdfabric.router.front.idempotency import HEADER, IdempotencyStore, Reply, check_key, fingerprint
 
 SCOPE = ("default", "/v1/completions", "key-1")
 OK = Reply(200, b'{"id":"cmpl-1"}', (("Content-Type", "application/json"),))

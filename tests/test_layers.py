@@ -7,6 +7,8 @@ The nodes are the modules directly in ``pdfabric/`` (protocol, config, wire, pro
     kind shares)  <  prefill, decode (the kinds)  <  kinds (their table)  <  router  <  bench  <  cli
     (the command line, the launcher)
 
+Inside the router the rooms point down too: routing < dispatch < platform < front.
+
 A module may import its own node and any node below it, at module level or inside a function (an
 import inside a function is still a dependency), and never one above it; the nodes of one layer
 (prefill, decode) do not import each other. Nor do modules import each other, directly or round a
@@ -32,14 +34,21 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli",),
 )
 RANK = {node: rank for rank, nodes in enumerate(LAYERS) for node in nodes}
+# The router's rooms, bottom to top; the modules directly in router/ (its error type, the JSON body
+# reader) sit below them all.
+ROUTER_ROOMS = ("routing", "dispatch", "platform", "front")
 
 
 def _modules() -> dict[str, Path]:
-    """Every module of the package by its dotted name, from the source tree."""
+    """Every module of the package by its dotted name, from the source tree (a node's folder may
+    hold rooms: subpackages, such as ``router/front/``)."""
     out = {f"pdfabric.{p.stem}": p for p in (ROOT / "pdfabric").glob("*.py")}
     for node in RANK:
         if node != "pdfabric":
-            out.update({f"pdfabric.{node}.{p.stem}": p for p in (ROOT / node).glob("*.py")})
+            for p in (ROOT / node).rglob("*.py"):
+                parts = p.relative_to(ROOT / node).with_suffix("").parts
+                parts = parts[:-1] if parts[-1] == "__init__" else parts
+                out[".".join(("pdfabric", node, *parts))] = p
     return out
 
 
@@ -85,6 +94,22 @@ def test_imports_point_down() -> None:
         if RANK[dest] >= RANK[source]:  # a node above, or beside it in its layer
             upward.add((module, target))
     assert upward == set(), "imports that point up (move what they need down)"
+
+
+def test_the_router_rooms_point_down() -> None:
+    """routing (registry, prediction, admission) < dispatch (the request core) < platform (tenants,
+    catalog, rollouts, admin) < front (HTTP): a room imports only itself, the rooms below it and
+    the router's own modules."""
+    rank = {room: i for i, room in enumerate(ROUTER_ROOMS)}
+
+    def room(module: str) -> int:
+        parts = module.split(".")
+        return rank.get(parts[3], -1) if len(parts) > 3 and parts[1] == "router" else -1
+
+    upward = {(a, b) for a, b in _edges() if _node(a) == _node(b) == "router" and room(b) > room(a)}
+    assert upward == set(), "router modules that import a room above their own"
+    rooms = {p.name for p in (ROOT / "router").iterdir() if p.is_dir() and not p.name.startswith(("_", "."))}
+    assert rooms == set(ROUTER_ROOMS)
 
 
 def _circles(edges: set[tuple[str, str]]) -> set[frozenset[str]]:
@@ -145,6 +170,6 @@ def test_circles_are_found() -> None:
 def test_the_test_sees_the_imports() -> None:
     """The checker finds what it checks: a known import at module level and one inside a function."""
     edges = _edges()
-    assert ("pdfabric.router.app", "pdfabric.router.openai_api") in edges
-    assert ("pdfabric.router.catalog", "pdfabric.engine.default_model") in edges  # inside a function
+    assert ("pdfabric.router.front.serve", "pdfabric.router.front.openai_api") in edges
+    assert ("pdfabric.router.platform.catalog", "pdfabric.engine.default_model") in edges  # inside a function
     assert len(_modules()) > 120

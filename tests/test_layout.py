@@ -21,7 +21,7 @@ SUBPACKAGES = (
 IMPORT_ALL = (
     "import json, pdfabric, pdfabric.kernels, pdfabric.kernels.dispatch, pdfabric.engine.block_pool, "
     "pdfabric.kvtransfer.state, pdfabric.worker.core, pdfabric.prefill, pdfabric.decode, "
-    "pdfabric.router.holders, pdfabric.cli.main, "
+    "pdfabric.router.routing.holders, pdfabric.cli.main, "
     "pdfabric.bench.goodput; k = pdfabric.kernels; "
     "print(json.dumps({'init': k.__file__, 'path': list(k.__path__), 'dispatch': k.dispatch.__file__, "
     "'api': callable(k.paged_attention), 'csrc': (Path(k.dispatch.__file__).parent / 'csrc').is_dir()}))"

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from pdfabric.router import openai_api as api
-from pdfabric.router.openapi import openapi_document
+from pdfabric.router.front import openai_api as api
+from pdfabric.router.front.openapi import openapi_document
 from tests.fabric import get_json, running_fabric
 
 

@@ -8,9 +8,9 @@ import math
 import pytest
 
 from pdfabric.profile import WorkerProfile
-from pdfabric.router.policies import rank_routes
-from pdfabric.router.predictor import rank
-from pdfabric.router.routes import BATCH_FULL, KV_FULL, NO_WORKERS, Budgets, Candidate, WorkerLoad
+from pdfabric.router.routing.policies import rank_routes
+from pdfabric.router.routing.predictor import rank
+from pdfabric.router.routing.routes import BATCH_FULL, KV_FULL, NO_WORKERS, Budgets, Candidate, WorkerLoad
 from pdfabric.routing_config import (
     BUDGET,
     LEAST_LOADED,

@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 
 from pdfabric.profile import WorkerProfile
-from pdfabric.router.predictor import rank
-from pdfabric.router.routes import (
+from pdfabric.router.routing.predictor import rank
+from pdfabric.router.routing.routes import (
     BATCH_FULL,
     ITL,
     KV_FULL,

@@ -211,7 +211,7 @@ def test_a_decode_worker_that_holds_a_prefix_receives_only_the_rest() -> None:
 
 
 def test_the_routers_view_follows_reports_and_stays_bounded() -> None:
-    from pdfabric.router.prefix_index import PrefixIndex
+    from pdfabric.router.routing.prefix_index import PrefixIndex
 
     view = PrefixIndex()
     view.update("w", [b"a", b"b", b"c"], [], limit=3)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdfabric.router.openai_api import MAX_JSON_DEPTH, ApiError, parse_json_body
+from pdfabric.router.errors import ApiError
+from pdfabric.router.json_body import MAX_JSON_DEPTH, parse_json_body
 
 
 def _nested(depth: int) -> bytes:

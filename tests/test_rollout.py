@@ -8,7 +8,7 @@ import pytest
 
 from pdfabric.cli import admin_cli
 from pdfabric.profile import WorkerProfile
-from pdfabric.router.rollout import (
+from pdfabric.router.platform.rollout import (
     PROMOTED,
     RAMPING,
     ROLLED_BACK,

@@ -19,9 +19,9 @@ from pdfabric.control import (
     TokenDelta,
 )
 from pdfabric.profile import WorkerProfile
-from pdfabric.router.core import RouterCore
-from pdfabric.router.effects import Deliver, FailedOver, Refused, Send, Started, Transferred
-from pdfabric.router.routes import Budgets
+from pdfabric.router.dispatch.core import RouterCore
+from pdfabric.router.dispatch.effects import Deliver, FailedOver, Refused, Send, Started, Transferred
+from pdfabric.router.routing.routes import Budgets
 from pdfabric.routing_config import AdmissionConfig, SloClass
 from pdfabric.sampling_params import SamplingParams
 
@@ -322,7 +322,7 @@ def test_a_deadline_bounds_admission_and_failover() -> None:
 def test_routing_prefers_the_worker_that_holds_the_prompts_prefix_and_survives_a_stale_view() -> None:
     from dataclasses import replace
 
-    from pdfabric.router.prefix_index import prompt_hashes
+    from pdfabric.router.routing.prefix_index import prompt_hashes
 
     core, _ = core_with(("c0", "colocated"), ("c1", "colocated"), ("c2", "colocated"))
     prompt = tuple(range(3, 103))  # 100 tokens: 6 cacheable 16-token blocks

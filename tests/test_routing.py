@@ -10,10 +10,10 @@ import pytest
 from pdfabric.config import load_serve_config
 from pdfabric.control import Heartbeat, Register
 from pdfabric.profile import WorkerProfile
-from pdfabric.router.admission import Ticket
-from pdfabric.router.registry import Registry
-from pdfabric.router.routes import Budgets, WorkerLoad
-from pdfabric.router.routing import RATE_WINDOW_S, Routing, candidate, route_of, with_pending
+from pdfabric.router.routing.admission import Ticket
+from pdfabric.router.routing.choice import RATE_WINDOW_S, Routing, candidate, route_of, with_pending
+from pdfabric.router.routing.registry import Registry
+from pdfabric.router.routing.routes import Budgets, WorkerLoad
 from pdfabric.routing_config import AdmissionConfig, PoolConfig
 
 # prefill: 2 ms a step + 40 us a token; decode: 5 ms + 1 ms a sequence

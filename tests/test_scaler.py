@@ -1,4 +1,4 @@
-"""The pool scaler's policy (``router/scaler.py``): sizing by the planner's model, shortage signals,
+"""The pool scaler's policy (``router/platform/scaler.py``): sizing by the planner's model, shortage signals,
 hysteresis, cooldown and bounds. Pure: signals in, decisions out, on a made-up clock."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 
 from pdfabric.cluster_config import AutoscaleConfig
 from pdfabric.profile import WorkerProfile
-from pdfabric.router.scaler import Finished, Observations, Pool, Scaler, Signals, sized
+from pdfabric.router.platform.scaler import Finished, Observations, Pool, Scaler, Signals, sized
 
 # 10 ms per prefill step plus 0.1 ms per token; 20 ms per decode step plus 1 ms per sequence.
 PROFILE = WorkerProfile(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdfabric.router.tenants import OTHER, Keys, LimitError, Limits, UsageBook, sha256_hex
+from pdfabric.router.platform.tenants import OTHER, Keys, LimitError, Limits, UsageBook, sha256_hex
 from pdfabric.routing_config import AdmissionConfig, Tenant
 
 
@@ -104,7 +104,7 @@ def test_usage_is_counted_per_tenant_and_model_and_undeclared_names_are_bounded(
         "requests": 2, "failed": 1, "prompt_tokens": 15, "cached_tokens": 4, "completion_tokens": 9,
     }  # fmt: skip
     assert report["acme"]["chat@v2"]["requests"] == 1
-    monkeypatch.setattr("pdfabric.router.tenants.MAX_TENANTS", 3)
+    monkeypatch.setattr("pdfabric.router.platform.tenants.MAX_TENANTS", 3)
     for name in ("x", "y", "z", "w"):
         book.add(name, "m", 1, 0, 1, False)
     assert set(book.report()) == {"acme", "x", "y", OTHER}

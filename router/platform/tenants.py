@@ -23,7 +23,7 @@ import math
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
-from pdfabric.router.openai_api import ApiError
+from pdfabric.router.errors import ApiError
 from pdfabric.routing_config import AdmissionConfig, Tenant
 
 WINDOW_S = 60.0  # the span of requests_per_min and tokens_per_min

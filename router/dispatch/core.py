@@ -59,13 +59,13 @@ from pdfabric.control import (
     StepOutputs,
     TokenDelta,
 )
-from pdfabric.router.admission import ADMIT, REJECT, Outcome, Ticket
-from pdfabric.router.effects import Deliver, Effect, FailedOver, Refused, Send, Started, Transferred
-from pdfabric.router.holders import Holders
-from pdfabric.router.registry import Registry, has_route
-from pdfabric.router.request import RouterRequest
-from pdfabric.router.routes import Budgets, Choice
-from pdfabric.router.routing import Routing, route_of
+from pdfabric.router.dispatch.effects import Deliver, Effect, FailedOver, Refused, Send, Started, Transferred
+from pdfabric.router.dispatch.request import RouterRequest
+from pdfabric.router.routing.admission import ADMIT, REJECT, Outcome, Ticket
+from pdfabric.router.routing.choice import Routing, route_of
+from pdfabric.router.routing.holders import Holders
+from pdfabric.router.routing.registry import Registry, has_route
+from pdfabric.router.routing.routes import Budgets, Choice
 from pdfabric.routing_config import AdmissionConfig, PredictorConfig
 from pdfabric.sampling_params import SamplingParams
 

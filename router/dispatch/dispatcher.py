@@ -6,32 +6,36 @@ order, what a dead worker means) is the core's; the ``Dispatcher`` feeds it the 
 messages, carries out the effects it returns (sends on the socket, starts and refusals to the
 waiting ``submit``, deltas to the request's ``RequestStream``) and wakes it at its next deadline.
 A request's life is in ``core``'s docstring; here:
-1. ``submit`` awaits the request's start (``Started``) or refusal (``Rejected``, a 429, or an
-   ``ApiError`` 503); a client gone while it waits ends it in the core (its holders get ``Abort``);
+1. ``submit`` awaits the request's start (``Started``) or refusal (``Refusal``, which the HTTP front
+   answers as a 429 or a 503); a client gone while it waits ends it in the core (its holders get
+   ``Abort``);
 2. the stream gets the request's deltas in output order, ending with the one that carries a finish
    reason; a failed worker's requests move to others (``FailedOver``: logged and counted) and their
    streams go on, and an error ends a stream only when a request cannot move;
 3. the HTTP handler calls ``release`` when it is done with the request, however it ended.
+
+Others read the core through ``fleet`` (a read-only view) and hear of hand-offs and failovers as
+``DispatchEvents`` (``listen``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import zmq
 import zmq.asyncio
 
 from pdfabric.control import HandedOff, Register, Shutdown, TokenDelta
-from pdfabric.router.core import RouterCore
-from pdfabric.router.effects import Deliver, Effect, FailedOver, Refused, Send, Started, Transferred
-from pdfabric.router.openai_api import ApiError
-from pdfabric.router.registry import WorkerInfo
-from pdfabric.router.routes import Choice
-from pdfabric.router.routing import Rejected
-from pdfabric.router.slo import Resolved
+from pdfabric.router.dispatch.core import RouterCore
+from pdfabric.router.dispatch.effects import Deliver, Effect, FailedOver, Refused, Send, Started, Transferred
+from pdfabric.router.dispatch.fleet import Fleet
+from pdfabric.router.routing.registry import WorkerInfo
+from pdfabric.router.routing.routes import Choice
+from pdfabric.router.routing.slo import Resolved
 from pdfabric.routing_config import AdmissionConfig, PredictorConfig
 from pdfabric.sampling_params import SamplingParams
 from pdfabric.wire import WireError, decode, encode
@@ -78,6 +82,24 @@ class RequestStream:
             self.queues[delta.choice].put_nowait(delta)
 
 
+class Refusal(Exception):
+    """``submit``'s answer for a request that never started: ``refused.outcome`` when admission
+    control turned it away, else no worker could take it (``refused.message``)."""
+
+    def __init__(self, refused: Refused) -> None:
+        super().__init__(refused.message)
+        self.refused = refused
+
+
+class DispatchEvents(Protocol):
+    """What a listener (``Dispatcher.listen``) hears: each KV hand-off, with the prefill worker that
+    reported it (None: gone meanwhile), and each request moved to other workers."""
+
+    def handed_off(self, msg: HandedOff, worker: WorkerInfo | None) -> None: ...
+
+    def failed_over(self, moved: FailedOver) -> None: ...
+
+
 class Dispatcher:
     def __init__(
         self,
@@ -88,8 +110,8 @@ class Dispatcher:
         predictor: PredictorConfig | None = None,
         max_failovers: int = 2,
     ) -> None:
-        self.core = RouterCore(admission, predictor, reserve_timeout_s, max_failovers=max_failovers)
-        self.registry, self.routing, self.holders = self.core.registry, self.core.routing, self.core.holders
+        self._core = RouterCore(admission, predictor, reserve_timeout_s, max_failovers=max_failovers)
+        self._registry = self._core.registry
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -105,11 +127,14 @@ class Dispatcher:
         self._tasks: list[asyncio.Task[None]] = []
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
-        self.on_register: Callable[[WorkerInfo], None] | None = None
-        self.on_handed_off: Callable[[HandedOff], None] | None = None  # e.g. transfer metrics
-        self.on_failover: Callable[[FailedOver], None] | None = None  # e.g. failover metrics
+        self._listeners: list[DispatchEvents] = []
         self.restarts: dict[str, int] = {}  # worker id -> times its supervisor started it again
         self.down: dict[str, str] = {}  # worker id -> why its supervisor gave up on it
+        self.fleet = Fleet(self._core, self.restarts, self.down)
+
+    def listen(self, listener: DispatchEvents) -> None:
+        """Tells ``listener`` of every hand-off and failover from now on (e.g. metrics)."""
+        self._listeners.append(listener)
 
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._liveness_loop())]
@@ -117,7 +142,7 @@ class Dispatcher:
     async def close(self, shutdown: Collection[str] | None = None) -> None:
         """Stops the router. The workers in ``shutdown`` (default: all) are told to exit; the others
         (workers that joined from elsewhere) stay and register again with the next router."""
-        for w in list(self.registry.workers):
+        for w in list(self._registry.workers):
             if shutdown is None or w in shutdown:
                 self._send(w, Shutdown("router stopping"))
         if self._timer is not None:
@@ -143,15 +168,15 @@ class Dispatcher:
     ) -> RequestStream:
         """Starts the request on a route that meets its budgets (``resolved``) and its ``deadline``
         (``time.monotonic()`` seconds; None: none), with ``n`` outputs from one computed prompt.
-        Raises ``Rejected`` (429) when admission control turns it away and ``ApiError`` (503) when no
-        worker can take it. Its TTFT budget counts from here. ``served``: the model version whose
-        workers run it (``catalog.Version.key``)."""
+        Raises ``Refusal`` when admission control turns it away or no worker can take it. Its TTFT
+        budget counts from here. ``served``: the model version whose workers run it
+        (``catalog.Version.key``)."""
         stream = RequestStream(request_id, len(prompt_ids), n)
         stream.started = asyncio.get_running_loop().create_future()
         self.streams[request_id] = stream
         try:
             self._apply(
-                self.core.submit(
+                self._core.submit(
                     request_id,
                     prompt_ids,
                     params,
@@ -175,20 +200,20 @@ class Dispatcher:
     def release(self, request_id: str, abort_reason: str | None) -> None:
         """Forgets a request; if ``abort_reason`` is given, tells every worker still holding it."""
         self.streams.pop(request_id, None)
-        self._apply(self.core.end(request_id, abort_reason))
+        self._apply(self._core.end(request_id, abort_reason))
 
     # --- workers --------------------------------------------------------------------------------
 
     def drain_worker(self, worker_id: str, reason: str) -> None:
         """Tells a worker to drain (``KeyError``: no such worker); new requests go elsewhere at once."""
         log.warning("draining worker %s: %s", worker_id, reason)
-        self._apply(self.core.drain(worker_id, reason))
+        self._apply(self._core.drain(worker_id, reason))
 
     def worker_gone(self, worker_id: str, why: str) -> None:
         """Drops a worker; each request it held ends with an error."""
-        if worker_id in self.registry.workers:
+        if worker_id in self._registry.workers:
             log.warning("worker %s gone: %s", worker_id, why)
-        self._apply(self.core.worker_gone(worker_id, why))
+        self._apply(self._core.worker_gone(worker_id, why))
 
     # --- the core's effects ---------------------------------------------------------------------
 
@@ -202,8 +227,8 @@ class Dispatcher:
                     "request %s moves to other workers after %d tokens: %s",
                     effect.request_id, effect.resumed_at, effect.message,
                 )  # fmt: skip
-                if self.on_failover is not None:
-                    self.on_failover(effect)
+                for listener in self._listeners:
+                    listener.failed_over(effect)
             stream = self.streams.get(effect.request_id)
             if stream is None:
                 continue
@@ -220,26 +245,26 @@ class Dispatcher:
             elif isinstance(effect, Refused):
                 self.streams.pop(effect.request_id, None)
                 if stream.started is not None and not stream.started.done():
-                    stream.started.set_exception(_refusal(effect))
+                    stream.started.set_exception(Refusal(effect))
             elif isinstance(effect, Transferred):
                 stream.transfer_s = effect.msg.kv_seconds
         self._arm()
 
     def _arm(self) -> None:
         """Wakes the core at its next deadline (one timer at a time)."""
-        at = self.core.next_deadline()
+        at = self._core.next_deadline()
         if at == self._timer_at:
             return
         if self._timer is not None:
             self._timer.cancel()
         self._timer, self._timer_at = None, at
         if at is not None:
-            delay = max(0.0, at - self.core.clock())
+            delay = max(0.0, at - self._core.clock())
             self._timer = asyncio.get_running_loop().call_later(delay, self._wake)
 
     def _wake(self) -> None:
         self._timer = self._timer_at = None
-        self._apply(self.core.poll())
+        self._apply(self._core.poll())
 
     def _send(self, worker_id: str, msg: object) -> None:
         try:
@@ -264,22 +289,16 @@ class Dispatcher:
                 log.exception("error handling %s", type(msg).__name__)
 
     def _on_message(self, msg: object) -> None:
-        self._apply(self.core.on_message(msg))
+        self._apply(self._core.on_message(msg))
         if isinstance(msg, Register):
             log.info("worker %s registered (%s, pool %s)", msg.worker_id, msg.kind, msg.pool)
-            if self.on_register is not None:
-                self.on_register(self.registry.workers[msg.worker_id])
-        elif isinstance(msg, HandedOff) and self.on_handed_off is not None:
-            self.on_handed_off(msg)
+        elif isinstance(msg, HandedOff):
+            for listener in self._listeners:
+                listener.handed_off(msg, self._registry.workers.get(msg.worker_id))
 
     async def _liveness_loop(self) -> None:
         while True:
             await asyncio.sleep(min(1.0, self.worker_timeout_s / 4))
-            for worker_id in self.registry.expired(self.worker_timeout_s):
+            for worker_id in self._registry.expired(self.worker_timeout_s):
                 self.worker_gone(worker_id, f"no heartbeat for {self.worker_timeout_s:.0f}s")
 
-
-def _refusal(refused: Refused) -> ApiError:
-    if refused.outcome is not None:
-        return Rejected(refused.outcome)
-    return ApiError(refused.status, refused.message, kind="server_error", retry_after_s=1.0)

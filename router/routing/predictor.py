@@ -43,7 +43,7 @@ from dataclasses import dataclass, replace
 
 from pdfabric.control import COLOCATED, DECODE, PREFILL
 from pdfabric.profile import queued_attention
-from pdfabric.router.routes import (
+from pdfabric.router.routing.routes import (
     BATCH_FULL,
     ITL,
     ITL_UNREACHABLE,

@@ -19,13 +19,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from pdfabric.control import COLOCATED, PREFILL
-from pdfabric.router.admission import AdmissionQueue, Outcome, Ticket
-from pdfabric.router.holders import Holders
-from pdfabric.router.openai_api import ApiError
-from pdfabric.router.policies import rank_routes
-from pdfabric.router.prefix_index import prompt_hashes
-from pdfabric.router.registry import Registry, Route, WorkerInfo
-from pdfabric.router.routes import Budgets, Candidate, Choice, Ranking, WorkerLoad
+from pdfabric.router.errors import ApiError
+from pdfabric.router.routing.admission import AdmissionQueue, Outcome, Ticket
+from pdfabric.router.routing.holders import Holders
+from pdfabric.router.routing.policies import rank_routes
+from pdfabric.router.routing.prefix_index import prompt_hashes
+from pdfabric.router.routing.registry import Registry, Route, WorkerInfo
+from pdfabric.router.routing.routes import Budgets, Candidate, Choice, Ranking, WorkerLoad
 from pdfabric.routing_config import AdmissionConfig, PredictorConfig
 
 _WHY = {

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 
 from pdfabric.control import COLOCATED, DECODE, PREFILL, Heartbeat, Register
-from pdfabric.router.prefix_index import PrefixIndex
+from pdfabric.router.routing.prefix_index import PrefixIndex
 
 
 @dataclass

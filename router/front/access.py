@@ -14,10 +14,11 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from pdfabric.router import openai_api as api
-from pdfabric.router.catalog import SESSION_HEADER, Catalog, Version
-from pdfabric.router.dispatcher import RequestStream
-from pdfabric.router.tenants import Keys, Limits, UsageBook
+from pdfabric.router.dispatch.dispatcher import RequestStream
+from pdfabric.router.errors import ApiError, bad
+from pdfabric.router.front import openai_api as api
+from pdfabric.router.platform.catalog import SESSION_HEADER, Catalog, Version
+from pdfabric.router.platform.tenants import Keys, Limits, UsageBook
 from pdfabric.routing_config import AdmissionConfig
 
 TENANT = "tenant"  # the request's tenant, set by ``authenticate``
@@ -26,10 +27,16 @@ TENANT = "tenant"  # the request's tenant, set by ``authenticate``
 class Access:
     """The router's tenants (keys, limits, usage) and the models it serves."""
 
-    def __init__(self, config: AdmissionConfig, catalog: Catalog) -> None:
-        self.keys, self.limits, self.usage = Keys(config), Limits(config), UsageBook(config)
+    def __init__(
+        self, config: AdmissionConfig, catalog: Catalog, usage: UsageBook | None = None,
+        unauthenticated: Callable[[], None] = lambda: None,
+    ) -> None:  # fmt: skip
+        """``usage``: the usage book to count into (a new one when None); ``unauthenticated`` is
+        called for each request refused a 401 (e.g. a rejection metric)."""
+        self.keys, self.limits = Keys(config), Limits(config)
+        self.usage = usage if usage is not None else UsageBook(config)
         self.catalog = catalog
-        self.on_unauthenticated: Callable[[], None] = lambda: None  # e.g. a rejection metric
+        self.unauthenticated = unauthenticated
 
 
 ACCESS = web.AppKey("access", Access)
@@ -46,8 +53,8 @@ async def authenticate(
         if platform.keys.required:
             tenant = platform.keys.tenant_of(request.headers.get("Authorization", ""))
             if tenant is None:
-                platform.on_unauthenticated()
-                err = api.ApiError(401, "a valid API key is required: Authorization: Bearer KEY",
+                platform.unauthenticated()
+                err = ApiError(401, "a valid API key is required: Authorization: Bearer KEY",
                                    kind="authentication_error")  # fmt: skip
                 return web.json_response(err.body(), status=401)
         else:
@@ -63,7 +70,7 @@ def version_of(request: web.Request, body: object, chat: bool) -> Version:
     requested = body.get("model") if isinstance(body, dict) else None
     if not isinstance(requested, str):  # the parser's 400 says what is wrong
         api.parse_request(body, chat, catalog.names(), 0)
-        raise api.bad("'model' must be a string", "model")
+        raise bad("'model' must be a string", "model")
     user = body.get("user")
     sticky = user if isinstance(user, str) else request.headers.get(SESSION_HEADER, "")
     return catalog.resolve(requested, sticky)

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdfabric.control import HandedOff, TokenDelta
-from pdfabric.router.admission import Outcome
-from pdfabric.router.routes import Choice
+from pdfabric.router.routing.admission import Outcome
+from pdfabric.router.routing.routes import Choice
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from pdfabric.engine.tokenizer import Tokenizer
-from pdfabric.router import openai_api as api
+from pdfabric.router.errors import ApiError, bad
+from pdfabric.router.front import openai_api as api
 
 
 def tokenize(tokenizer: Tokenizer, parsed: api.ParsedRequest) -> list[tuple[int, ...]]:
@@ -12,10 +13,10 @@ def tokenize(tokenizer: Tokenizer, parsed: api.ParsedRequest) -> list[tuple[int,
         try:
             text = tokenizer.apply_chat_template(list(parsed.messages or ()), add_generation_prompt=True)
         except ValueError as exc:
-            raise api.bad(str(exc), "messages") from None
+            raise bad(str(exc), "messages") from None
         ids = tokenizer.encode(text, add_special_tokens=False)
         if not ids:
-            raise api.bad("the prompt encodes to no tokens", "messages")
+            raise bad("the prompt encodes to no tokens", "messages")
         return [tuple(ids)]
     out = []
     for prompt in parsed.prompts:
@@ -24,7 +25,7 @@ def tokenize(tokenizer: Tokenizer, parsed: api.ParsedRequest) -> list[tuple[int,
             continue
         ids = tokenizer.encode(prompt, add_special_tokens=True)
         if not ids:
-            raise api.bad("the prompt encodes to no tokens", "prompt")
+            raise bad("the prompt encodes to no tokens", "prompt")
         out.append(tuple(ids))
     return out
 
@@ -39,16 +40,16 @@ def max_tokens(parsed: api.ParsedRequest, prompt_len: int, max_model_len: int) -
     """The request's ``max_tokens`` for a prompt of ``prompt_len``: what it asked for, or the room
     left in the context window; a 400 naming the field when they do not fit (503: no worker yet)."""
     if max_model_len == 0:
-        raise api.ApiError(503, "no worker is registered yet", kind="server_error", retry_after_s=1.0)
+        raise ApiError(503, "no worker is registered yet", kind="server_error", retry_after_s=1.0)
     field = "messages" if parsed.chat else "prompt"
     if prompt_len >= max_model_len:
-        raise api.bad(f"the prompt has {prompt_len} tokens; the context window is {max_model_len}", field)
+        raise bad(f"the prompt has {prompt_len} tokens; the context window is {max_model_len}", field)
     room = max_model_len - prompt_len
     if parsed.max_tokens is None:
         return room
     if parsed.max_tokens > room:
         name = "max_completion_tokens" if parsed.chat else "max_tokens"
-        raise api.bad(
+        raise bad(
             f"'{name}' is {parsed.max_tokens}, but the prompt ({prompt_len} tokens) leaves room for "
             f"{room} in the {max_model_len}-token context window",
             name,

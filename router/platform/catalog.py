@@ -27,7 +27,7 @@ from pathlib import Path
 from pdfabric.config import ServeConfig
 from pdfabric.control import KINDS
 from pdfabric.engine.tokenizer import Tokenizer
-from pdfabric.router.openai_api import ApiError, bad
+from pdfabric.router.errors import ApiError, bad
 
 WARMING, READY, FAILED, RETIRED = "warming", "ready", "failed", "retired"  # a version's states
 SESSION_HEADER = "X-Session-Id"  # sticky assignment by this header when the body has no `user`

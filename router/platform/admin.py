@@ -30,9 +30,9 @@ from typing import Any, TextIO
 
 from aiohttp import web
 
-from pdfabric.router.dispatcher import Dispatcher
-from pdfabric.router.openai_api import ApiError
-from pdfabric.router.tenants import UsageBook, bearer_token, sha256_hex
+from pdfabric.router.dispatch.dispatcher import Dispatcher
+from pdfabric.router.errors import ApiError
+from pdfabric.router.platform.tenants import UsageBook, bearer_token, sha256_hex
 
 
 class Lifecycle:

@@ -37,13 +37,14 @@ from pdfabric.config import ServeConfig
 from pdfabric.control import PREFILL
 from pdfabric.model_versions import ModelConfig, check_name, parse_version, version_plan
 from pdfabric.profile import WorkerProfile
-from pdfabric.router.admin import AUDIT, unauthorized
-from pdfabric.router.catalog import FAILED, READY, RETIRED, WARMING, Catalog, Version, load_tokenizer
-from pdfabric.router.dispatcher import Dispatcher
-from pdfabric.router.openai_api import ApiError, parse_json_body
-from pdfabric.router.registry import WorkerInfo, has_route
-from pdfabric.router.rollout import Rollout, RolloutSpec, token_cost
-from pdfabric.router.slo import resolve
+from pdfabric.router.dispatch.dispatcher import Dispatcher
+from pdfabric.router.errors import ApiError
+from pdfabric.router.json_body import parse_json_body
+from pdfabric.router.platform.admin import AUDIT, unauthorized
+from pdfabric.router.platform.catalog import FAILED, READY, RETIRED, WARMING, Catalog, Version, load_tokenizer
+from pdfabric.router.platform.rollout import Rollout, RolloutSpec, token_cost
+from pdfabric.router.routing.registry import WorkerInfo
+from pdfabric.router.routing.slo import resolve
 from pdfabric.sampling_params import SamplingParams
 from pdfabric.worker_config import WorkerConfig
 
@@ -121,7 +122,7 @@ class Models:
 
         def decoders(names: list[str]) -> list[WorkerInfo]:
             keys = {model.versions[n].key for n in names if n in model.versions}
-            return [w for k in keys for w in self.dispatcher.registry.serving(k) if w.reg.kind != PREFILL]
+            return [w for k in keys for w in self.dispatcher.fleet.serving(k) if w.reg.kind != PREFILL]
 
         def priced(workers: list[WorkerInfo]) -> list[tuple[WorkerProfile, float]]:
             return [(w.load.profile, routing.pool(w.reg.kind, w.reg.pool).cost) for w in workers if w.load]
@@ -161,7 +162,7 @@ class Models:
         ):
             raise ApiError(409, f"{model}@{vcfg.name} exists already", kind="conflict")
         if existing is not None and any(
-            w.reg.served == f"{model}@{vcfg.name}" for w in self.dispatcher.registry.workers.values()
+            w.reg.served == f"{model}@{vcfg.name}" for w in self.dispatcher.fleet.workers.values()
         ):
             raise ApiError(
                 409, f"workers of a removed {model}@{vcfg.name} are still draining", kind="conflict"
@@ -182,7 +183,7 @@ class Models:
         """Waits for the version's workers, then one greedy token through them; then it is ready."""
         deadline = time.monotonic() + WARM_TIMEOUT_S
         try:
-            while not has_route(self.dispatcher.registry, version.key):
+            while not self.dispatcher.fleet.has_route(version.key):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"its workers did not register within {WARM_TIMEOUT_S:.0f}s")
                 await asyncio.sleep(0.1)
@@ -230,7 +231,7 @@ class Models:
         return version
 
     def _drain(self, version: Version) -> None:
-        for w in self.dispatcher.registry.serving(version.key):
+        for w in self.dispatcher.fleet.serving(version.key):
             with contextlib.suppress(KeyError):
                 self.dispatcher.drain_worker(w.worker_id, f"version {version.label} removed")
 
@@ -239,7 +240,7 @@ class Models:
         for m in self.catalog.models.values():
             versions = []
             for v in m.versions.values():
-                workers = sorted(w.worker_id for w in self.dispatcher.registry.serving(v.key))
+                workers = sorted(w.worker_id for w in self.dispatcher.fleet.serving(v.key))
                 versions.append({
                     "id": v.label, "state": v.state, "weight": v.weight, "checkpoint": v.checkpoint,
                     "workers": workers, "reason": v.reason,

@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from pdfabric.control import TokenDelta
-from pdfabric.router.admission import Ticket
-from pdfabric.router.routes import Choice
+from pdfabric.router.routing.admission import Ticket
+from pdfabric.router.routing.routes import Choice
 from pdfabric.sampling_params import Branch, SamplingParams
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pdfabric.router import openai_api as api
+from pdfabric.router.front import openai_api as api
 
 
 def chunk(
@@ -19,7 +19,7 @@ def chunk(
     logprobs: dict[str, Any] | None = None,
     index: int = 0,
 ) -> dict[str, Any]:
-    """One streamed chunk of choice ``index``; ``logprobs``: its tokens' block (``router/logprobs.py``)."""
+    """One streamed chunk of choice ``index``; ``logprobs``: its tokens' block (``front/logprobs.py``)."""
     if req.chat:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text:

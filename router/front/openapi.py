@@ -1,6 +1,6 @@
 """The router's OpenAPI 3.1 description, served at ``/openapi.json``.
 
-It states what ``router/openai_api.py`` accepts (types and ranges of every field; any other field is
+It states what ``router/front/openai_api.py`` accepts (types and ranges of every field; any other field is
 rejected) and what each endpoint answers, so that clients and API fuzzers such as schemathesis can
 work from it. ``tests/test_openapi.py`` holds the two together: the request fields listed here are
 the ones the parser accepts, and a bounded schemathesis run finds no server error.
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdfabric.router import openai_api as api
-from pdfabric.router.openai_api import MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_TIMEOUT_S
+from pdfabric.router.front import openai_api as api
+from pdfabric.router.front.openai_api import MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_TIMEOUT_S
 from pdfabric.routing_config import MAX_BUDGET_MS
 
 

@@ -1,7 +1,7 @@
 """Admission control: what to do with a request when no route fits its budgets (wait, or reject).
 
 A request's life here:
-1. ``pdfabric.router.slo.resolve`` fixes its budgets and class;
+1. ``pdfabric.router.routing.slo.resolve`` fixes its budgets and class;
 2. ``AdmissionQueue.arrive`` first lets waiting requests take any room that opened, then admits the
    new one if a route fits; if none does, it is rejected at once (its class does not wait, or the
    predicted wait passes its deadline, or nothing could ever fit) with a Retry-After from the
@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdfabric.router.routes import Budgets, Ranking
+from pdfabric.router.routing.routes import Budgets, Ranking
 from pdfabric.routing_config import AdmissionConfig
 
 ADMIT, QUEUE, REJECT = "admit", "queue", "reject"

@@ -1,4 +1,4 @@
-"""Parsing and validating OpenAI-style request bodies, and the errors they are answered with.
+"""Parsing and validating OpenAI-style request bodies (a bad one is an ``errors.ApiError``).
 
 Everything a client can get wrong is caught here and reported as HTTP 400 with an OpenAI-style error
 body that names the field. The result is a ``ParsedRequest`` the dispatcher can run as it is.
@@ -6,18 +6,18 @@ body that names the field. The result is a ``ParsedRequest`` the dispatcher can 
 
 from __future__ import annotations
 
-import json
 import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from pdfabric.router.errors import bad
 from pdfabric.sampling_params import SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_TIMEOUT_S = 86_400.0  # a request's own deadline, at most a day
 MAX_LOGPROBS = 20  # top log-probabilities per token
 
-# Every field a request may carry (router/openapi.py describes each). Fields outside these sets are a
+# Every field a request may carry (front/openapi.py describes each). Fields outside these sets are a
 # 400 naming the field: a field this server does not implement is never ignored, since it may change
 # the answer.
 _COMMON_FIELDS = frozenset(
@@ -31,59 +31,6 @@ _COMMON_FIELDS = frozenset(
 )  # fmt: skip
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "parallel_tool_calls"}
-
-
-class ApiError(Exception):
-    """An error answered to the client with ``status`` and an OpenAI-style body."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        kind: str = "invalid_request_error",
-        retry_after_s: float | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.kind = kind
-        self.retry_after_s = retry_after_s
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}
-        }
-
-
-def bad(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, param)
-
-
-MAX_JSON_DEPTH = 32  # the deepest valid request nests 6 levels (chat content parts inside a message)
-
-
-def parse_json_body(raw: bytes) -> Any:
-    """A request body's JSON value; a 400 (``ApiError``) for a body that is not UTF-8 JSON or that
-    nests arrays and objects more than ``MAX_JSON_DEPTH`` deep. The bound is checked after parsing
-    (Python's parser itself stops at its recursion limit, about 1,000 levels, which is caught here too)
-    so that nothing after the parser recurses through a body sent to exhaust the stack."""
-    try:
-        value = json.loads(raw.decode())  # UTF-8 (RFC 8259), strictly: no lone surrogates
-    except RecursionError:
-        raise bad(f"the request body nests arrays or objects more than {MAX_JSON_DEPTH} deep") from None
-    except (ValueError, UnicodeDecodeError):  # JSONDecodeError is a ValueError
-        raise bad("the request body is not valid JSON") from None
-    level, containers = 1, [value] if isinstance(value, (list, dict)) else []
-    while containers:  # breadth first, one level at a time
-        if level > MAX_JSON_DEPTH:
-            raise bad(f"the request body nests arrays or objects more than {MAX_JSON_DEPTH} deep")
-        inner = []
-        for c in containers:
-            inner.extend(v for v in (c.values() if isinstance(c, dict) else c) if isinstance(v, (list, dict)))
-        level, containers = level + 1, inner
-    return value
 
 
 @dataclass(frozen=True)

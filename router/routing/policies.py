@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from pdfabric.control import COLOCATED, DECODE, KINDS, PREFILL
-from pdfabric.router.predictor import rank
-from pdfabric.router.routes import Budgets, Candidate, Choice, Ranking, WorkerLoad
+from pdfabric.router.routing.predictor import rank
+from pdfabric.router.routing.routes import Budgets, Candidate, Choice, Ranking, WorkerLoad
 from pdfabric.routing_config import BUDGET, ROUND_ROBIN, PredictorConfig, check_policy
 
 # Budgets no prediction reaches: ``rank`` under them fits every route with batch and KV room.

@@ -12,7 +12,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from pdfabric.router.routes import Budgets
+from pdfabric.router.routing.routes import Budgets
 from pdfabric.routing_config import MAX_BUDGET_MS, AdmissionConfig, SloClass, Tenant
 
 

@@ -33,8 +33,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pdfabric.router.routes import Choice
-from pdfabric.router.slo import Resolved
+from pdfabric.router.routing.routes import Choice
+from pdfabric.router.routing.slo import Resolved
 
 
 @dataclass

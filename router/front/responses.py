@@ -1,6 +1,6 @@
 """What a client gets back: a request's worker deltas turned into text events (stop strings, timeouts,
 the request's deadline), written as a server-sent event stream or collected into one JSON body in
-OpenAI's response shapes (``router/shapes.py``), with log-probabilities when asked for; and error
+OpenAI's response shapes (``router/front/shapes.py``), with log-probabilities when asked for; and error
 responses.
 
 A response has one ``Source`` per output it returns (``choices[i]``): each prompt of a batch times
@@ -26,12 +26,13 @@ from pdfabric.control import TokenDelta
 from pdfabric.engine.detokenizer import IncrementalDetokenizer
 from pdfabric.engine.sequence import TopLogprobs
 from pdfabric.engine.tokenizer import Tokenizer
-from pdfabric.router import openai_api as api
-from pdfabric.router import shapes
-from pdfabric.router.breakdown import TokenTimes
-from pdfabric.router.dispatcher import RequestStream
-from pdfabric.router.logprobs import LogprobsOut
-from pdfabric.router.metrics import RouterMetrics
+from pdfabric.router.dispatch.dispatcher import RequestStream
+from pdfabric.router.errors import ApiError
+from pdfabric.router.front import openai_api as api
+from pdfabric.router.front import shapes
+from pdfabric.router.front.breakdown import TokenTimes
+from pdfabric.router.front.logprobs import LogprobsOut
+from pdfabric.router.front.metrics import RouterMetrics
 
 ECHO_WAIT_S = 30.0  # how long another output of a request waits for the prompt's scores
 
@@ -47,7 +48,7 @@ class Event:
     top_logprobs: tuple[TopLogprobs, ...] = ()  # per token, when the request asked for them
 
 
-def error_response(err: api.ApiError) -> web.Response:
+def error_response(err: ApiError) -> web.Response:
     headers = {}
     if err.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))
@@ -220,7 +221,7 @@ async def _write_events(
     async for source, event in merged(sources):
         completion_tokens += len(event.token_ids)
         if event.finish_reason == "error" or event.finish_reason == "abort":
-            err = api.ApiError(503, event.error, kind="server_error")
+            err = ApiError(503, event.error, kind="server_error")
             await send(response, err.body())
             outcome = event.finish_reason
             break
@@ -312,7 +313,7 @@ async def collect(
         if source.logprobs is not None:
             source.logprobs.add(event.token_ids, event.logprobs, event.top_logprobs)
         if event.finish_reason in ("error", "abort"):
-            failed = api.ApiError(event.status, event.error, kind="server_error")
+            failed = ApiError(event.status, event.error, kind="server_error")
             return error_response(failed), event.finish_reason
         out.text += event.text
         out.finish_reason = event.finish_reason or out.finish_reason

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from pdfabric.control import KINDS
-from pdfabric.router.catalog import Catalog
-from pdfabric.router.registry import Registry
-from pdfabric.router.tenants import UsageBook
+from pdfabric.control import KINDS, HandedOff
+from pdfabric.router.dispatch.effects import FailedOver
+from pdfabric.router.dispatch.fleet import Fleet
+from pdfabric.router.platform.catalog import Catalog
+from pdfabric.router.platform.tenants import UsageBook
+from pdfabric.router.routing.registry import WorkerInfo
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -19,8 +21,8 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 class _WorkerGauges(Collector):
     """Read at scrape time, so a worker that is gone disappears from the next scrape."""
 
-    def __init__(self, registry: Registry) -> None:
-        self.registry = registry
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         labels = ["worker", "pool", "kind"]
@@ -40,7 +42,7 @@ class _WorkerGauges(Collector):
             "pdfabric_prefix_cache_hits", "Of those, tokens whose KV the prefix cache held", labels=labels
         )
         per_pool: dict[tuple[str, str], int] = {}
-        for w in self.registry.workers.values():
+        for w in self.fleet.workers.values():
             key = [w.worker_id, w.reg.pool, w.reg.kind]
             total.add_metric(key, w.reg.num_blocks)
             free.add_metric(key, w.free_blocks)
@@ -60,31 +62,30 @@ class _WorkerGauges(Collector):
 class _Waiting(Collector):
     """Requests waiting in the router's admission queue, read at scrape time."""
 
-    def __init__(self, waiting: Callable[[], int]) -> None:
-        self.waiting = waiting
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        yield GaugeMetricFamily(
-            "pdfabric_admission_waiting", "Requests waiting in the router for a route", value=self.waiting()
-        )
+        help_ = "Requests waiting in the router for a route"
+        yield GaugeMetricFamily("pdfabric_admission_waiting", help_, value=self.fleet.waiting)
 
 
 class _Supervision(Collector):
     """Worker restarts by the launcher and workers it left down, read at scrape time."""
 
-    def __init__(self, restarts: Callable[[], dict[str, int]], down: Callable[[], dict[str, str]]) -> None:
-        self.restarts, self.down = restarts, down
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         restarts = CounterMetricFamily(
             "pdfabric_worker_restarts", "Times the launcher started an exited worker again", labels=["worker"]
         )
-        for worker_id, n in sorted(self.restarts().items()):
+        for worker_id, n in sorted(self.fleet.restarts.items()):
             restarts.add_metric([worker_id], n)
         yield restarts
         yield GaugeMetricFamily(
             "pdfabric_workers_down", "Workers the launcher no longer restarts (drained, or failing)",
-            value=len(self.down()),
+            value=len(self.fleet.down),
         )  # fmt: skip
 
 
@@ -153,17 +154,10 @@ class _Versions(Collector):
 
 
 class RouterMetrics:
-    """The router's metrics; ``waiting`` (if given) counts the requests in its admission queue."""
+    """The router's metrics, the fleet's read at scrape time (its workers' gauges, the admission queue,
+    restarts), and a listener of the dispatcher's events (``dispatcher.DispatchEvents``)."""
 
-    def __init__(
-        self,
-        registry: Registry,
-        waiting: Callable[[], int] | None = None,
-        restarts: Callable[[], dict[str, int]] | None = None,
-        down: Callable[[], dict[str, str]] | None = None,
-        usage: UsageBook | None = None,
-        catalog: Catalog | None = None,
-    ) -> None:
+    def __init__(self, fleet: Fleet, usage: UsageBook | None = None, catalog: Catalog | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram(
@@ -234,12 +228,22 @@ class RouterMetrics:
             "Responses answered from an earlier request with the same Idempotency-Key, not computed",
             registry=r,
         )
-        r.register(_WorkerGauges(registry))
-        if waiting is not None:
-            r.register(_Waiting(waiting))
-        if restarts is not None and down is not None:
-            r.register(_Supervision(restarts, down))
+        for collector in (_WorkerGauges(fleet), _Waiting(fleet), _Supervision(fleet)):
+            r.register(collector)
         if usage is not None:
             r.register(_TenantUsage(usage))
         if catalog is not None:
             r.register(_Versions(catalog))
+
+    # --- what the dispatcher and the front tell it ---------------------------------------------
+
+    def handed_off(self, msg: HandedOff, worker: WorkerInfo | None) -> None:
+        pool = worker.reg.pool if worker is not None else "unknown"
+        self.kv_transfer_seconds.labels(pool).observe(msg.kv_seconds)
+        self.kv_transfer_bytes.labels(pool).observe(msg.kv_bytes)
+
+    def failed_over(self, moved: FailedOver) -> None:
+        self.failovers.labels(moved.cause).inc()
+
+    def unauthenticated(self) -> None:
+        self.rejections.labels("unauthenticated").inc()
