@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_args(args: argparse.Namespace) -> list[str]:
     """The transports to time; ``ValueError`` naming the flag for bad values."""
-    from pdfabric.bench.transfer import RAW, TRANSPORTS
+    from pdfabric.bench.transfer_sender import RAW, TRANSPORTS
 
     known = [t for t in TRANSPORTS if t != RAW]  # the raw socket row is a ceiling, not a KV transport
 
@@ -258,7 +258,7 @@ def measure_kv_rates(
     if not transports:
         return {}
     from pdfabric.bench.progress import Progress
-    from pdfabric.bench.transfer import bench_session
+    from pdfabric.bench.transfer_sender import bench_session
 
     itemsize = 4 if mcfg.dtype == "float32" else 2
     dims = (mcfg.num_layers, block_size, mcfg.num_kv_heads, mcfg.head_dim * itemsize // 2)
@@ -323,35 +323,8 @@ def _device_name(device: str) -> str:
 
 
 def summary(pf: ProfileFile, measured: ProfilingRun | None = None) -> str:
-    """A few lines for people: the fit, its error, and predicted step times at typical shapes."""
-    p = pf.profile
-    ap, bp, cp = p.prefill
-    ad, bd, cd = p.decode
-    hw = pf.device_name or pf.device
-    threads = f", {pf.threads} threads" if pf.threads else ""
-    dtype = f" ({pf.dtype})" if pf.dtype else ""
-    lines = [
-        f"profile of {pf.model}{dtype} on {pf.device} ({hw}{threads}), role {pf.role}: "
-        f"{pf.steps} steps in {pf.seconds:.1f}s",
-        f"  prefill step = {ap * 1e3:.3f} ms + {bp * 1e6:.3f} us/token + {cp * 1e9:.4f} ns/(token x context)"
-        f"   [{p.prefill_samples} steps]",
-        f"  decode step  = {ad * 1e3:.3f} ms + {bd * 1e6:.3f} us/sequence + {cd * 1e9:.4f} ns/context token"
-        f"   [{p.decode_samples} steps]",
-        f"  fit error (median relative): {p.fit_error:.1%}",
-    ]
-    chunk = pf.max_batch_tokens
-    prefill = ", ".join(f"{n}: {p.prefill_seconds(n, chunk) * 1e3:.1f}" for n in (256, 512, 1024))
-    lines.append(f"  prefill ms by prompt tokens (chunks of {chunk}): {prefill}")
-    decode = ", ".join(f"{b}: {p.decode_step_seconds(b, b * 512) * 1e3:.2f}" for b in (1, 8, 32))
-    lines.append(f"  decode step ms by batch (512 tokens each): {decode}")
-    lines.append(
-        f"  limits measured: {pf.max_batch_tokens} tokens/step, batch {pf.max_running}, "
-        f"max_model_len {pf.max_model_len}; KV {pf.kv_bytes_per_token} bytes/token, "
-        f"block {pf.block_size}"
-    )
-    if pf.kv_bytes_per_s:
-        rates = ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in sorted(pf.kv_bytes_per_s.items()))
-        lines.append(f"  KV transfer: {rates}")
+    """The profile's description (``ProfileFile.describe``), and a note when ``--seconds`` ran out."""
+    lines = [pf.describe()]
     if measured is not None and not measured.complete:
         lines.append(
             f"  note: --seconds ran out after {measured.points} of {measured.total} shapes; the limits "

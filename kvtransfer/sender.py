@@ -257,18 +257,18 @@ class KVSender:
         assert peer.path is not None  # set with info when there is no error
         sent = peer.path.send(self.caches, out.blocks, out.remote_blocks, layers, self.config.checksum)
         chunk = KVChunk(
-            out.request_id,
-            out.next_seq,
-            layers.start,
-            layers.stop,
-            out.remote_blocks,
-            dtype_name(self.caches[0].dtype),
-            sent.nbytes // (2 * len(layers)),
-            sent.checksums,
-            sent.tag,
-            sent.src_rank,
-            meta,
-            peer.transport,
+            request_id=out.request_id,
+            seq=out.next_seq,
+            layer_start=layers.start,
+            layer_end=layers.stop,
+            blocks=out.remote_blocks,
+            dtype=dtype_name(self.caches[0].dtype),
+            frame_nbytes=sent.nbytes // (2 * len(layers)),
+            checksums=sent.checksums,
+            tag=sent.tag,
+            src_rank=sent.src_rank,
+            meta=meta,
+            transport=peer.transport,
         )
         try:
             peer.sock.send_multipart([encode(chunk), *sent.frames], copy=False, flags=zmq.NOBLOCK)

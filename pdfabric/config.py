@@ -9,7 +9,7 @@ from typing import Any
 
 from pdfabric.cluster_config import AutoscaleConfig, RayConfig
 from pdfabric.control import KINDS
-from pdfabric.model_versions import ModelConfig, parse_models, version_plan
+from pdfabric.model_versions import ServedModel, parse_models, version_plan
 from pdfabric.routing_config import AdmissionConfig, PredictorConfig, is_sha256_hex
 from pdfabric.worker_config import WORKER_KEYS, WorkerConfig, worker_config
 
@@ -55,7 +55,7 @@ class ServeConfig:
     idempotency_ttl_s: float = 600.0  # how long a response is replayed to its Idempotency-Key (0: off)
     idempotency_max_entries: int = 10000  # responses kept for replay; past that the oldest is forgotten
     groups: tuple[WorkerGroup, ...] = ()  # [[workers]]: more workers, with settings of their own
-    models: tuple[ModelConfig, ...] = ()  # [[models]]: named models with versions and workers of their own
+    models: tuple[ServedModel, ...] = ()  # [[models]]: named models with versions and workers of their own
     routing: AdmissionConfig = field(default_factory=AdmissionConfig)  # [routing]: budgets, pools, queue
     predictor: PredictorConfig = field(default_factory=PredictorConfig)  # [routing] prediction settings
     ray: RayConfig = field(default_factory=RayConfig)  # [ray]: workers placed on a Ray cluster

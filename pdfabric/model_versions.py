@@ -66,7 +66,7 @@ class VersionConfig:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ServedModel:
     """A model clients name, and its versions."""
 
     name: str
@@ -107,7 +107,7 @@ def parse_version(table: Any, base: WorkerConfig, where: str) -> VersionConfig:
     return VersionConfig(table["name"], table["model"], worker, dtype, float(weight), **counts)
 
 
-def parse_models(tables: Any, base: WorkerConfig) -> tuple[ModelConfig, ...]:
+def parse_models(tables: Any, base: WorkerConfig) -> tuple[ServedModel, ...]:
     """The ``[[models]]`` array of a deployment config; errors name the table."""
     if not isinstance(tables, list):
         raise ValueError("[[models]] must be an array of tables")
@@ -123,14 +123,14 @@ def parse_models(tables: Any, base: WorkerConfig) -> tuple[ModelConfig, ...]:
             raise ValueError(f"[[models]] {table['name']!r}: sticky must be true or false")
         where = f"[[models.versions]] of {table['name']!r}"
         versions = tuple(parse_version(v, base, where) for v in table.get("versions", ()))
-        models.append(ModelConfig(table["name"], versions, sticky))
+        models.append(ServedModel(table["name"], versions, sticky))
     names = [m.name for m in models]
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate [[models]] names in {names}")
     return tuple(models)
 
 
-def version_plan(model: ModelConfig, version: VersionConfig) -> list[tuple[str, WorkerConfig]]:
+def version_plan(model: ServedModel, version: VersionConfig) -> list[tuple[str, WorkerConfig]]:
     """(worker id, config) of each worker of one version, ids ``KIND-MODEL-VERSION-N``; each config
     whole but for ``join`` and ``threads`` when 0 (as ``ServeConfig.launch_plan``)."""
     out = []

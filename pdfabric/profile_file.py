@@ -57,6 +57,39 @@ class ProfileFile:
             if not (isinstance(rate, int | float) and math.isfinite(rate) and rate > 0):
                 raise ValueError(f"kv_bytes_per_s[{transport!r}] must be > 0, got {rate!r}")
 
+    def describe(self) -> str:
+        """A few lines for people: the fit, its error, predicted step times at typical shapes, the
+        measured limits and KV rates."""
+        pf, p = self, self.profile
+        ap, bp, cp = p.prefill
+        ad, bd, cd = p.decode
+        hw = pf.device_name or pf.device
+        threads = f", {pf.threads} threads" if pf.threads else ""
+        dtype = f" ({pf.dtype})" if pf.dtype else ""
+        lines = [
+            f"profile of {pf.model}{dtype} on {pf.device} ({hw}{threads}), role {pf.role}: "
+            f"{pf.steps} steps in {pf.seconds:.1f}s",
+            f"  prefill step = {ap * 1e3:.3f} ms + {bp * 1e6:.3f} us/token + "
+            f"{cp * 1e9:.4f} ns/(token x context)   [{p.prefill_samples} steps]",
+            f"  decode step  = {ad * 1e3:.3f} ms + {bd * 1e6:.3f} us/sequence + "
+            f"{cd * 1e9:.4f} ns/context token   [{p.decode_samples} steps]",
+            f"  fit error (median relative): {p.fit_error:.1%}",
+        ]
+        chunk = pf.max_batch_tokens
+        prefill = ", ".join(f"{n}: {p.prefill_seconds(n, chunk) * 1e3:.1f}" for n in (256, 512, 1024))
+        lines.append(f"  prefill ms by prompt tokens (chunks of {chunk}): {prefill}")
+        decode = ", ".join(f"{b}: {p.decode_step_seconds(b, b * 512) * 1e3:.2f}" for b in (1, 8, 32))
+        lines.append(f"  decode step ms by batch (512 tokens each): {decode}")
+        lines.append(
+            f"  limits measured: {pf.max_batch_tokens} tokens/step, batch {pf.max_running}, "
+            f"max_model_len {pf.max_model_len}; KV {pf.kv_bytes_per_token} bytes/token, "
+            f"block {pf.block_size}"
+        )
+        if pf.kv_bytes_per_s:
+            rates = ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in sorted(pf.kv_bytes_per_s.items()))
+            lines.append(f"  KV transfer: {rates}")
+        return "\n".join(lines)
+
     def serves(self, kind: str) -> bool:
         """Whether this profile may stand for a worker of ``kind``."""
         return self.role in (ANY, kind)

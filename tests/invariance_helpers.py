@@ -1,4 +1,4 @@
-"""What the batch-invariance tests share (``test_batch_invariance.py`` on CPUs, ``_gpu.py`` on CUDA):
+"""What the batch-invariance tests share (``test_batch_invariance.py``, on CPUs and CUDA):
 disjoint block tables in scattered order, random prompts of a vocabulary, chunked prefills."""
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import pytest
 
 from pdfabric.bench.goodput import SearchConfig
 from pdfabric.bench.metrics import SLO
-from pdfabric.bench.plan_cmd import deployment_toml
+from pdfabric.bench.plan_report import deployment_toml
 from pdfabric.bench.planner import (
     Candidate,
     PlanSettings,

@@ -309,9 +309,9 @@ def test_stale_messages_from_workers_a_restarted_router_never_knew_change_nothin
 
 def test_a_deadline_bounds_admission_and_failover() -> None:
     core, clock = core_with(("c0", "colocated"), ("c1", "colocated"))
-    [refused] = core.submit("hurry", (1,) * 20, PARAMS, (0,), "default", "interactive", LOOSE, 1e-6)
+    [refused] = core.submit("hurry", (1,) * 20, PARAMS, (0,), "default", "interactive", LOOSE, deadline=1e-6)
     assert isinstance(refused, Refused) and refused.status == 429  # no first token before it
-    out = core.submit("r", (1,) * 20, PARAMS, (0,), "default", "interactive", LOOSE, 10.0)
+    out = core.submit("r", (1,) * 20, PARAMS, (0,), "default", "interactive", LOOSE, deadline=10.0)
     [(first, _)] = sends(out)
     core.on_message(delta(first, "r", 0, 1))
     clock.now = 10.5  # past its deadline: a failure ends it instead of moving it

@@ -114,6 +114,7 @@ class RouterCore:
         tenant: str,
         slo_class: str,
         budgets: Budgets,
+        *,
         deadline: float | None = None,
         n: int = 1,
         served: str = "",

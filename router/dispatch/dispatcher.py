@@ -162,6 +162,7 @@ class Dispatcher:
         params: SamplingParams,
         eos_token_ids: tuple[int, ...],
         resolved: Resolved,
+        *,
         deadline: float | None = None,
         n: int = 1,
         served: str = "",
@@ -177,16 +178,8 @@ class Dispatcher:
         try:
             self._apply(
                 self._core.submit(
-                    request_id,
-                    prompt_ids,
-                    params,
-                    eos_token_ids,
-                    resolved.tenant.name,
-                    resolved.slo_class.name,
-                    resolved.budgets,
-                    deadline,
-                    n,
-                    served,
+                    request_id, prompt_ids, params, eos_token_ids, resolved.tenant.name,
+                    resolved.slo_class.name, resolved.budgets, deadline=deadline, n=n, served=served,
                 )  # fmt: skip
             )
             await stream.started

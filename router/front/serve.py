@@ -160,8 +160,8 @@ async def submit(call: Call) -> None:
         sub_id = request_id if i == 0 else f"{request_id}-{i}"  # each prompt of a batch is a request
         call.submitted.append(sub_id)
         stream = await app[DISPATCHER].submit(
-            sub_id, prompt_ids, parsed.sampling_params(limit, seed), eos, resolved, deadline,
-            parsed.best_of, version.key,
+            sub_id, prompt_ids, parsed.sampling_params(limit, seed), eos, resolved, deadline=deadline,
+            n=parsed.best_of, served=version.key,
         )  # fmt: skip
         call.streams.append(stream)
         if version.first_routed_at is None:

@@ -35,7 +35,7 @@ from aiohttp import web
 
 from pdfabric.config import ServeConfig
 from pdfabric.control import PREFILL
-from pdfabric.model_versions import ModelConfig, check_name, parse_version, version_plan
+from pdfabric.model_versions import ServedModel, check_name, parse_version, version_plan
 from pdfabric.profile import WorkerProfile
 from pdfabric.router.dispatch.dispatcher import Dispatcher
 from pdfabric.router.errors import ApiError
@@ -174,7 +174,7 @@ class Models:
         version = Version(model, vcfg.name, vcfg.model, tokenizer, 0.0, time.monotonic(), state=WARMING)
         sticky = existing.sticky if existing is not None else True
         self.catalog.add(version, sticky)
-        mcfg = ModelConfig(model, (vcfg,), sticky)
+        mcfg = ServedModel(model, (vcfg,), sticky)
         self.spawner.start(version_plan(mcfg, vcfg))
         self._spawn(self._warm(version, float(weight)))
         return version
@@ -205,7 +205,7 @@ class Models:
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         request_id = f"warmup-{version.model}-{version.name}-{time.monotonic_ns()}"
         resolved = resolve(self.cfg.routing, None, "")
-        stream = await self.dispatcher.submit(request_id, prompt, params, (), resolved, None, 1, version.key)
+        stream = await self.dispatcher.submit(request_id, prompt, params, (), resolved, served=version.key)
         try:
             while True:
                 delta = await stream.queue.get()

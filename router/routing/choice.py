@@ -105,8 +105,9 @@ def candidate(
     profile = info.load.profile if info.load is not None else reg.profile
     rates = info.load.kv_rates if info.load is not None else {}
     return Candidate(
-        reg.worker_id, reg.kind, reg.pool, profile, load, max_batch, chunk_tokens, reg.kv_bytes_per_token,
-        pool.cost, reg.host, rates, cached_tokens,
+        worker_id=reg.worker_id, kind=reg.kind, pool=reg.pool, profile=profile, load=load,
+        max_batch=max_batch, chunk_tokens=chunk_tokens, kv_bytes_per_token=reg.kv_bytes_per_token,
+        cost=pool.cost, host=reg.host, kv_rates=rates, cached_tokens=cached_tokens,
     )  # fmt: skip
 
 

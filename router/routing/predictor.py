@@ -164,17 +164,17 @@ def _choice(
     load = max(ttft / budgets.ttft_ms, itl_ms / budgets.itl_ms)
     colocated = decode is prefill
     return Choice(
-        decode.worker_id,
-        prefill.worker_id,
-        colocated,
-        ttft,
-        itl_ms,
-        side.queue_ms,
-        side.compute_ms,
-        transfer_ms,
-        cost,
-        load,
-        prefill.cached_tokens + (0 if colocated else decode.cached_tokens),
+        decode=decode.worker_id,
+        prefill=prefill.worker_id,
+        colocated=colocated,
+        ttft_ms=ttft,
+        itl_ms=itl_ms,
+        queue_ms=side.queue_ms,
+        prefill_ms=side.compute_ms,
+        transfer_ms=transfer_ms,
+        cost=cost,
+        load=load,
+        cached_tokens=prefill.cached_tokens + (0 if colocated else decode.cached_tokens),
     )
 
 
