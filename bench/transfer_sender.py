@@ -12,12 +12,14 @@ from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
-from pdfabric.bench.transfer_receiver import init_dist, receiver_main
+from pdfabric.bench.transfer_receiver import init_dist, receiver_main, secret_of
 
 PAYLOAD = (4, 16, 8, 32)  # layers, block_size, kv_heads, head_dim: 64 KiB per block in bfloat16
 CPU_SMALL = (12, 16, 8, 64)  # 24576 bytes per token
 CPU_SMALL_PARAMS = 12 * (2 * 1024 * 1024 + 2 * 1024 * 512 + 3 * 1024 * 2816)  # matmul weights
-TRANSPORTS = ("tcp-raw", "zmq-tcp", "zmq-ipc", "shm", "dist")
+# A "-curve" row is the transport with the cluster secret, as pdfabric serve runs it: ZeroMQ CURVE
+# (every message encrypted); the others run without one.
+TRANSPORTS = ("tcp-raw", "zmq-tcp", "zmq-tcp-curve", "zmq-ipc", "shm", "shm-curve", "dist")
 LAYERWISE_TOKENS = 2048  # the layer-wise row's prompt
 RAW = "tcp-raw"  # the loopback ceiling: one plain TCP socket pair, bytes received straight into place
 
@@ -192,15 +194,16 @@ class TransferBench:
         from pdfabric.kvtransfer.sender import KVSender
 
         layers, bs, heads, dim = dims
-        bind = (
-            f"ipc://{self.tmpdir}/kv-{self.count}.sock" if kind in ("zmq-ipc", "shm") else "tcp://127.0.0.1:*"
-        )
+        ipc = kind == "zmq-ipc" or kind.startswith("shm")
+        bind = f"ipc://{self.tmpdir}/kv-{self.count}.sock" if ipc else "tcp://127.0.0.1:*"
         self.conn.send(("setup", kind, self.checksum, dims, blocks, bind))
         if kind == "dist":  # joined only now, so the gloo group is idle for the other transports
             init_dist(self.dist_port, rank=0)
         endpoint = self._answer("setup")
         caches = [self.torch.randn(2, blocks, bs, heads, dim).to(self.torch.bfloat16) for _ in range(layers)]
-        cfg = TransferConfig(transport=kind.split("-")[0], timeout_s=120, checksum=self.checksum)
+        cfg = TransferConfig(
+            transport=kind.split("-")[0], timeout_s=120, checksum=self.checksum, secret=secret_of(kind)
+        )
         return KVSender(caches, cfg), endpoint
 
     def transfer(self, sender: Any, endpoint: str, n: int, spin_per_layer_s: float = 0.0) -> float:

@@ -24,6 +24,7 @@ import time
 
 from pdfabric.cli import ray_launch
 from pdfabric.cli.supervisor import StartupError, Workers, local_starter
+from pdfabric.cluster_secret import ClusterSecret
 from pdfabric.config import ServeConfig, load_serve_config
 from pdfabric.worker_config import AUTO_KV_MIN_MB, AUTO_KV_TOKENS, worker_default
 
@@ -133,6 +134,14 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
 
+def cluster_secret(cfg: ServeConfig) -> ClusterSecret:
+    """The deployment's cluster secret: ``[serve] cluster_secret_file``, else ``PDFABRIC_CLUSTER_SECRET``,
+    else a random one for this run (then only the workers this launcher starts can join)."""
+    if cfg.cluster_secret_file:
+        return ClusterSecret.load(cfg.cluster_secret_file)
+    return ClusterSecret.from_env() or ClusterSecret.generate()
+
+
 async def serve(
     cfg: ServeConfig, ready_timeout: float, log_level: str, once: str | None, max_tokens: int
 ) -> int:
@@ -146,20 +155,22 @@ async def serve(
     # Builds each preset once, before the workers, and loads each checkpoint's tokenizer.
     catalog = await asyncio.to_thread(catalog_.from_config, cfg, time.monotonic())
     address = f"tcp://{cfg.ray.control_host or cfg.host}:{cfg.control_port}"
+    secret = cluster_secret(cfg)
     dispatcher = Dispatcher(
         address,
         cfg.worker_timeout_s,
         admission=cfg.routing,
         predictor=cfg.predictor,
         max_failovers=cfg.max_failovers,
+        secret=secret,
     )
     await dispatcher.start()
     runner: web.AppRunner | None = None
-    workers = Workers(dispatcher.address, local_starter(cfg, log_level))
+    workers = Workers(dispatcher.address, local_starter(cfg, log_level, secret))
     try:
         if cfg.ray.enabled:
             ray_launch.connect(cfg)  # in the main thread, where Ray sets its signal handlers
-            workers.starter = ray_launch.ray_starter(cfg, log_level)
+            workers.starter = ray_launch.ray_starter(cfg, log_level, secret)
             workers.join = ray_launch.join_address(dispatcher.address)
         workers.start(cfg.launch_plan())
         await workers.wait_ready(dispatcher, ready_timeout)

@@ -21,6 +21,7 @@ from dataclasses import replace
 from typing import Any
 
 from pdfabric.cli.supervisor import Proc, Starter, StartupError, worker_argv
+from pdfabric.cluster_secret import ClusterSecret
 from pdfabric.config import ServeConfig
 from pdfabric.worker_config import WorkerConfig, worker_config_from_json
 
@@ -133,8 +134,9 @@ class RayProc:
         self.ray.kill(self.actor, no_restart=True)  # its resources go back to the cluster
 
 
-def ray_starter(cfg: ServeConfig, log_level: str) -> Starter:
-    """Starts each worker through a ``WorkerHost`` actor placed by its kind's or pool's request."""
+def ray_starter(cfg: ServeConfig, log_level: str, secret: ClusterSecret) -> Starter:
+    """Starts each worker through a ``WorkerHost`` actor placed by its kind's or pool's request; the
+    cluster secret reaches the worker process through the actor's environment (Ray's runtime env)."""
     ray = _ray()
     host = ray.remote(WorkerHost)
 
@@ -142,7 +144,8 @@ def ray_starter(cfg: ServeConfig, log_level: str) -> Starter:
         request = cfg.ray.request(worker.kind, worker.pool)
         cpus, gpus = request.pop("CPU"), request.pop("GPU", 0)
         actor = host.options(
-            num_cpus=cpus, num_gpus=gpus, resources=request, max_restarts=0, max_concurrency=4
+            num_cpus=cpus, num_gpus=gpus, resources=request, max_restarts=0, max_concurrency=4,
+            runtime_env={"env_vars": secret.env()},
         ).remote(worker.to_json(), log_level, cfg.ray.kv_host == "node")  # fmt: skip
         log.info("worker %s: Ray actor asking for %s", worker_id, {"CPU": cpus, "GPU": gpus, **request})
         return RayProc(actor)

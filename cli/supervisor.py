@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from pdfabric.cluster_secret import ClusterSecret
 from pdfabric.config import ServeConfig
 from pdfabric.control import KINDS
 from pdfabric.worker_config import WorkerConfig
@@ -61,11 +62,13 @@ def worker_command(cfg: ServeConfig, w: WorkerConfig, join: str, log_level: str)
     return worker_argv(replace(w, join=join, threads=threads), os.getpid(), log_level)
 
 
-def local_starter(cfg: ServeConfig, log_level: str) -> Starter:
-    """Starts each worker as a child process of this one, on this host."""
+def local_starter(cfg: ServeConfig, log_level: str, secret: ClusterSecret) -> Starter:
+    """Starts each worker as a child process of this one, on this host, the cluster secret in its
+    environment (not on its command line, which other users of the host can read)."""
 
     def start(worker_id: str, worker: WorkerConfig) -> Proc:
-        return subprocess.Popen(worker_command(cfg, worker, worker.join, log_level))
+        env = {**os.environ, **secret.env()}
+        return subprocess.Popen(worker_command(cfg, worker, worker.join, log_level), env=env)
 
     return start
 

@@ -5,6 +5,10 @@ Its settings come whole from one place, read by the loader that reads deployment
 ``--config FILE.toml`` (a deployment config's ``[serve]`` model and dtype and its ``[worker]`` table),
 else the ``WorkerConfig`` defaults. The other flags override single settings; none has a default of
 its own.
+
+It needs the deployment's cluster secret (``--secret-file``, else ``PDFABRIC_CLUSTER_SECRET``; the
+launcher sets the variable for the workers it starts): the router's control socket and the decode
+workers' KV endpoints take no peer without it.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import logging
 import sys
 from dataclasses import replace
 
+from pdfabric.cluster_secret import ENV, ClusterSecret
 from pdfabric.config import load_serve_config
 from pdfabric.control import KINDS
 from pdfabric.kinds.table import kind
@@ -69,6 +74,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parse = _on_off if type_ is bool else type_
         o.add_argument(flag, type=parse, choices=choices, help=text + default)
     p = parser.add_argument_group("process")
+    p.add_argument(
+        "--secret-file", metavar="FILE",
+        help=f"the cluster secret (default: the {ENV} environment variable); the file must not be "
+        "readable by other users",
+    )  # fmt: skip
     p.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone (0: never)")
     p.add_argument("--log-level", default="INFO", help="log level (default INFO)")
 
@@ -103,8 +113,22 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         cfg = config_from_args(args)
+        secret = secret_from_args(args)
     except (ValueError, OSError) as exc:
         print(f"pdfabric worker: error: {exc}", file=sys.stderr)
         return 2
-    run_worker(cfg, kind(cfg.kind), args.parent_pid)
+    run_worker(cfg, kind(cfg.kind), secret, args.parent_pid)
     return 0
+
+
+def secret_from_args(args: argparse.Namespace) -> ClusterSecret:
+    """The cluster secret from ``--secret-file``, else the environment; ``ValueError`` without one."""
+    if args.secret_file:
+        return ClusterSecret.load(args.secret_file)
+    secret = ClusterSecret.from_env()
+    if secret is None:
+        raise ValueError(
+            f"the cluster secret is needed to join: give --secret-file FILE or set {ENV} (pdfabric "
+            "serve sets it for the workers it starts; [serve] cluster_secret_file names the deployment's)"
+        )
+    return secret

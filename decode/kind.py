@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
+from pdfabric.cluster_secret import ClusterSecret
 from pdfabric.decode.core import ColocatedCore, DecodeCore
 from pdfabric.kv_config import TransferConfig
 from pdfabric.kvtransfer.reservations import BlockReservations
@@ -79,7 +80,9 @@ class ReceiverSide:
             self.shm.close()
 
 
-def open_receiver(cfg: WorkerConfig, worker_id: str, runner: ModelRunner) -> ReceiverSide:
+def open_receiver(
+    cfg: WorkerConfig, worker_id: str, runner: ModelRunner, secret: ClusterSecret | None
+) -> ReceiverSide:
     """A decode worker's KV side: on a CPU with shared memory allowed, the runner's caches move into
     an anonymous shared-memory pool first, so that a prefill worker on this host can write into them."""
     from pdfabric.kvtransfer.shm_pool import SharedKVPool  # with torch: the kind stays torch-free
@@ -92,7 +95,9 @@ def open_receiver(cfg: WorkerConfig, worker_id: str, runner: ModelRunner) -> Rec
             first.dtype, anonymous=True,
         )  # fmt: skip
         runner.kv_caches = shm.caches
-    config = TransferConfig(transport=cfg.kv_transport, name=worker_id, shm_quarantine_s=QUARANTINE_S)
+    config = TransferConfig(
+        transport=cfg.kv_transport, name=worker_id, shm_quarantine_s=QUARANTINE_S, secret=secret
+    )
     return ReceiverSide(runner.kv_caches, config, cfg.kv_host, shm, runner.kv_tiled)
 
 

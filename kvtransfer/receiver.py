@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
+from pdfabric.cluster_secret import REFUSED_EVENTS, Refusals, authenticate
 from pdfabric.kv_config import TransferConfig
 from pdfabric.kvtransfer.frames import check_blocks, layout_of
 from pdfabric.kvtransfer.messages import Ack, Hello, KVAbort, KVChunk, PeerInfo
@@ -65,11 +66,18 @@ class KVReceiver:
         self.metrics = metrics
         self.paths = make_recv_paths(config.transport, shm_paths)
         self._quarantine_s = config.quarantine_s if "shm" in self.paths else 0.0
-        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        ctx = zmq.Context.instance()
+        self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         if config.socket_buffer_bytes:
             self.sock.setsockopt(zmq.SNDBUF, config.socket_buffer_bytes)
             self.sock.setsockopt(zmq.RCVBUF, config.socket_buffer_bytes)
+        self.refusals = Refusals(f"{config.name} KV")  # handshakes refused: peers without the secret
+        self._monitor: zmq.Socket | None = None
+        if config.secret is not None:
+            authenticate(ctx, config.secret)
+            config.secret.serve(self.sock)
+            self._monitor = self.sock.get_monitor_socket(REFUSED_EVENTS)
         self.sock.bind(bind)
         self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._in: dict[str, _In] = {}
@@ -139,6 +147,8 @@ class KVReceiver:
                 break
             self._on_message(frames[0].bytes, frames[1:])
         now = time.monotonic()
+        if self._monitor is not None:
+            self.refusals.drain(self._monitor, now)
         while self._quarantine and self._quarantine[0][0] <= now:
             self.reservations.release(self._quarantine.pop(0)[1])
         for t in list(self._in.values()):
@@ -163,6 +173,9 @@ class KVReceiver:
         self._quarantine.clear()
         for path in self.paths.values():
             path.close()
+        if self._monitor is not None:
+            self.sock.disable_monitor()
+            self._monitor.close(linger=0)
         self.sock.close(linger=0)
 
     # -- internals -------------------------------------------------------------------------------

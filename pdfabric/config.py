@@ -52,6 +52,9 @@ class ServeConfig:
     admin_key_sha256: str = ""  # hex SHA-256 of the key admin endpoints require ("": loopback callers only)
     served_model_name: str = ""  # the name clients use; default: the model argument
     audit_log: str = ""  # file the admin endpoints' audit log is appended to ("": stderr)
+    # The cluster secret's file ("": PDFABRIC_CLUSTER_SECRET, else a random one for this run), which
+    # workers need to join the router and to push KV (docs/security.md).
+    cluster_secret_file: str = ""
     idempotency_ttl_s: float = 600.0  # how long a response is replayed to its Idempotency-Key (0: off)
     idempotency_max_entries: int = 10000  # responses kept for replay; past that the oldest is forgotten
     groups: tuple[WorkerGroup, ...] = ()  # [[workers]]: more workers, with settings of their own

@@ -29,6 +29,12 @@ REGISTRY: dict[str, tuple[str, Callable[[str], object], str]] = {
         lambda v: str(Path(v).expanduser()),
         "where the built-in default models and the compiled CPU kernels are written",
     ),
+    "PDFABRIC_CLUSTER_SECRET": (
+        "",
+        lambda v: v.strip(),
+        "the cluster secret (when no file names it): what workers need to join a router and push KV; "
+        "pdfabric serve sets it for the workers it starts (docs/security.md)",
+    ),
     "CC": (
         "cc",
         lambda v: v,

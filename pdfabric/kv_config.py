@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdfabric.cluster_secret import ClusterSecret
+
 TRANSPORTS = ("zmq", "shm", "dist")
 CHOICES = ("auto", *TRANSPORTS)
 
@@ -26,7 +28,9 @@ class TransferConfig:
     (at least one layer each): libzmq allocates every received frame on its I/O thread, whose glibc
     arena grows in 64 MiB heaps and unmaps each as soon as it empties, so a message of 64 MiB or more
     was page-faulted afresh on every transfer; smaller chunks also let the receiver copy one while
-    the next is on the wire."""
+    the next is on the wire. ``secret``: the cluster secret; with it the KV channel speaks ZeroMQ CURVE
+    (the receiver's endpoint takes only senders that hold it; every message is encrypted), without it
+    (tests, benchmarks) plain ZeroMQ."""
 
     transport: str = "auto"
     timeout_s: float = 30.0
@@ -37,6 +41,7 @@ class TransferConfig:
     shm_quarantine_s: float | None = None
     socket_buffer_bytes: int = 4 << 20  # kernel send/receive buffers of the ZeroMQ sockets (0: the OS's)
     chunk_bytes: int = 16 << 20  # ZeroMQ: a larger layer range leaves as several chunks (>= 1 layer each)
+    secret: ClusterSecret | None = None
 
     def __post_init__(self) -> None:
         if self.transport not in CHOICES:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
+from pdfabric.cluster_secret import ClusterSecret
 from pdfabric.kv_config import TransferConfig
 from pdfabric.kvtransfer.state import TransferResult
 from pdfabric.prefill.core import PrefillCore
@@ -94,12 +95,14 @@ class SenderSide:
         self.sender.close()
 
 
-def open_sender(cfg: WorkerConfig, worker_id: str, runner: ModelRunner) -> SenderSide:
+def open_sender(
+    cfg: WorkerConfig, worker_id: str, runner: ModelRunner, secret: ClusterSecret | None
+) -> SenderSide:
     """A prefill worker's KV side: a sender over the runner's caches, as they are laid out. (The sender
     is imported here, with torch: the kind itself, and so the simulator, stays torch-free.)"""
     from pdfabric.kvtransfer.sender import KVSender
 
-    config = TransferConfig(transport=cfg.kv_transport, name=worker_id)
+    config = TransferConfig(transport=cfg.kv_transport, name=worker_id, secret=secret)
     return SenderSide(KVSender(runner.kv_caches, config, tiled=runner.kv_tiled))
 
 

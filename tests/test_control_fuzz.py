@@ -3,9 +3,10 @@ tag, and valid messages with one field changed. The router neither crashes nor w
 is healthy, serves a greedy request with the same tokens as before, and every worker's blocks are
 back in its pool.
 
-What a frame that decodes as a well-formed message from a stranger can do (register, report) is the
-subject of authentication, not of decoding: the base messages here name a worker of another model so
-that none of them is routed to."""
+The stranger holds the cluster secret, so its frames reach the decoder: what a peer without it gets
+(nothing) is ``test_cluster_secret.py``'s. What a frame that decodes as a well-formed message can do
+(register, report) is the subject of authentication, not of decoding: the base messages here name a
+worker of another model so that none of them is routed to."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 
+from pdfabric.cluster_secret import ENV, ClusterSecret
 from pdfabric.control import Heartbeat, Register, StepOutputs, TokenDelta
 from pdfabric.profile import WorkerProfile
 from tests.fabric import free_port, get_json, post_json, running_fabric
@@ -37,12 +39,17 @@ GREEDY = {
     "ignore_eos": True,
 }
 
+SECRET = ClusterSecret("the fuzzed fabric's cluster secret")
+
+
 @pytest.fixture(scope="module")
 def fabric() -> Iterator[tuple[str, int]]:
     control = free_port()
     flags = ("--model", "tiny", "--num-blocks", "64", "--prefill", "1", "--decode", "1")
-    with running_fabric(*flags, "--control-port", str(control)) as url:
-        yield url, control
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(ENV, SECRET.text)
+        with running_fabric(*flags, "--control-port", str(control)) as url:
+            yield url, control
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +57,8 @@ def stranger(fabric: tuple[str, int]) -> Iterator[zmq.Socket]:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDTIMEO, 10_000)  # a send that cannot leave fails the test instead of hanging
+    SECRET.connect(sock)
     sock.connect(f"tcp://127.0.0.1:{fabric[1]}")
     yield sock
     sock.close()

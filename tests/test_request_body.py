@@ -42,3 +42,18 @@ def test_a_body_that_is_not_json_is_a_400(raw: bytes) -> None:
 
 def test_a_wide_body_is_read() -> None:
     assert len(parse_json_body(b"[" + b",".join([b"[1]"] * 100_000) + b"]")) == 100_000
+
+
+def test_fields_without_effect_still_have_their_types() -> None:
+    """``metadata``, ``store`` and ``service_tier`` change nothing, but a value of another type than
+    the API documents is refused like any other field's."""
+    from pdfabric.router.front.openai_api import parse_request
+
+    base = {"model": "m", "prompt": "hi"}
+    for name, value in (("service_tier", [True, False]), ("store", "yes"), ("metadata", [1])):
+        with pytest.raises(ApiError) as err:
+            parse_request({**base, name: value}, False, ("m",), 100)
+        assert err.value.status == 400 and err.value.param == name
+    ok = {**base, "service_tier": "auto", "store": False, "metadata": {"a": "b"}}
+    assert parse_request(ok, False, ("m",), 100).model == "m"
+    assert parse_request({**base, "service_tier": None}, False, ("m",), 100).model == "m"

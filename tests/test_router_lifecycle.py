@@ -15,7 +15,9 @@ import time
 from collections.abc import Iterator
 
 import aiohttp
+import pytest
 
+from pdfabric.cluster_secret import ENV
 from pdfabric.engine.generate import ReferenceEngine
 from pdfabric.sampling_params import SamplingParams
 from tests.fabric import free_port, get_json, serve_process, wait_blocks_free, wait_healthy
@@ -63,7 +65,11 @@ async def _complete(url: str, body: dict) -> list[int]:
         return (await r.json())["choices"][0]["token_ids"]
 
 
-def test_workers_reregister_with_a_restarted_router_and_serve_token_exact() -> None:
+def test_workers_reregister_with_a_restarted_router_and_serve_token_exact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The deployment's secret, which the router (both runs) and the worker started on its own share.
+    monkeypatch.setenv(ENV, "a secret the router and the joined worker share")
     control_port, http_port = free_port(), free_port()
     control = f"tcp://127.0.0.1:{control_port}"
     flags = ("--model", "tiny", "--colocated", "0", "--control-port", str(control_port))

@@ -16,6 +16,7 @@ import pytest
 import zmq
 
 from pdfabric.cli import supervisor, worker_cli
+from pdfabric.cluster_secret import ClusterSecret, authenticate, stop_authenticating
 from pdfabric.config import ServeConfig, load_serve_config
 from pdfabric.control import Heartbeat, Register, Shutdown
 from pdfabric.wire import decode, encode
@@ -136,15 +137,18 @@ def test_every_worker_field_is_a_deployment_key_or_fixed_per_process() -> None:
 def test_a_worker_process_sends_heartbeats_at_its_configured_interval() -> None:
     """A worker started as the launcher starts it honours ``heartbeat_s``: with 30 s, the heartbeat
     sent on registering is followed by no other for a second and a half (the default sends six)."""
+    secret = ClusterSecret.generate()
     ctx = zmq.Context()
+    authenticate(ctx, secret)
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
+    secret.serve(sock)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
     planned = WorkerConfig(kind="colocated", worker_id="hb-0", num_blocks=32, profile_seconds=0.0,
                            heartbeat_s=30.0, threads=1, device="cpu")  # fmt: skip
     cfg = ServeConfig(prefill=0, decode=0, colocated=1, worker=planned)
     cmd = supervisor.worker_command(cfg, planned, f"tcp://127.0.0.1:{port}", "WARNING")
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen(cmd, env={**os.environ, **secret.env()})
     try:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
@@ -167,6 +171,7 @@ def test_a_worker_process_sends_heartbeats_at_its_configured_interval() -> None:
             proc.kill()
             proc.wait()
         sock.close()
+        stop_authenticating(ctx)
         ctx.term()
 
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pdfabric.cluster_secret import ClusterSecret
 from pdfabric.worker.core import WorkerCore
 from pdfabric.worker.kv import KVSide
 from pdfabric.worker.spec import CoreSpec, ProfileSource
@@ -19,8 +20,9 @@ if TYPE_CHECKING:
 # A kind's core: built from the worker's spec, its profile source and its KV endpoint ("": none).
 CoreFactory = Callable[[CoreSpec, ProfileSource, str], WorkerCore]
 # A kind's KV side, opened over the model runner's caches (it may move them, as a decode worker's
-# receiver moves them into shared memory); the side owns what it opens and closes it.
-KVFactory = Callable[[WorkerConfig, str, "ModelRunner"], KVSide]
+# receiver moves them into shared memory) for the worker named by the str, speaking to peers that
+# hold the cluster secret (None: plain ZeroMQ); the side owns what it opens and closes it.
+KVFactory = Callable[[WorkerConfig, str, "ModelRunner", ClusterSecret | None], KVSide]
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
+from pdfabric.cluster_secret import ClusterSecret
 from pdfabric.control import Drain, Shutdown
 from pdfabric.engine.stepper import Stepper
 from pdfabric.kvtransfer.transport import host_id
@@ -50,7 +51,11 @@ log = logging.getLogger("pdfabric.worker.loop")
 class Worker:
     """One worker process's loop around the core and KV side of its ``kind``."""
 
-    def __init__(self, cfg: WorkerConfig, kind: WorkerKind, parent_pid: int = 0) -> None:
+    def __init__(
+        self, cfg: WorkerConfig, kind: WorkerKind, secret: ClusterSecret | None, parent_pid: int = 0
+    ) -> None:
+        """``secret``: the cluster secret, which the router's control socket and the decode workers'
+        KV endpoints ask for (None: plain ZeroMQ, for a router without one)."""
         if kind.name != cfg.kind:
             raise ValueError(f"a {kind.name} worker cannot run a {cfg.kind} config")
         self.cfg = cfg
@@ -63,13 +68,15 @@ class Worker:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, self.worker_id.encode())
         self.sock.setsockopt(zmq.LINGER, 1000)
+        if secret is not None:
+            secret.connect(self.sock)
         self.sock.connect(cfg.join)
         self._poller = zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)
         self._watched: set[zmq.Socket] = set()
         self._running = True
         self._drain_until = float("inf")
-        self.kv = kind.open_kv(cfg, self.worker_id, engine.runner) if kind.open_kv is not None else None
+        self.kv = None if kind.open_kv is None else kind.open_kv(cfg, self.worker_id, engine.runner, secret)
         self.core = kind.core(engine.spec, self.profile, self.kv.endpoint if self.kv is not None else "")
 
     # --- loop -----------------------------------------------------------------------------------
@@ -234,10 +241,12 @@ def build_engine(cfg: WorkerConfig) -> Engine:
     return Engine(runner, spec, ProfileBuilder())
 
 
-def run_worker(cfg: WorkerConfig, kind: WorkerKind, parent_pid: int = 0) -> None:
+def run_worker(
+    cfg: WorkerConfig, kind: WorkerKind, secret: ClusterSecret | None, parent_pid: int = 0
+) -> None:
     """The worker process: builds the worker of ``kind`` and serves until told to stop; SIGTERM
     drains it (no new requests; it exits once idle or after ``drain_timeout_s``)."""
-    worker = Worker(cfg, kind, parent_pid)
+    worker = Worker(cfg, kind, secret, parent_pid)
     signal.signal(signal.SIGTERM, lambda *_: worker.drain())
     worker.serve_forever()
 

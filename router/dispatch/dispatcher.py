@@ -29,6 +29,7 @@ from typing import Protocol
 import zmq
 import zmq.asyncio
 
+from pdfabric.cluster_secret import REFUSED_EVENTS, ClusterSecret, Refusals, authenticate, stop_authenticating
 from pdfabric.control import HandedOff, Register, Shutdown, TokenDelta
 from pdfabric.router.dispatch.core import RouterCore
 from pdfabric.router.dispatch.effects import Deliver, Effect, FailedOver, Refused, Send, Started, Transferred
@@ -109,13 +110,24 @@ class Dispatcher:
         admission: AdmissionConfig | None = None,
         predictor: PredictorConfig | None = None,
         max_failovers: int = 2,
+        secret: ClusterSecret | None = None,
     ) -> None:
+        """Binds the control socket at ``bind`` (a port of 0: a free one; ``address`` says which).
+        With a ``secret`` (what ``pdfabric serve`` always gives) only peers that hold it can speak on
+        it (ZeroMQ CURVE; ``pdfabric.cluster_secret``); the others' handshakes are refused, logged
+        and counted (``fleet.refused_peers``). Construct it on the event loop that will run it."""
         self._core = RouterCore(admission, predictor, reserve_timeout_s, max_failovers=max_failovers)
         self._registry = self._core.registry
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.refusals = Refusals("control")
+        self._monitor: zmq.asyncio.Socket | None = None
+        if secret is not None:
+            authenticate(self.ctx, secret)
+            secret.serve(self.sock)
+            self._monitor = self.sock.get_monitor_socket(REFUSED_EVENTS)
         port = self.sock.bind_to_random_port(bind.rsplit(":", 1)[0]) if bind.endswith(":0") else None
         if port is None:
             self.sock.bind(bind)
@@ -130,7 +142,7 @@ class Dispatcher:
         self._listeners: list[DispatchEvents] = []
         self.restarts: dict[str, int] = {}  # worker id -> times its supervisor started it again
         self.down: dict[str, str] = {}  # worker id -> why its supervisor gave up on it
-        self.fleet = Fleet(self._core, self.restarts, self.down)
+        self.fleet = Fleet(self._core, self.restarts, self.down, self.refusals)
 
     def listen(self, listener: DispatchEvents) -> None:
         """Tells ``listener`` of every hand-off and failover from now on (e.g. metrics)."""
@@ -138,6 +150,8 @@ class Dispatcher:
 
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._liveness_loop())]
+        if self._monitor is not None:
+            self._tasks.append(asyncio.create_task(self._refusals_loop(self._monitor)))
 
     async def close(self, shutdown: Collection[str] | None = None) -> None:
         """Stops the router. The workers in ``shutdown`` (default: all) are told to exit; the others
@@ -150,6 +164,10 @@ class Dispatcher:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._monitor is not None:
+            self.sock.disable_monitor()
+            self._monitor.close(linger=0)
+        stop_authenticating(self.ctx)
         self.sock.close(linger=200)
         self.ctx.term()
 
@@ -288,6 +306,11 @@ class Dispatcher:
         elif isinstance(msg, HandedOff):
             for listener in self._listeners:
                 listener.handed_off(msg, self._registry.workers.get(msg.worker_id))
+
+    async def _refusals_loop(self, monitor: zmq.asyncio.Socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self.refusals.note(await monitor.recv_multipart(), loop.time())
 
     async def _liveness_loop(self) -> None:
         while True:

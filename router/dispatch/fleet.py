@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
+from pdfabric.cluster_secret import Refusals
 from pdfabric.router.dispatch.core import RouterCore
 from pdfabric.router.routing.registry import WorkerInfo, has_route
 
@@ -16,8 +17,11 @@ class Fleet:
     """The registered workers, the requests they hold, the admission queue and the launcher's record
     of restarts, read at the moment of each call."""
 
-    def __init__(self, core: RouterCore, restarts: Mapping[str, int], down: Mapping[str, str]) -> None:
+    def __init__(
+        self, core: RouterCore, restarts: Mapping[str, int], down: Mapping[str, str], refusals: Refusals
+    ) -> None:
         self._core = core
+        self._refusals = refusals
         self.restarts: Mapping[str, int] = MappingProxyType(restarts)  # worker -> times started again
         self.down: Mapping[str, str] = MappingProxyType(down)  # worker -> why its supervisor gave up
 
@@ -58,6 +62,11 @@ class Fleet:
     def waiting(self) -> int:
         """Requests waiting in the admission queue for a route."""
         return len(self._core.routing.queue)
+
+    @property
+    def refused_peers(self) -> int:
+        """Handshakes the control socket refused: peers without the cluster secret."""
+        return self._refusals.count
 
     @property
     def in_flight(self) -> int:

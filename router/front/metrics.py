@@ -87,6 +87,11 @@ class _Supervision(Collector):
             "pdfabric_workers_down", "Workers the launcher no longer restarts (drained, or failing)",
             value=len(self.fleet.down),
         )  # fmt: skip
+        yield CounterMetricFamily(
+            "pdfabric_refused_peers",
+            "Handshakes the control socket refused: peers without the cluster secret",
+            value=self.fleet.refused_peers,
+        )
 
 
 class _TenantUsage(Collector):

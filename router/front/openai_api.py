@@ -126,6 +126,8 @@ def parse_request(body: Any, chat: bool, served_models: tuple[str, ...], vocab_s
     for name in body:
         if name not in (CHAT_FIELDS if chat else COMPLETION_FIELDS):
             raise bad(f"'{name}' is not supported by this server", name)
+    for name, kind in (("metadata", dict), ("store", bool), ("service_tier", str)):
+        _typed(body, name, kind, None)  # accepted without effect, but of the type the API documents
     model = _typed(body, "model", str, None)
     if model is None:
         raise bad("'model' is required", "model")
