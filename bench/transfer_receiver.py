@@ -37,8 +37,9 @@ def _open_receiver(
         else [torch.zeros(2, blocks, bs, heads, dim, dtype=torch.bfloat16) for _ in range(layers)]
     )
     cfg = TransferConfig(
-        transport=transport, timeout_s=120, idle_timeout_s=60, checksum=checksum, secret=secret_of(kind)
-    )
+        transport=transport, timeout_s=120, idle_timeout_s=60, checksum=checksum, secret=secret_of(kind),
+        encrypt=not kind.endswith("-plain"),
+    )  # fmt: skip
     return KVReceiver(caches, cfg, BlockReservations(), bind, shm.paths if shm else ()), shm
 
 
@@ -46,10 +47,11 @@ BENCH_SECRET = "pdfabric bench transfer: a cluster secret for the curve rows"
 
 
 def secret_of(kind: str) -> Any:
-    """The cluster secret a row's two ends share: the bench's own for a "-curve" row, else None."""
+    """The cluster secret a row's two ends share: the bench's own for a "-curve" or "-plain" row, else
+    None."""
     from pdfabric.cluster_secret import ClusterSecret
 
-    return ClusterSecret(BENCH_SECRET) if kind.endswith("-curve") else None
+    return ClusterSecret(BENCH_SECRET) if kind.endswith(("-curve", "-plain")) else None
 
 
 def receiver_main(conn: Connection, dist_port: int) -> None:

@@ -18,8 +18,9 @@ PAYLOAD = (4, 16, 8, 32)  # layers, block_size, kv_heads, head_dim: 64 KiB per b
 CPU_SMALL = (12, 16, 8, 64)  # 24576 bytes per token
 CPU_SMALL_PARAMS = 12 * (2 * 1024 * 1024 + 2 * 1024 * 512 + 3 * 1024 * 2816)  # matmul weights
 # A "-curve" row is the transport with the cluster secret, as pdfabric serve runs it: ZeroMQ CURVE
-# (every message encrypted); the others run without one.
-TRANSPORTS = ("tcp-raw", "zmq-tcp", "zmq-tcp-curve", "zmq-ipc", "shm", "shm-curve", "dist")
+# (every message encrypted); a "-plain" row with the secret and kv_encryption off (ZeroMQ PLAIN);
+# the others without one.
+TRANSPORTS = ("tcp-raw", "zmq-tcp", "zmq-tcp-curve", "zmq-tcp-plain", "zmq-ipc", "shm", "shm-curve", "dist")
 LAYERWISE_TOKENS = 2048  # the layer-wise row's prompt
 RAW = "tcp-raw"  # the loopback ceiling: one plain TCP socket pair, bytes received straight into place
 
@@ -202,8 +203,9 @@ class TransferBench:
         endpoint = self._answer("setup")
         caches = [self.torch.randn(2, blocks, bs, heads, dim).to(self.torch.bfloat16) for _ in range(layers)]
         cfg = TransferConfig(
-            transport=kind.split("-")[0], timeout_s=120, checksum=self.checksum, secret=secret_of(kind)
-        )
+            transport=kind.split("-")[0], timeout_s=120, checksum=self.checksum, secret=secret_of(kind),
+            encrypt=not kind.endswith("-plain"),
+        )  # fmt: skip
         return KVSender(caches, cfg), endpoint
 
     def transfer(self, sender: Any, endpoint: str, n: int, spin_per_layer_s: float = 0.0) -> float:

@@ -50,11 +50,13 @@ OVERRIDES: tuple[tuple[str, type, str], ...] = (
     ("kv_transport", str, "how KV moves to decode workers (auto: shm on one host, zmq across hosts)"),
     ("prefix_caching", bool, "on or off: reuse the KV of prompt prefixes computed before"),
     ("linears", str, "linear-layer kernel: invariant (the same bits in any batch), onednn or cublas"),
+    ("kv_encryption", bool, "on or off: encrypt the KV channel (off: authenticated but in the clear, for a "
+     "trusted network; the same on every worker)"),
     ("served", str, "the model version it serves, NAME@VERSION, for a router with [[models]]"),
 )
 _QUOTED = ("model", "pool", "block_size", "kv_memory_mb", "max_batch_tokens", "max_running", "kv_host",
            "heartbeat_s", "drain_timeout_s", "device", "profile_seconds", "kv_transport",
-           "prefix_caching", "linears")  # fmt: skip
+           "prefix_caching", "linears", "kv_encryption")  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -96,8 +96,9 @@ def open_receiver(
         )  # fmt: skip
         runner.kv_caches = shm.caches
     config = TransferConfig(
-        transport=cfg.kv_transport, name=worker_id, shm_quarantine_s=QUARANTINE_S, secret=secret
-    )
+        transport=cfg.kv_transport, name=worker_id, shm_quarantine_s=QUARANTINE_S, secret=secret,
+        encrypt=cfg.kv_encryption,
+    )  # fmt: skip
     return ReceiverSide(runner.kv_caches, config, cfg.kv_host, shm, runner.kv_tiled)
 
 

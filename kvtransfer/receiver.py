@@ -76,7 +76,7 @@ class KVReceiver:
         self._monitor: zmq.Socket | None = None
         if config.secret is not None:
             authenticate(ctx, config.secret)
-            config.secret.serve(self.sock)
+            config.secret.serve(self.sock, config.encrypt)
             self._monitor = self.sock.get_monitor_socket(REFUSED_EVENTS)
         self.sock.bind(bind)
         self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)

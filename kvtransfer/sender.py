@@ -172,7 +172,7 @@ class KVSender:
                 sock.setsockopt(zmq.SNDBUF, self.config.socket_buffer_bytes)
                 sock.setsockopt(zmq.RCVBUF, self.config.socket_buffer_bytes)
             if self.config.secret is not None:
-                self.config.secret.connect(sock)
+                self.config.secret.connect(sock, self.config.encrypt)
             sock.connect(endpoint)  # without ZMQ_IMMEDIATE: messages queue until the peer is up
             try:
                 sock.send(encode(Hello(self.config.name)), zmq.NOBLOCK)

@@ -8,6 +8,10 @@ context: ``authenticate``) accepts a client only if its public key is the cluste
 without the secret cannot complete the handshake: it sends nothing that is delivered and receives
 nothing; the refusal is logged and counted. CURVE also encrypts every frame.
 
+A KV channel on a network the operator trusts may skip the encryption (``encrypt=False``: ZeroMQ
+PLAIN, with a password derived from the secret): peers are still authenticated, but the password
+and the KV bytes cross the wire in the clear, so anyone who can read the traffic can replay it.
+
 Where the secret comes from: ``pdfabric serve`` reads ``[serve] cluster_secret_file``, else the
 environment variable ``PDFABRIC_CLUSTER_SECRET``, else makes a random one for its run; it hands the
 secret to the workers it starts in their environment (never on a command line, which other users of
@@ -17,6 +21,7 @@ the host can read). ``pdfabric worker`` takes it from ``--secret-file`` or the s
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 import secrets
 import stat
@@ -34,6 +39,8 @@ from pdfabric import envs
 ENV = "PDFABRIC_CLUSTER_SECRET"
 MIN_LENGTH = 16  # characters of a secret given as text
 _DOMAIN = b"pdfabric cluster key v1\x00"
+_PLAIN = b"pdfabric plain channel v1"
+_USER = b"pdfabric"
 
 log = logging.getLogger("pdfabric.cluster_secret")
 
@@ -83,18 +90,31 @@ class ClusterSecret:
         secret_key = z85.encode(seed)
         return zmq.curve_public(secret_key), secret_key
 
-    def serve(self, sock: zmq.Socket) -> None:
-        """Makes a socket that will bind a CURVE server (before ``bind``)."""
-        sock.setsockopt(zmq.CURVE_SERVER, 1)
-        sock.setsockopt(zmq.CURVE_SECRETKEY, self.keys[1])
+    @property
+    def password(self) -> bytes:
+        """The password of an unencrypted (PLAIN) channel: derived from the secret, never the secret."""
+        return hmac.new(self.text.encode(), _PLAIN, hashlib.sha256).hexdigest().encode()
 
-    def connect(self, sock: zmq.Socket) -> None:
-        """Makes a socket that will connect a CURVE client holding the cluster's keys (before
-        ``connect``)."""
-        public, secret = self.keys
-        sock.setsockopt(zmq.CURVE_SERVERKEY, public)
-        sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
-        sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+    def serve(self, sock: zmq.Socket, encrypt: bool = True) -> None:
+        """Makes a socket that will bind a CURVE server (a PLAIN one without ``encrypt``), before
+        ``bind``."""
+        if encrypt:
+            sock.setsockopt(zmq.CURVE_SERVER, 1)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, self.keys[1])
+        else:
+            sock.setsockopt(zmq.PLAIN_SERVER, 1)
+
+    def connect(self, sock: zmq.Socket, encrypt: bool = True) -> None:
+        """Makes a socket that will connect a client holding the cluster's keys (CURVE) or password
+        (PLAIN, without ``encrypt``), before ``connect``."""
+        if encrypt:
+            public, secret = self.keys
+            sock.setsockopt(zmq.CURVE_SERVERKEY, public)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+        else:
+            sock.setsockopt(zmq.PLAIN_USERNAME, _USER)
+            sock.setsockopt(zmq.PLAIN_PASSWORD, self.password)
 
 
 class _Door:
@@ -114,7 +134,8 @@ _authenticators: dict[int, tuple[bytes, ThreadAuthenticator]] = {}
 
 def authenticate(ctx: zmq.Context, secret: ClusterSecret) -> None:
     """Starts the one authentication handler of ``ctx`` (a thread; for an asyncio context too, on a
-    blocking shadow of the same ZeroMQ context), accepting only clients with the cluster's key.
+    blocking shadow of the same ZeroMQ context), accepting only clients with the cluster's key (or,
+    on a PLAIN socket, its password).
     Idempotent per context; a second, different secret is a ``ValueError``. Call it before a CURVE
     server socket binds."""
     public = secret.keys[0]
@@ -127,6 +148,7 @@ def authenticate(ctx: zmq.Context, secret: ClusterSecret) -> None:
         auth = ThreadAuthenticator(zmq.Context.shadow(ctx.underlying), log=log)
         auth.start()
         auth.configure_curve_callback("*", _Door(public))
+        auth.configure_plain("*", {_USER.decode(): secret.password.decode()})
         _authenticators[id(ctx)] = (public, auth)
 
 

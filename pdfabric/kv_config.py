@@ -30,7 +30,10 @@ class TransferConfig:
     was page-faulted afresh on every transfer; smaller chunks also let the receiver copy one while
     the next is on the wire. ``secret``: the cluster secret; with it the KV channel speaks ZeroMQ CURVE
     (the receiver's endpoint takes only senders that hold it; every message is encrypted), without it
-    (tests, benchmarks) plain ZeroMQ."""
+    (tests, benchmarks) plain ZeroMQ. ``encrypt=False`` (a network the operator trusts): the secret
+    still authenticates both ends, but over ZeroMQ PLAIN, so the KV bytes cross the wire unencrypted
+    (faster over tcp; no different over shared memory, where the bytes do not use the socket:
+    docs/security.md has the measurement)."""
 
     transport: str = "auto"
     timeout_s: float = 30.0
@@ -42,6 +45,7 @@ class TransferConfig:
     socket_buffer_bytes: int = 4 << 20  # kernel send/receive buffers of the ZeroMQ sockets (0: the OS's)
     chunk_bytes: int = 16 << 20  # ZeroMQ: a larger layer range leaves as several chunks (>= 1 layer each)
     secret: ClusterSecret | None = None
+    encrypt: bool = True
 
     def __post_init__(self) -> None:
         if self.transport not in CHOICES:

@@ -56,6 +56,9 @@ class WorkerConfig:
     )
     prefix_caching: bool = True  # keep computed full blocks for prompts that share their prefix
     linears: str = "invariant"  # the linear-layer kernel (LINEARS); a vendor one gives up batch invariance
+    # KV channel encrypted (CURVE) or, on a network the operator trusts, authenticated in the clear
+    # (PLAIN); the same for every worker of a deployment, or its transfers fail (docs/security.md)
+    kv_encryption: bool = True
     served: str = ""  # the model version it serves, "name@version" ("": the deployment's one model)
 
     def __post_init__(self) -> None:

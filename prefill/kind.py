@@ -102,7 +102,9 @@ def open_sender(
     is imported here, with torch: the kind itself, and so the simulator, stays torch-free.)"""
     from pdfabric.kvtransfer.sender import KVSender
 
-    config = TransferConfig(transport=cfg.kv_transport, name=worker_id, secret=secret)
+    config = TransferConfig(
+        transport=cfg.kv_transport, name=worker_id, secret=secret, encrypt=cfg.kv_encryption
+    )
     return SenderSide(KVSender(runner.kv_caches, config, tiled=runner.kv_tiled))
 
 

@@ -2,9 +2,10 @@
 
 A rogue process that can reach the router's control socket but lacks the secret (no CURVE at all, or
 another secret) sends a well-formed ``Register``: it never becomes a worker and is counted; a worker
-with the secret registers. A rogue KV sender pushes a transfer into a decode worker's reserved blocks:
-nothing lands, no block changes, the refusal is counted; the same push with the secret lands bit for
-bit. ``pdfabric worker`` refuses to start without the secret. (The whole fabric, started by ``pdfabric
+with the secret registers. A rogue KV sender pushes a transfer into a decode worker's reserved
+blocks: nothing lands, no block changes, the refusal is counted; the same push with the secret lands
+bit for bit, encrypted (CURVE) or, with ``kv_encryption`` off, authenticated in the clear (PLAIN).
+``pdfabric worker`` refuses to start without the secret. (The whole fabric, started by ``pdfabric
 serve``, runs with a secret in every end-to-end test.)
 """
 
@@ -31,6 +32,7 @@ from pdfabric.kvtransfer.state import TransferState
 from pdfabric.profile import WorkerProfile
 from pdfabric.router.dispatch.dispatcher import Dispatcher
 from pdfabric.wire import encode
+from tests.fabric import post_json, running_fabric
 from tests.kvtransfer_helpers import FakePool, digest, make_caches, pump
 
 SECRET = ClusterSecret("the fabric's own secret, 0123456789")  # one per process: one per ZeroMQ context
@@ -99,15 +101,32 @@ def test_only_a_worker_with_the_secret_registers() -> None:
     assert workers == {"worker-0"} and refused >= 2
 
 
-@pytest.mark.parametrize("sender_secret", [None, OTHER, SECRET], ids=["no-secret", "other-secret", "secret"])
-def test_a_kv_push_lands_only_with_the_secret(sender_secret: ClusterSecret | None) -> None:
+@pytest.mark.parametrize(
+    ("sender_secret", "sender_encrypts", "receiver_encrypts"),
+    [
+        (None, True, True),
+        (OTHER, True, True),
+        (SECRET, True, True),
+        (SECRET, False, False),  # kv_encryption off: PLAIN, with a password derived from the secret
+        (OTHER, False, False),
+        (None, False, False),
+        (SECRET, True, False),  # a deployment whose workers disagree: refused, not half-secure
+    ],
+    ids=["no-secret", "other-secret", "secret", "plain", "plain-other-secret", "plain-no-secret", "mixed"],
+)
+def test_a_kv_push_lands_only_with_the_secret(
+    sender_secret: ClusterSecret | None, sender_encrypts: bool, receiver_encrypts: bool
+) -> None:
+    lands = sender_secret is SECRET and sender_encrypts == receiver_encrypts
     layers, blocks = 2, 16
     rpool, spool = FakePool(blocks), FakePool(blocks)
     dst = make_caches(layers, blocks, torch.bfloat16, None)
     src = make_caches(layers, blocks, torch.bfloat16, 5)
     fast = dict(transport="zmq", timeout_s=1.5, idle_timeout_s=1.0)
-    receiver = KVReceiver(dst, TransferConfig(**fast, secret=SECRET), rpool.reservations())
-    sender = KVSender(src, TransferConfig(**fast, secret=sender_secret), spool.reservations())
+    rcfg = TransferConfig(**fast, secret=SECRET, encrypt=receiver_encrypts)
+    scfg = TransferConfig(**fast, secret=sender_secret, encrypt=sender_encrypts)
+    receiver = KVReceiver(dst, rcfg, rpool.reservations())
+    sender = KVSender(src, scfg, spool.reservations())
     try:
         remote, local = rpool.allocate(3, scattered=True), spool.allocate(3)
         before = digest(dst, remote)
@@ -115,7 +134,7 @@ def test_a_kv_push_lands_only_with_the_secret(sender_secret: ClusterSecret | Non
         sender.start("r", receiver.endpoint, local, remote)
         sender.send("r")
         sent, got = pump(sender, receiver, 1, timeout_s=5)
-        if sender_secret is SECRET:
+        if lands:
             assert got[0].state is TransferState.DONE and digest(dst, remote) == digest(src, local)
             assert receiver.refusals.count == 0
             rpool.release("r", remote)
@@ -134,3 +153,21 @@ def test_a_worker_does_not_start_without_the_secret() -> None:
     cmd = [sys.executable, "-m", "pdfabric.cli", "worker", "--kind", "colocated", "--join", "tcp://127.0.0.1:9"]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "cluster secret" in out.stderr
+
+
+@pytest.mark.parametrize("transport", ["zmq", "auto"])
+def test_a_fabric_with_kv_encryption_off_serves_the_same_tokens(tmp_path: Path, transport: str) -> None:
+    """``[worker] kv_encryption = false``: prefill and decode workers still authenticate each other
+    with the secret (PLAIN) and the text is the encrypted deployment's."""
+    body = {"model": "tiny", "prompt": [5, 17, 99, 3, 42] * 8, "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    tokens = []
+    for encrypt in ("true", "false"):
+        config = tmp_path / f"deploy-{encrypt}.toml"
+        config.write_text(f'[worker]\nkv_encryption = {encrypt}\nkv_transport = "{transport}"\n')
+        flags = ("--model", "tiny", "--num-blocks", "64", "--prefill", "1", "--decode", "1")
+        with running_fabric("--config", str(config), *flags) as url:
+            status, data = post_json(url + "/v1/completions", body)
+            assert status == 200, data
+            tokens.append(data["choices"][0]["token_ids"])
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 12
