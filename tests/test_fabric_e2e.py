@@ -67,8 +67,10 @@ async def _stream(
 def test_concurrent_greedy_requests_match_reference(fabric: str, reference: ReferenceEngine) -> None:
     # 16 prompts from 3 to 108 tokens: one block, several blocks, partial last blocks (block size 16).
     prompts = [[5 + i] * (3 + 7 * i) for i in range(16)]
+    # The slo extension (budgets no request misses) reports each request's route in its usage.
+    extra = {"slo": {"ttft_ms": 600_000, "itl_ms": 600_000}, "stream_options": {"include_usage": True}}
     bodies = [
-        {"prompt": p, "max_tokens": 8 + (3 * i) % 20, "temperature": 0, "ignore_eos": True}
+        {"prompt": p, "max_tokens": 8 + (3 * i) % 20, "temperature": 0, "ignore_eos": True, **extra}
         for i, p in enumerate(prompts)
     ]
 
@@ -88,9 +90,11 @@ def test_concurrent_greedy_requests_match_reference(fabric: str, reference: Refe
     kinds = {w["kind"] for w in workers}
     for w in workers:  # the profile the router predicts with, refined by the steps just run
         assert w["profile"]["prefill_samples"] + w["profile"]["decode_samples"] > 0, w
-    if "prefill" in kinds:  # every request's KV crossed from the prefill to the decode worker
+    if "prefill" in kinds:  # every request routed to a pair moved its KV from prefill to decode
+        # (a decode worker that caches part of a prompt from an earlier test may prefill it itself)
+        pairs = sum("->" in usage["pdfabric"]["route"] for *_, usage in results)
         transfers = metric_values(fabric, "pdfabric_kv_transfer_bytes_count")
-        assert sum(transfers.values()) >= len(bodies)
+        assert sum(transfers.values()) >= pairs >= len(bodies) // 2
         # ... over shared memory (one host, caches in host memory; a GPU's caches go over ZeroMQ),
         # and the prefill worker's heartbeats report its rate
         deadline = time.monotonic() + 10

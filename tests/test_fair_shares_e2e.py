@@ -152,7 +152,9 @@ async def _overload(url: str, waves: list[tuple[str, int, int, int]]) -> list[Re
         await asyncio.gather(*(e.wait() for e in started))
         tasks: list[asyncio.Task] = []
         for tenant, count, waiting, refused in waves:
-            tasks += [asyncio.create_task(_one(session, url, tenant, len(tasks) + i)) for i in range(count)]
+            for _ in range(count):  # spaced, so that they reach the queue in the order of their index
+                tasks.append(asyncio.create_task(_one(session, url, tenant, len(tasks))))
+                await asyncio.sleep(0.03)
             await _settle(url, waiting, refused, tasks, holding)
         for task in holding:
             task.cancel()
