@@ -122,6 +122,7 @@ async def health(request: web.Request) -> web.Response:
             "pool": w.reg.pool,
             "pid": w.reg.pid,
             "host": w.reg.host,
+            "kv_endpoint": w.reg.kv_endpoint,
             "requests": fleet.held_by(w.worker_id),
             "draining": w.draining,
             "free_blocks": w.free_blocks,
