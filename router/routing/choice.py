@@ -19,43 +19,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from pdfabric.control import COLOCATED, PREFILL
-from pdfabric.router.errors import ApiError
-from pdfabric.router.routing.admission import AdmissionQueue, Outcome, Ticket
+from pdfabric.router.routing.admission import AdmissionQueue, Ticket
 from pdfabric.router.routing.holders import Holders
 from pdfabric.router.routing.policies import rank_routes
 from pdfabric.router.routing.prefix_index import prompt_hashes
 from pdfabric.router.routing.registry import Registry, Route, WorkerInfo
 from pdfabric.router.routing.routes import Budgets, Candidate, Choice, Ranking, WorkerLoad
 from pdfabric.routing_config import AdmissionConfig, PredictorConfig
-
-_WHY = {
-    "ttft": "the predicted time to first token is over its budget",
-    "itl": "the predicted inter-token latency is over its budget",
-    "batch_full": "every decode batch that meets its budgets is full",
-    "kv_full": "no decode worker that meets its budgets has KV room for the prompt",
-    "ttft_unreachable": "no worker could meet its time-to-first-token budget even when idle",
-    "itl_unreachable": "no worker could meet its inter-token-latency budget even when idle",
-    "no_workers": "no worker can take it",
-    "queue_full": "the router's wait queue is full",
-    "deadline": "no route fitted before its deadline",
-}
-
-
-class Rejected(ApiError):
-    """HTTP 429 for a request admission control turned away; ``reason`` is the metrics label."""
-
-    def __init__(self, outcome: Outcome) -> None:
-        b = outcome.ticket.budgets
-        why = _WHY.get(outcome.reason, outcome.reason)
-        super().__init__(
-            429,
-            f"request rejected ({outcome.reason}): {why} (ttft_ms={b.ttft_ms:g}, itl_ms={b.itl_ms:g}); "
-            f"retry after {outcome.retry_after_ms} ms",
-            kind="rate_limit_exceeded",
-            retry_after_s=outcome.retry_after_ms / 1e3,
-        )
-        self.reason = outcome.reason
-        self.outcome = outcome
 
 
 def worker_load(info: WorkerInfo) -> WorkerLoad:
