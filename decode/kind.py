@@ -74,6 +74,9 @@ class ReceiverSide:
         released, self._released, self._failed = self._released, [], []
         return results, released
 
+    def refused_peers(self) -> int:
+        return self.receiver.refusals.count
+
     def close(self) -> None:
         self.receiver.close()
         if self.shm is not None:

@@ -70,6 +70,7 @@ class Heartbeat:
     cached: tuple[bytes, ...] = ()  # prefix hashes of the blocks it cached since its last heartbeat
     evicted: tuple[bytes, ...] = ()  # prefix hashes it dropped from its cache since then
     received: int = 0  # work messages (Generate, Reserve, Prefill) taken in since it registered
+    refused_peers: int = 0  # handshakes its KV endpoint refused since it started (no cluster secret)
 
 
 @message(3)

@@ -91,6 +91,9 @@ class SenderSide:
                 results[i] = replace(r, seconds=max(0.0, now - pushed))
         return results, []
 
+    def refused_peers(self) -> int:
+        return 0  # it binds nothing: it connects to the decode workers' endpoints
+
     def close(self) -> None:
         self.sender.close()
 

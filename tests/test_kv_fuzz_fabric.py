@@ -22,7 +22,7 @@ from pdfabric.cluster_secret import ENV, ClusterSecret
 from pdfabric.engine.generate import ReferenceEngine
 from pdfabric.kvtransfer.messages import Ack, Hello, KVAbort, KVChunk, KVLayout, PeerInfo
 from pdfabric.sampling_params import SamplingParams
-from tests.fabric import get_json, running_fabric, wait_blocks_free
+from tests.fabric import get_json, metric_values, running_fabric, wait_blocks_free
 from tests.wire_fuzz import KINDS, frames
 
 SECRET = ClusterSecret("the KV-fuzzed fabric's cluster secret")
@@ -108,3 +108,26 @@ def test_every_stream_is_token_exact_and_no_block_is_lost(fabric: str, streams: 
         assert got == list(want.token_ids)
     assert get_json(fabric + "/health")[0] == 200
     wait_blocks_free(fabric)
+
+
+def test_a_stranger_at_the_kv_endpoint_is_refused_and_counted(fabric: str) -> None:
+    """A peer without the secret is refused at the handshake, and the decode worker's heartbeats
+    carry the count to the router's ``/metrics``."""
+    (decode,) = [w for w in get_json(fabric + "/health")[1]["workers"] if w["kind"] == "decode"]
+    rogue = zmq.Context.instance().socket(zmq.DEALER)
+    rogue.setsockopt(zmq.LINGER, 0)
+    rogue.connect(decode["kv_endpoint"])
+    try:
+        rogue.send_multipart([b"not for you"], zmq.NOBLOCK)
+        deadline = time.monotonic() + 10
+        mine = f'worker="{decode["id"]}"'
+        while True:
+            series = metric_values(fabric, "pdfabric_kv_refused_peers_total")
+            refused = sum(v for labels, v in series.items() if mine in labels)
+            if refused >= 1 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert refused >= 1, series
+        assert rogue.poll(0) == 0  # and it was sent nothing
+    finally:
+        rogue.close(linger=0)

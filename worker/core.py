@@ -198,8 +198,9 @@ class WorkerCore:
     def kv_released(self, request_id: str) -> Out:
         return []
 
-    def heartbeat(self, now: float) -> Heartbeat | None:
-        """This worker's load, if a heartbeat is due at ``now``."""
+    def heartbeat(self, now: float, refused_peers: int = 0) -> Heartbeat | None:
+        """This worker's load, if a heartbeat is due at ``now``; ``refused_peers``: the handshakes its
+        KV endpoint has refused so far (the driver's KV side counts them)."""
         if now < self.next_heartbeat:
             return None
         self.next_heartbeat = now + self.spec.config.heartbeat_s
@@ -223,6 +224,7 @@ class WorkerCore:
             cached=cached,
             evicted=evicted,
             received=self.received,
+            refused_peers=refused_peers,
         )
 
     @property

@@ -84,4 +84,6 @@ class KVSide(Protocol):
 
     def poll(self) -> tuple[list[TransferResult], list[str]]: ...  # ended transfers, released requests
 
+    def refused_peers(self) -> int: ...  # handshakes its endpoint refused (peers without the secret)
+
     def close(self) -> None: ...

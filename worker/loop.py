@@ -199,7 +199,7 @@ class Worker:
             self.dispatch(out)
 
     def _heartbeat(self) -> None:
-        hb = self.core.heartbeat(time.monotonic())
+        hb = self.core.heartbeat(time.monotonic(), self.kv.refused_peers() if self.kv is not None else 0)
         if hb is None:
             return
         if self.parent_pid and not _alive(self.parent_pid):

@@ -41,6 +41,11 @@ class _WorkerGauges(Collector):
         hits = CounterMetricFamily(
             "pdfabric_prefix_cache_hits", "Of those, tokens whose KV the prefix cache held", labels=labels
         )
+        refused = CounterMetricFamily(
+            "pdfabric_kv_refused_peers",
+            "Handshakes a worker's KV endpoint refused: peers without the cluster secret",
+            labels=labels,
+        )
         per_pool: dict[tuple[str, str], int] = {}
         for w in self.fleet.workers.values():
             key = [w.worker_id, w.reg.pool, w.reg.kind]
@@ -51,12 +56,13 @@ class _WorkerGauges(Collector):
                 queued.add_metric(key, w.load.queued_tokens)
                 prompt.add_metric(key, w.load.prompt_tokens)
                 hits.add_metric(key, w.load.prefix_hit_tokens)
+                refused.add_metric(key, w.load.refused_peers)
             per_pool[(w.reg.pool, w.reg.kind)] = per_pool.get((w.reg.pool, w.reg.kind), 0) + 1
         for kind in KINDS:
             per_pool.setdefault(("default", kind), 0)
         for (pool, kind), n in sorted(per_pool.items()):
             count.add_metric([pool, kind], n)
-        yield from (free, total, running, queued, count, prompt, hits)
+        yield from (free, total, running, queued, count, prompt, hits, refused)
 
 
 class _Waiting(Collector):
