@@ -215,7 +215,7 @@ async def serve(
 
 def _autoscaler(cfg: ServeConfig, app, dispatcher, workers: Workers):  # noqa: ANN001, ANN202
     from pdfabric.cli.autoscale import Autoscaler
-    from pdfabric.router.front.app import METRICS, OBSERVED
+    from pdfabric.router.front.keys import METRICS, OBSERVED
     from pdfabric.router.platform.admin import AUDIT
 
     audit = app[AUDIT]

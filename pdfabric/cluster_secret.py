@@ -173,8 +173,8 @@ LOG_EVERY_S = 10.0
 class Refusals:
     """Counts the handshakes a bound socket refused (from its monitor's events) and logs them at most
     every ``LOG_EVERY_S`` seconds, with the count since the last line (ZeroMQ does not say the peer's
-    address). ``monitor`` is the
-    socket's monitor (``sock.get_monitor_socket(REFUSED_EVENTS)``); ``note`` takes each event."""
+    address). ``note`` takes one event of the socket's monitor
+    (``sock.get_monitor_socket(REFUSED_EVENTS)``); ``drain`` takes every event waiting on it."""
 
     def __init__(self, channel: str) -> None:
         self.channel = channel

@@ -26,8 +26,6 @@ from pdfabric.router.platform.catalog import Catalog
 from pdfabric.router.platform.scaler import Observations
 from pdfabric.router.platform.tenants import UsageBook
 
-__all__ = ["CATALOG", "CONFIG", "DISPATCHER", "IDEMPOTENCY", "METRICS", "OBSERVED", "build_app"]
-
 
 def build_app(
     cfg: ServeConfig, dispatcher: Dispatcher, catalog: Catalog, spawner: Spawner | None = None
