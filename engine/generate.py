@@ -45,6 +45,7 @@ class ReferenceEngine:
         self.model = load_model(self.path, dtype)
         self.config = self.model.config
         self._tokenizer = None
+        self._grammars = None
         self.runner = ModelRunner(self.model, num_blocks, block_size)
         self.tables = BlockTables(BlockPool(num_blocks, block_size))
 
@@ -56,6 +57,15 @@ class ReferenceEngine:
 
             self._tokenizer = Tokenizer.from_pretrained(self.path)
         return self._tokenizer
+
+    @property
+    def grammars(self):  # noqa: ANN201 - Grammars, imported lazily
+        """The model's grammar engine (``SamplingParams.grammar``), built on first use."""
+        if self._grammars is None:
+            from pdfabric.engine.grammar import Grammars
+
+            self._grammars = Grammars.for_model(self.path, self.config.vocab_size)
+        return self._grammars
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, chunk_size: int = 0) -> Generation:
         """Generates for ``prompt_ids``; ``chunk_size > 0`` prefills the prompt in chunks of that size."""
@@ -70,8 +80,13 @@ class ReferenceEngine:
         # ignore_eos needs no tokenizer: checkpoints without tokenizer files still generate.
         stop_ids = params.stop_ids(() if params.ignore_eos else self.tokenizer.eos_token_ids)
         seq = object()
-        scored: list[tuple[float, tuple[tuple[int, float], ...]]] = []
         out: list[int] = []
+        structured = None  # the request as a sequence, for its grammar's state
+        if params.grammar:
+            from pdfabric.engine.sequence import Sequence
+
+            structured = Sequence("reference", tuple(prompt_ids), params, output_ids=out)
+        scored: list[tuple[float, tuple[tuple[int, float], ...]]] = []
         logprobs: list[float] = []
         try:
             pending, cached = list(prompt_ids), 0
@@ -94,7 +109,8 @@ class ReferenceEngine:
                 if not last:
                     continue
                 history = History(prompt_ids, out, stop_ids)
-                token = sample(logits, [params], [params.output_offset + len(out)], [history])[0]
+                allowed = [self.grammars.allowed(structured)] if structured is not None else None
+                token = sample(logits, [params], [params.output_offset + len(out)], [history], allowed)[0]
                 out.append(token.token_id)
                 logprobs.append(token.logprob)
                 if token.token_id in stop_ids:

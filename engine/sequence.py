@@ -37,6 +37,7 @@ class Sequence:
     finish_reason: str | None = None
     branches: tuple[Branch, ...] = ()  # the request's other outputs, started once its prompt is computed
     group: str = ""  # a branch's: the request id of the sequence it branched from ("": none)
+    grammar_state: object | None = None  # with params.grammar: its matcher (engine/grammar.py)
 
     @property
     def reply_id(self) -> str:

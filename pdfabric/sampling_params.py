@@ -23,7 +23,12 @@ class SamplingParams:
     first (its log-probability given the tokens before it, and the ``logprobs`` likeliest there); such
     a prompt is computed whole, never taken from the prefix cache.
 
-    Before a token is picked, its row of logits is changed, in this order: ``logit_bias`` is added
+    ``grammar``: the output must follow it (a grammar built and checked by ``pdfabric.structure``;
+    "" none); tokens it does not allow next are never picked, and a finished structure allows only
+    end-of-sequence.
+
+    Before a token is picked, its row of logits is changed, in this order: tokens outside the
+    ``grammar`` are removed; ``logit_bias`` is added
     (token id, value); ``repetition_penalty`` divides the positive logits of tokens seen in the prompt
     or output and multiplies the negative ones; ``frequency_penalty`` is subtracted once per earlier
     output of a token and ``presence_penalty`` once for any; while fewer than ``min_tokens`` were
@@ -48,6 +53,7 @@ class SamplingParams:
     output_offset: int = 0  # output tokens produced before this run (a resumed request)
     choice: int = 0  # which of the request's outputs (its seed stream)
     prompt_logprobs: bool = False  # also each prompt token's log-probability (and ``logprobs`` top ones)
+    grammar: str = ""  # what the output must follow (``pdfabric.structure``); "" none
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

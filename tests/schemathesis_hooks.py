@@ -12,13 +12,15 @@ token per UTF-8 byte, and a bos) with a context window of ``CONTEXT`` tokens.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import schemathesis
 
+from pdfabric import structure
 from pdfabric.router.front.openai_api import MAX_BEST_OF, MAX_OUTPUTS
 
-CONTEXT = 512  # 32 blocks of 16 tokens
+CONTEXT = 1024  # 64 blocks of 16 tokens: room for a prompt and the tools it offers
 LONGEST_PROMPT = 256  # tokens (chat: bytes of text); a longer one is cut
 MESSAGES, ROLE_BYTES = 8, 16  # a chat request's messages and each one's role, cut to these
 TEMPLATE_TOKENS = 8  # a bound on what tiny's chat template adds around a message (about 4)
@@ -59,15 +61,77 @@ def _chat_prompt(body: dict[str, Any]) -> int:
     return TEMPLATE_TOKENS * (len(body["messages"]) + 1) + ROLE_BYTES * len(body["messages"]) + LONGEST_PROMPT
 
 
+def _structure_rules(body: dict[str, Any], chat: bool) -> None:
+    """A schema, expression or grammar that does not compile is replaced by one that does; tool names
+    made distinct; ``tool_choice`` brought to the tools there are; tools dropped (``tool_choice``
+    none) beside a response format; ``ignore_eos`` off beside either; a call's arguments JSON text."""
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict):
+        try:
+            structure.response_format_grammar(fmt)
+        except structure.StructureError:
+            kind = fmt["type"]
+            if kind == "json_schema":
+                fmt["json_schema"]["schema"] = {"type": "object"}
+            else:
+                fmt[kind] = {"regex": "[a-z]{1,8}", "grammar": 'start: "yes" | "no"'}[kind]
+    structured = isinstance(fmt, dict) and fmt.get("type") != "text"
+    if not chat:
+        if structured:
+            body["ignore_eos"] = False
+        return
+    tools = body.get("tools") or []
+    names: set[str] = set()
+    for i, tool in enumerate(tools):
+        fn = tool["function"]
+        if fn["name"] in names or not fn["name"].strip("\n") == fn["name"]:  # "$" lets a newline end it
+            fn["name"] = f"f{i}"
+        names.add(fn["name"])
+        try:
+            structure.parse_tools([tool])
+        except structure.StructureError:
+            fn["parameters"] = {"type": "object"}
+    choice = body.get("tool_choice")
+    named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if (choice in ("auto", "required") and not tools) or (isinstance(choice, dict) and named not in names):
+        body["tool_choice"] = "auto" if tools else "none"
+    if structured and tools:
+        body["tool_choice"] = "none"
+    if structured or (tools and body.get("tool_choice") != "none"):
+        body["ignore_eos"] = False
+    if tools and body.get("tool_choice") != "none":  # offered tools are part of the prompt: keep it short
+        kept = next((t for t in tools if t["function"]["name"] == named), tools[0])
+        fn = kept["function"]
+        fn["description"] = _cut(fn.get("description") or "", 16)
+        if len(json.dumps(fn.get("parameters", {}))) > 64:
+            fn["parameters"] = {"type": "object"}
+        body["tools"] = [kept]
+
+
+def _tool_prompt(body: dict[str, Any]) -> int:
+    """The tokens (bytes) the offered tools add to a chat prompt (``structure.render_tools``)."""
+    if not body.get("tools") or body.get("tool_choice") == "none":
+        return 0
+    return len(structure.render_tools(structure.parse_tools(body["tools"])).encode()) + 4
+    for m in body["messages"]:
+        for call in m.get("tool_calls") or []:
+            try:
+                json.loads(call["function"]["arguments"])
+            except ValueError:
+                call["function"]["arguments"] = "{}"
+
+
 def keep_the_rules(body: dict[str, Any], chat: bool) -> None:
     """Brings ``body`` (valid by the description) inside the rules between its fields: ``best_of`` at
     least ``n`` and not streamed when greater, at most ``MAX_OUTPUTS`` outputs, ``min_tokens`` at most
-    ``max_tokens``, each prompt and its ``max_tokens`` inside the context window."""
+    ``max_tokens``, each prompt and its ``max_tokens`` inside the context window, and a structure that
+    can be served (``_structure_rules``)."""
+    _structure_rules(body, chat)
     n = body.get("n") or 1
     if not chat and body.get("best_of") is not None:
         if body["best_of"] < n or (body["best_of"] > n and body.get("stream") is True):
             body["best_of"] = n if n <= MAX_BEST_OF else None  # null: n
-    longest = _chat_prompt(body) if chat else max(_completion_prompts(body))
+    longest = _chat_prompt(body) + _tool_prompt(body) if chat else max(_completion_prompts(body))
     name = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
     if body.get(name) is not None:
         body[name] = min(body[name], CONTEXT - longest)

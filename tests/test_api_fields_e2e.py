@@ -169,6 +169,13 @@ def test_chat_logprobs_and_top_logprobs(fabric: str) -> None:
     assert without["choices"][0]["logprobs"] is None
 
 
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+def _NAMED(name: str) -> dict:  # noqa: N802 - reads as a constant in the table below
+    return {"type": "function", "function": {"name": name}}
+
+
 @pytest.mark.parametrize(
     "path, fields, param",
     [
@@ -180,7 +187,10 @@ def test_chat_logprobs_and_top_logprobs(fabric: str) -> None:
         ("/v1/completions", {"prompt": ["a", 5]}, "prompt"),
         ("/v1/chat/completions", {"best_of": 2}, "best_of"),
         ("/v1/completions", {"suffix": "!"}, "suffix"),
-        ("/v1/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/completions", {"response_format": {"type": "xml"}}, "response_format"),
+        ("/v1/completions", {"response_format": {"type": "regex", "regex": "(a"}}, "response_format"),
+        ("/v1/completions", {"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
+        ("/v1/completions", {"tools": [_TOOL]}, "tools"),
         ("/v1/completions", {"logprobs": 21}, "logprobs"),
         ("/v1/completions", {"logprobs": True}, "logprobs"),
         ("/v1/completions", {"presence_penalty": 2.5}, "presence_penalty"),
@@ -195,8 +205,25 @@ def test_chat_logprobs_and_top_logprobs(fabric: str) -> None:
         ("/v1/completions", {"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
         ("/v1/completions", {"top_k": -2}, "top_k"),
         ("/v1/chat/completions", {"tools": []}, "tools"),
-        ("/v1/chat/completions", {"tool_choice": "none"}, "tool_choice"),
-        ("/v1/chat/completions", {"response_format": {"type": "text"}}, "response_format"),
+        ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+        ("/v1/chat/completions", {"tools": [_TOOL], "tool_choice": _NAMED("zz")}, "tool_choice"),
+        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
+        ("/v1/chat/completions", {"tools": [_TOOL, _TOOL]}, "tools"),
+        (
+            "/v1/chat/completions",
+            {"response_format": {"type": "json_object"}, "tools": [_TOOL]},
+            "response_format",
+        ),
+        (
+            "/v1/chat/completions",
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "strin"}}}},
+            "response_format",
+        ),
+        (
+            "/v1/chat/completions",
+            {"response_format": {"type": "grammar", "grammar": "start: x"}},
+            "response_format",
+        ),
         ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
         ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 30}, "top_logprobs"),
         ("/v1/chat/completions", {"echo": True}, "echo"),

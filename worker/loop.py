@@ -43,6 +43,7 @@ from pdfabric.worker.spec import CoreSpec
 from pdfabric.worker_config import WorkerConfig
 
 if TYPE_CHECKING:
+    from pdfabric.engine.grammar import Grammars
     from pdfabric.engine.runner import ModelRunner
 
 log = logging.getLogger("pdfabric.worker.loop")
@@ -63,7 +64,7 @@ class Worker:
         engine = build_engine(cfg)
         self.worker_id = engine.spec.worker_id
         self.runner, self.profile = engine.runner, engine.profile
-        self.stepper = Stepper(engine.runner)
+        self.stepper = Stepper(engine.runner, engine.grammars)
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, self.worker_id.encode())
@@ -217,6 +218,7 @@ class Engine:
     runner: ModelRunner
     spec: CoreSpec
     profile: ProfileBuilder
+    grammars: Grammars | None = None  # None: the model directory has no tokenizer.json
 
 
 def build_engine(cfg: WorkerConfig) -> Engine:
@@ -224,6 +226,7 @@ def build_engine(cfg: WorkerConfig) -> Engine:
     no sockets, so ``pdfabric profile`` measures exactly what a worker runs. The worker's name is
     ``cfg.worker_id``, else ``KIND-PID``."""
     from pdfabric.engine.default_model import resolve_model
+    from pdfabric.engine.grammar import Grammars
     from pdfabric.engine.loader import load_model
     from pdfabric.engine.runner import ModelRunner
 
@@ -231,14 +234,17 @@ def build_engine(cfg: WorkerConfig) -> Engine:
         import torch
 
         torch.set_num_threads(cfg.threads)
-    model = load_model(resolve_model(cfg.model), cfg.dtype, _device(cfg.device))
+    path = resolve_model(cfg.model)
+    model = load_model(path, cfg.dtype, _device(cfg.device))
     spec = CoreSpec.sized(
         cfg, worker_id=cfg.worker_id or f"{cfg.kind}-{os.getpid()}",
         model_max_len=model.config.max_position_embeddings,
         kv_bytes_per_token=model.config.kv_bytes_per_token, pid=os.getpid(), host=host_id(),
     )  # fmt: skip
     runner = ModelRunner(model, spec.num_blocks, cfg.block_size, linears=cfg.linears)
-    return Engine(runner, spec, ProfileBuilder())
+    has_tokenizer = (path / "tokenizer.json").exists()
+    grammars = Grammars.for_model(path, model.config.vocab_size) if has_tokenizer else None
+    return Engine(runner, spec, ProfileBuilder(), grammars)
 
 
 def run_worker(

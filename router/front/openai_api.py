@@ -6,12 +6,15 @@ body that names the field. The result is a ``ParsedRequest`` the dispatcher can 
 
 from __future__ import annotations
 
+import json
 import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from pdfabric import structure
 from pdfabric.router.errors import bad
 from pdfabric.sampling_params import SamplingParams
+from pdfabric.structure import Tool
 
 MAX_STOP_STRINGS = 16
 MAX_TIMEOUT_S = 86_400.0  # a request's own deadline, at most a day
@@ -25,12 +28,15 @@ _COMMON_FIELDS = frozenset(
         "model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop",
         "seed", "user", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
         "logit_bias", "min_tokens", "stop_token_ids", "ignore_eos", "return_token_ids", "timeout", "slo",
+        "response_format",
         # Accepted and without effect on the output: bookkeeping fields some clients always send.
         "metadata", "store", "service_tier",
     }
 )  # fmt: skip
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of"}
-CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "parallel_tool_calls"}
+CHAT_FIELDS = _COMMON_FIELDS | {
+    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -39,7 +45,9 @@ class ParsedRequest:
     model: str
     # Completions: each prompt, as text to tokenize or token ids given directly (chat: none).
     prompts: tuple[str | tuple[int, ...], ...]
-    messages: tuple[dict[str, str], ...] | None
+    # Chat: each message's role and content (tool calls and results already in the default tool
+    # format, ``prompts.tokenize``); completions: None.
+    messages: tuple[dict[str, Any], ...] | None
     max_tokens: int | None  # None: until the context is full
     temperature: float
     top_p: float
@@ -62,6 +70,9 @@ class ParsedRequest:
     n: int = 1  # outputs returned per prompt
     echo: bool = False  # completions: each choice's text (and logprobs) starts with its prompt
     best_of: int = 1  # outputs generated per prompt, of which the ``n`` most likely are returned
+    grammar: str = ""  # what each output must follow: response_format or the tools (pdfabric.structure)
+    tools: tuple[Tool, ...] = ()  # chat: the functions offered (tool_choice not "none")
+    parallel_tool_calls: bool = True
 
     def sampling_params(self, max_tokens: int, seed: int) -> SamplingParams:
         return SamplingParams(
@@ -79,6 +90,7 @@ class ParsedRequest:
             min_tokens=min(self.min_tokens, max_tokens),  # more could never be generated
             top_k=self.top_k,
             prompt_logprobs=self.echo and self.logprobs is not None,
+            grammar=self.grammar,
         )
 
 
@@ -165,6 +177,7 @@ def parse_request(body: Any, chat: bool, served_models: tuple[str, ...], vocab_s
     top_k = _typed(body, "top_k", int, 0)
     if top_k < -1:
         raise bad(f"'top_k' must be -1 or 0 (no limit) or positive, got {top_k}", "top_k")
+    grammar, tools, parallel = _structure(body, chat)
     return ParsedRequest(
         chat=chat,
         model=model,
@@ -192,7 +205,35 @@ def parse_request(body: Any, chat: bool, served_models: tuple[str, ...], vocab_s
         n=n,
         best_of=best_of,
         echo=not chat and _typed(body, "echo", bool, False),
+        grammar=grammar,
+        tools=tools,
+        parallel_tool_calls=parallel,
     )
+
+
+def _structure(body: dict[str, Any], chat: bool) -> tuple[str, tuple[Tool, ...], bool]:
+    """The grammar of ``response_format`` or of the tools (``tools``, ``tool_choice``,
+    ``parallel_tool_calls``), the tools offered and whether several calls may come; compiled and
+    checked here, before any worker is touched."""
+    parallel = _typed(body, "parallel_tool_calls", bool, True)
+    try:
+        grammar = structure.response_format_grammar(body.get("response_format"))
+        tools = structure.parse_tools(body.get("tools")) if chat else ()
+        choice = structure.parse_tool_choice(body.get("tool_choice"), tools)
+        if choice.mode == "none":
+            tools = ()
+        elif grammar:
+            raise structure.StructureError(
+                "'response_format' cannot be combined with tools; set 'tool_choice' to 'none'",
+                "response_format",
+            )
+        else:
+            grammar = structure.tool_grammar(tools, choice, parallel)
+    except structure.StructureError as exc:
+        raise bad(str(exc), exc.param) from None
+    if grammar and _typed(body, "ignore_eos", bool, False):
+        raise bad("'ignore_eos' cannot be combined with a response format or tools", "ignore_eos")
+    return grammar, tools, parallel
 
 
 def timeout_seconds(value: float | str | None, param: str) -> float | None:
@@ -267,23 +308,59 @@ def _prompt(prompt: Any, where: str, vocab_size: int) -> str | tuple[int, ...]:
     )
 
 
-def _messages(body: dict[str, Any]) -> tuple[dict[str, str], ...]:
+def _messages(body: dict[str, Any]) -> tuple[dict[str, Any], ...]:
+    """Each message's ``role`` and ``content`` (text, or text parts joined); an assistant message's
+    ``tool_calls`` as (name, arguments JSON text) pairs, its content then optional."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty array", "messages")
     out = []
     for i, m in enumerate(messages):
+        where = f"messages[{i}]"
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise bad(f"'messages[{i}]' must be an object with a string 'role'", f"messages[{i}]")
+            raise bad(f"'{where}' must be an object with a string 'role'", where)
+        calls = _tool_calls(m, where) if m["role"] == "assistant" else ()
         content = m.get("content")
+        if content is None and calls:
+            content = ""
         if isinstance(content, list):  # content parts: text only
             parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
             if len(parts) != len(content) or not all(isinstance(p, str) for p in parts):
-                raise bad(f"'messages[{i}].content' parts must all be text", f"messages[{i}].content")
+                raise bad(f"'{where}.content' parts must all be text", f"{where}.content")
             content = "".join(parts)
         if not isinstance(content, str):
-            raise bad(f"'messages[{i}].content' must be a string", f"messages[{i}].content")
-        out.append({"role": m["role"], "content": content})
+            raise bad(f"'{where}.content' must be a string", f"{where}.content")
+        message: dict[str, Any] = {"role": m["role"], "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        out.append(message)
+    return tuple(out)
+
+
+def _tool_calls(message: dict[str, Any], where: str) -> tuple[tuple[str, str], ...]:
+    """An assistant message's ``tool_calls``: (function name, arguments as JSON text) each."""
+    calls = message.get("tool_calls")
+    if calls is None:
+        return ()
+    param = f"{where}.tool_calls"
+    if not isinstance(calls, list):
+        raise bad(f"'{param}' must be an array", param)
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        arguments = fn.get("arguments", "{}") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or not name or not isinstance(arguments, str):
+            raise bad(
+                f'\'{param}[{j}]\' must be {{"type": "function", "function": {{"name": string, '
+                f'"arguments": string}}}}',
+                param,
+            )
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            raise bad(f"'{param}[{j}].function.arguments' must be JSON text", param) from None
+        out.append((name, json.dumps(parsed)))
     return tuple(out)
 
 

@@ -13,6 +13,7 @@ from typing import Any
 from pdfabric.router.front import openai_api as api
 from pdfabric.router.front.openai_api import MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_TIMEOUT_S
 from pdfabric.routing_config import MAX_BUDGET_MS
+from pdfabric.structure import MAX_TOOLS
 
 
 def _number(low: float, high: float, exclusive_low: bool = False) -> dict[str, Any]:
@@ -22,6 +23,16 @@ def _number(low: float, high: float, exclusive_low: bool = False) -> dict[str, A
 
 def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
     return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _kind(kind: str, **fields: dict[str, Any]) -> dict[str, Any]:
+    """One ``response_format`` shape: its ``type`` and its other (required) fields."""
+    return {
+        "type": "object",
+        "required": ["type", *fields],
+        "properties": {"type": {"const": kind}, **fields},
+        "additionalProperties": False,
+    }
 
 
 def _below(limit: int) -> str:
@@ -118,9 +129,71 @@ _COMMON: dict[str, Any] = {
             "additionalProperties": False,
         }
     ),
+    "response_format": _nullable(
+        {
+            "description": "text, json_object, json_schema (strict: unknown keywords are an error), and "
+            "the extensions regex and grammar (llguidance's Lark); the schema, expression or grammar must "
+            "compile, and it cannot be combined with tools or ignore_eos (docs/structured-outputs.md)",
+            "anyOf": [
+                _kind("text"),
+                _kind("json_object"),
+                _kind("json_schema", json_schema={
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string"},
+                        "description": {"type": "string"},
+                        "schema": {"type": "object"},
+                        "strict": _nullable({"type": "boolean"}),
+                    },
+                    "additionalProperties": False,
+                }),
+                _kind("regex", regex={"type": "string", "minLength": 1}),
+                _kind("grammar", grammar={"type": "string", "minLength": 1}),
+            ],
+        }
+    ),  # fmt: skip
     "metadata": _nullable({"type": "object"}),
     "store": _nullable({"type": "boolean"}),
     "service_tier": _nullable({"type": "string"}),
+}
+_FUNCTION = {
+    "type": "object",
+    "required": ["name"],
+    "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+        "description": _nullable({"type": "string"}),
+        "parameters": {"type": "object", "description": "a JSON schema that compiles"},
+        "strict": _nullable({"type": "boolean"}),
+    },
+}
+_TOOLS = {
+    "type": "array",
+    "minItems": 1,
+    "maxItems": MAX_TOOLS,
+    "description": "functions the model may call, with distinct names",
+    "items": {
+        "type": "object",
+        "required": ["type", "function"],
+        "properties": {"type": {"const": "function"}, "function": _FUNCTION},
+    },
+}
+_TOOL_CHOICE = {
+    "description": "auto and required need tools; a named function must be one of them",
+    "anyOf": [
+        {"enum": ["none", "auto", "required"]},
+        {
+            "type": "object",
+            "required": ["type", "function"],
+            "properties": {
+                "type": {"const": "function"},
+                "function": {
+                    "type": "object",
+                    "required": ["name"],
+                    "properties": {"name": {"type": "string"}},
+                },
+            },
+        },
+    ],
 }
 _COMPLETION = {
     **_COMMON,
@@ -160,11 +233,30 @@ _CHAT_RULES = [
     _STREAM_OPTIONS_NEED_STREAM,
     _requires("top_logprobs", {"type": "integer", "minimum": 1}, "logprobs", True),
 ]
+_TOOL_CALL = {
+    "type": "object",
+    "required": ["function"],
+    "properties": {
+        "id": {"type": "string"},
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "required": ["name", "arguments"],
+            "properties": {
+                "name": {"type": "string", "minLength": 1},
+                "arguments": {"type": "string", "description": "JSON text"},
+            },
+        },
+    },
+}
 _MESSAGE = {
     "type": "object",
     "required": ["role", "content"],
+    "description": "content may be null in an assistant message with tool_calls",
     "properties": {
         "role": {"type": "string"},
+        "tool_calls": {"type": "array", "items": _TOOL_CALL, "description": "an assistant's calls"},
+        "tool_call_id": {"type": "string", "description": "a tool message's call"},
         "content": {
             "anyOf": [
                 {"type": "string"},
@@ -186,6 +278,8 @@ _CHAT = {
     "max_completion_tokens": _nullable({"type": "integer", "minimum": 1}),
     "logprobs": _nullable({"type": "boolean"}),
     "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
+    "tools": _nullable(_TOOLS),
+    "tool_choice": _nullable(_TOOL_CHOICE),
     "parallel_tool_calls": _nullable({"type": "boolean"}),
 }
 

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from pdfabric import structure
 from pdfabric.engine.tokenizer import Tokenizer
 from pdfabric.router.errors import ApiError, bad
 from pdfabric.router.front import openai_api as api
+from pdfabric.structure import Tool
 
 
 def tokenize(tokenizer: Tokenizer, parsed: api.ParsedRequest) -> list[tuple[int, ...]]:
     """Each prompt's token ids (a chat request's one prompt, rendered by the chat template)."""
     if parsed.chat:
         try:
-            text = tokenizer.apply_chat_template(list(parsed.messages or ()), add_generation_prompt=True)
+            messages = with_tools(parsed.messages or (), parsed.tools)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         except ValueError as exc:
             raise bad(str(exc), "messages") from None
         ids = tokenizer.encode(text, add_special_tokens=False)
@@ -27,6 +32,29 @@ def tokenize(tokenizer: Tokenizer, parsed: api.ParsedRequest) -> list[tuple[int,
         if not ids:
             raise bad("the prompt encodes to no tokens", "prompt")
         out.append(tuple(ids))
+    return out
+
+
+def with_tools(messages: tuple[dict[str, Any], ...], tools: tuple[Tool, ...]) -> list[dict[str, str]]:
+    """The messages as the chat template reads them (role and content), in the default tool format
+    (``pdfabric.structure``): the tools offered at the end of the system message (one is added
+    when there is none), an assistant's calls after its text, a tool's result as a user message
+    inside ``<tool_response>`` tags."""
+    out: list[dict[str, str]] = []
+    for m in messages:
+        role, content = m["role"], m["content"]
+        if role == "tool":
+            role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
+        calls = [structure.render_call(name, arguments) for name, arguments in m.get("tool_calls", ())]
+        if calls:
+            content = "\n".join([content, *calls] if content else calls)
+        out.append({"role": role, "content": content})
+    if tools:
+        offer = structure.render_tools(tools)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{offer}"}
+        else:
+            out.insert(0, {"role": "system", "content": offer})
     return out
 
 

@@ -29,10 +29,11 @@ from pdfabric.engine.tokenizer import Tokenizer
 from pdfabric.router.dispatch.dispatcher import RequestStream
 from pdfabric.router.errors import ApiError
 from pdfabric.router.front import openai_api as api
-from pdfabric.router.front import shapes
+from pdfabric.router.front import shapes, tool_calls
 from pdfabric.router.front.breakdown import TokenTimes
 from pdfabric.router.front.logprobs import LogprobsOut
 from pdfabric.router.front.metrics import RouterMetrics
+from pdfabric.router.front.tool_calls import ToolCallStream
 
 ECHO_WAIT_S = 30.0  # how long another output of a request waits for the prompt's scores
 
@@ -217,6 +218,7 @@ async def _write_events(
     """Writes every chunk and the usage chunk; returns how the request ended."""
     held: dict[int, tuple[int, ...]] = {s.index: () for s in sources}  # tokens whose text is not out yet
     first = {s.index for s in sources}  # choices that have not sent a chunk yet
+    calls = {s.index: ToolCallStream() for s in sources} if parsed.tools else {}
     created, completion_tokens, outcome = shapes.now(), 0, "abort"
     async for source, event in merged(sources):
         completion_tokens += len(event.token_ids)
@@ -231,11 +233,13 @@ async def _write_events(
         held[i] += event.token_ids  # half a character, or a possible stop string
         if logprobs is not None:
             logprobs.add(event.token_ids, event.logprobs, event.top_logprobs)
-        if event.text or event.finish_reason or i in first:
+        text, finish, deltas = event.text, event.finish_reason, None
+        if calls:  # a reply that may call tools: its calls leave as delta.tool_calls
+            text, deltas = calls[i].feed(text, final=finish is not None)
+            finish = finish and tool_calls.finish_reason(finish, calls[i].calls)
+        if text or deltas or finish or i in first:
             lp = logprobs.take() if logprobs is not None and held[i] else None
-            part = shapes.chunk(
-                parsed, request_id, created, event.text, event.finish_reason, i in first, held[i], lp, i
-            )
+            part = shapes.chunk(parsed, request_id, created, text, finish, i in first, held[i], lp, i, deltas)
             await send(response, part)
             first.discard(i)
             held[i] = ()

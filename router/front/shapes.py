@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from pdfabric.router.front import openai_api as api
+from pdfabric.router.front import tool_calls
 
 
 def chunk(
@@ -18,12 +19,16 @@ def chunk(
     token_ids: tuple[int, ...] = (),
     logprobs: dict[str, Any] | None = None,
     index: int = 0,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """One streamed chunk of choice ``index``; ``logprobs``: its tokens' block (``front/logprobs.py``)."""
+    """One streamed chunk of choice ``index``; ``logprobs``: its tokens' block (``front/logprobs.py``);
+    ``tool_calls``: its ``delta.tool_calls`` entries (``front/tool_calls.py``)."""
     if req.chat:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice: dict[str, Any] = {
             "index": index,
             "delta": delta,
@@ -62,11 +67,16 @@ def choice_body(
     token_ids: list[int],
     logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One choice of a non-streaming response."""
+    """One choice of a non-streaming response (a chat reply's tool calls in its ``message``, when the
+    request offered tools)."""
     if req.chat:
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if req.tools:
+            message, calls = tool_calls.message(text)
+            finish_reason = tool_calls.finish_reason(finish_reason, calls)
         choice: dict[str, Any] = {
             "index": index,
-            "message": {"role": "assistant", "content": text},
+            "message": message,
             "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
