@@ -261,7 +261,7 @@ def split_calls(text: str) -> tuple[str, tuple[Call, ...]]:
         rest = stripped[end + len(CALL_CLOSE) :]
     if not calls:
         return text, ()
-    return text[:start] + (rest if rest.strip() else ""), tuple(calls)
+    return text[:start] + rest.lstrip("\n"), tuple(calls)
 
 
 def _is_name(name: str) -> bool:

@@ -54,7 +54,7 @@ class ToolCallStream:
                 start = self._pending.find(structure.CALL_OPEN)
                 if start < 0:
                     keep = 0 if final else _open_tail(self._pending)
-                    if self.calls and not final and not self._pending.strip():
+                    if self.calls and not final and not self._pending[: len(self._pending) - keep].strip():
                         keep = len(self._pending)  # the newlines before another call, perhaps
                     cut = len(self._pending) - keep
                     content, self._pending = content + self._pending[:cut], self._pending[cut:]

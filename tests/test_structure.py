@@ -1,0 +1,273 @@
+"""Grammars for response formats and tool calls (pdfabric/structure.py), their masks and state on the
+sampling worker (engine/grammar.py, the sampler), and tool calls in OpenAI's shapes
+(router/front/tool_calls.py)."""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+import pytest
+import torch
+
+from pdfabric import structure
+from pdfabric.engine.byte_tokenizer import build_byte_tokenizer
+from pdfabric.engine.generate import ReferenceEngine
+from pdfabric.engine.grammar import Grammars, unpack
+from pdfabric.engine.sampler import History, sample
+from pdfabric.engine.sequence import Sequence
+from pdfabric.router.front.tool_calls import ToolCallStream, message
+from pdfabric.sampling_params import SamplingParams
+from pdfabric.structure import StructureError, ToolChoice
+
+BYTES = build_byte_tokenizer()
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "the weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
+NUMBERS = {  # a long structure: 40 numbers of up to 3 digits
+    "type": "array",
+    "items": {"type": "integer", "minimum": 0, "maximum": 999},
+    "minItems": 40,
+    "maxItems": 40,
+}
+
+
+def accepts(grammar: str, text: str) -> bool:
+    """Whether ``text`` (byte tokens) is a whole output ``grammar`` accepts."""
+    matcher = llguidance.LLMatcher(llguidance.LLTokenizer(BYTES.to_str()), grammar, log_level=0)
+    ids = BYTES.encode(text, add_special_tokens=False).ids
+    return matcher.consume_tokens(ids) and matcher.is_accepting()
+
+
+def json_schema(schema: dict, strict: bool = False) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": strict}}
+
+
+def test_response_formats_compile_to_grammars_that_accept_what_they_describe() -> None:
+    assert (
+        structure.response_format_grammar(None) == structure.response_format_grammar({"type": "text"}) == ""
+    )
+    anything = structure.response_format_grammar({"type": "json_object"})
+    assert accepts(anything, '{"a": [1, 2, {"b": null}]}') and not accepts(anything, "[1]")
+    person = json_schema(
+        {"type": "object", "required": ["name", "age"], "additionalProperties": False,
+         "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0},
+                        "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}}}},
+        strict=True,
+    )  # fmt: skip
+    grammar = structure.response_format_grammar(person)
+    assert accepts(grammar, '{"name": "Ada", "age": 36, "pets": ["cat"]}')
+    assert accepts(grammar, '{"name": "Ada", "age": 36}')
+    assert not accepts(grammar, '{"name": "Ada", "age": -1}')
+    assert not accepts(grammar, '{"name": "Ada", "age": 36, "pets": ["cow"]}')
+    assert not accepts(grammar, '{"name":"Ada","age":36}'), "one JSON shape: json.dumps's separators"
+    regex = structure.response_format_grammar({"type": "regex", "regex": "(yes|no)-[0-9]{2}"})
+    assert accepts(regex, "yes-42") and not accepts(regex, "maybe")
+    lark = structure.response_format_grammar({"type": "grammar", "grammar": 'start: "a" start | "b"'})
+    assert accepts(lark, "aaab") and not accepts(lark, "ba")
+    # the same format again is a cache lookup, and gives the same grammar
+    assert structure.response_format_grammar(person) == grammar
+
+
+@pytest.mark.parametrize(
+    "value, says",
+    [
+        ("json", "must be an object"),
+        ({"type": "xml"}, "must be one of"),
+        ({"type": "json_object", "schema": {}}, "has no field"),
+        ({"type": "json_schema"}, "json_schema' must be an object"),
+        (json_schema({"type": "strin"}), "does not compile"),
+        (
+            json_schema({"type": "object", "x-unknown": 1, "properties": {"a": {"format": "zz"}}}, True),
+            "compile",
+        ),
+        ({"type": "regex", "regex": "(a"}, "does not compile"),
+        ({"type": "regex", "regex": ""}, "non-empty"),
+        ({"type": "grammar", "grammar": "start: missing"}, "does not compile"),
+        ({"type": "grammar", "grammar": "x" * (structure.MAX_SCHEMA_BYTES + 1)}, "bytes"),
+    ],
+)
+def test_a_bad_response_format_is_an_error_naming_the_field(value: object, says: str) -> None:
+    with pytest.raises(StructureError, match=says) as err:
+        structure.response_format_grammar(value)
+    assert err.value.param == "response_format"
+
+
+def test_without_strict_unknown_schema_keywords_are_ignored() -> None:
+    loose = json_schema({"type": "object", "properties": {"a": {"type": "string", "format": "zz"}}})
+    assert accepts(structure.response_format_grammar(loose), '{"a": "x"}')
+
+
+@pytest.mark.parametrize(
+    "tools, choice, says",
+    [
+        ([], None, "non-empty"),
+        ([{"type": "function", "function": {"name": "a b"}}], None, "letters"),
+        ([{"type": "function"}], None, "must be"),
+        ([WEATHER, WEATHER], None, "named twice"),
+        ([{**ADD, "function": {**ADD["function"], "parameters": {"type": "strin"}}}], None, "parameters"),
+    ],
+)
+def test_bad_tools_are_errors_naming_the_field(tools: list, choice: object, says: str) -> None:
+    with pytest.raises(StructureError, match=says) as err:
+        structure.parse_tools(tools)
+    assert err.value.param == "tools"
+
+
+def test_tool_choice_must_fit_the_tools() -> None:
+    tools = structure.parse_tools([WEATHER, ADD])
+    assert structure.parse_tool_choice(None, tools) == ToolChoice("auto")
+    assert structure.parse_tool_choice(None, ()) == ToolChoice("none")
+    assert structure.parse_tool_choice(
+        {"type": "function", "function": {"name": "add"}}, tools
+    ) == ToolChoice("required", "add")
+    for bad, says in [
+        ("required", "needs 'tools'"),
+        ("sometimes", "must be"),
+        ({"type": "function"}, "must be"),
+    ]:
+        with pytest.raises(StructureError, match=says):
+            structure.parse_tool_choice(bad, ())
+    with pytest.raises(StructureError, match="not in 'tools'"):
+        structure.parse_tool_choice({"type": "function", "function": {"name": "nope"}}, tools)
+
+
+def test_tool_grammars_constrain_calls_from_their_first_token() -> None:
+    tools = structure.parse_tools([WEATHER, ADD])
+    paris = structure.render_call("get_weather", '{"city": "Paris"}')
+    sums = structure.render_call("add", '{"a": 1, "b": 2}')
+    auto = structure.tool_grammar(tools, ToolChoice("auto"), parallel=True)
+    assert accepts(auto, "Sunny, I think.") and accepts(auto, paris) and accepts(auto, "Let me see. " + paris)
+    assert accepts(auto, paris + "\n" + sums)
+    assert not accepts(auto, structure.render_call("nope", "{}"))
+    assert not accepts(auto, structure.render_call("add", '{"a": "one", "b": 2}'))
+    single = structure.tool_grammar(tools, ToolChoice("auto"), parallel=False)
+    assert accepts(single, paris) and not accepts(single, paris + "\n" + sums)
+    required = structure.tool_grammar(tools, ToolChoice("required"), parallel=True)
+    assert not accepts(required, "Sunny.") and not accepts(required, "Hi " + paris)
+    assert accepts(required, paris + "\n" + sums)
+    named = structure.tool_grammar(tools, ToolChoice("required", "add"), parallel=True)
+    assert accepts(named, sums) and not accepts(named, paris) and not accepts(named, sums + "\n" + sums)
+    assert structure.tool_grammar(tools, ToolChoice("none"), parallel=True) == ""
+
+
+def test_replies_split_into_text_and_calls() -> None:
+    paris = structure.render_call("get_weather", '{"city": "Paris"}')
+    sums = structure.render_call("add", '{"a": 1, "b": 2}')
+    assert structure.split_calls("no calls") == ("no calls", ())
+    text, calls = structure.split_calls("Hi " + paris + "\n" + sums + "\n")
+    assert text == "Hi " and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2}),
+    ]  # fmt: skip
+    cut = paris + "\n" + sums[:20]  # max_tokens ended the second call
+    text, calls = structure.split_calls(cut)
+    assert [c.name for c in calls] == ["get_weather"] and text == sums[:20]
+
+
+@pytest.mark.parametrize("piece", [1, 3, 7, 1000])
+def test_a_streamed_reply_gives_the_calls_and_text_of_the_whole_reply(piece: int) -> None:
+    paris = structure.render_call("get_weather", '{"city": "Paris"}')
+    sums = structure.render_call("add", '{"a": 1, "b": 2}')
+    for reply in ["Plain <tool text, no call.", "Hi " + paris + "\n" + sums, paris + "\n" + sums[:25]]:
+        stream, content, deltas = ToolCallStream(), "", []
+        pieces = [reply[i : i + piece] for i in range(0, len(reply), piece)]
+        for i, part in enumerate(pieces):
+            text, got = stream.feed(part, final=i == len(pieces) - 1)
+            content += text
+            deltas += got
+        whole, calls = message(reply)
+        assert content == (whole["content"] or "")
+        assert calls == stream.calls
+        # each call: its id, type and name first, then its arguments
+        for i, call in enumerate(whole.get("tool_calls", [])):
+            head, args = deltas[2 * i], deltas[2 * i + 1]
+            assert head["index"] == args["index"] == i and head["id"].startswith("call_")
+            assert head["function"] == {"name": call["function"]["name"], "arguments": ""}
+            assert args["function"]["arguments"] == call["function"]["arguments"]
+
+
+def test_the_sampler_picks_only_allowed_tokens_and_the_grammar_outranks_min_tokens() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    allowed = torch.zeros(50, dtype=torch.bool)
+    allowed[[4, 9, 33]] = True
+    params = [SamplingParams(), SamplingParams(temperature=1.0, seed=5, top_p=0.9), SamplingParams()]
+    for _ in range(3):
+        picks = sample(logits, params, [0, 0, 0], None, [allowed, allowed, None])
+        assert picks[0].token_id in (4, 9, 33) and picks[1].token_id in (4, 9, 33)
+        assert picks[2].token_id == int(logits[2].argmax())
+        # log-probabilities stay the model's own
+        assert picks[0].logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[picks[0].token_id]))
+    only_eos = torch.zeros(50, dtype=torch.bool)
+    only_eos[7] = True
+    held = SamplingParams(min_tokens=5)
+    pick = sample(logits[:1], [held], [0], [History((1, 2), [], frozenset({7}))], [only_eos])[0]
+    assert pick.token_id == 7
+
+
+def test_a_bitmask_unpacks_bit_by_bit() -> None:
+    words = torch.tensor([0b1001, -(2**31)], dtype=torch.int32)  # tokens 0, 3 and 63
+    assert unpack(words, 64).nonzero().flatten().tolist() == [0, 3, 63]
+    assert unpack(words, 40).nonzero().flatten().tolist() == [0, 3]
+
+
+@pytest.fixture(scope="module")
+def reference() -> ReferenceEngine:
+    return ReferenceEngine("tiny")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_resumed_request_continues_its_structure_token_exact(
+    reference: ReferenceEngine, temperature: float
+) -> None:
+    """A request resumed after k tokens (its prompt then ends with them, output_offset k), as after a
+    failover, rebuilds its grammar state from them and ends exactly as the run without a break."""
+    grammar = structure.response_format_grammar(json_schema(NUMBERS))
+    prompt = reference.tokenizer.encode("numbers:", add_special_tokens=True)
+    params = SamplingParams(max_tokens=300, temperature=temperature, seed=11, grammar=grammar)
+    whole = reference.generate(prompt, params)
+    numbers = json.loads(reference.tokenizer.decode(whole.token_ids, skip_special_tokens=True))
+    assert len(numbers) == 40 and all(0 <= n <= 999 for n in numbers)
+    assert whole.finish_reason == "stop" and whole.token_ids[-1] in reference.tokenizer.eos_token_ids
+    for k in (1, 17, len(whole.token_ids) - 2):
+        resumed = SamplingParams(
+            max_tokens=300 - k, temperature=temperature, seed=11, grammar=grammar, output_offset=k
+        )
+        rest = reference.generate(prompt + whole.token_ids[:k], resumed)
+        assert whole.token_ids[:k] + rest.token_ids == whole.token_ids, k
+
+
+def test_a_sequence_state_consumes_only_what_it_has_not_seen() -> None:
+    """The matcher follows a sequence's output across steps and a preemption (its output kept)."""
+    reference = ReferenceEngine("tiny")
+    grammars = Grammars.for_model(reference.path, reference.config.vocab_size)
+    grammar = structure.response_format_grammar({"type": "regex", "regex": "ab+c"})
+    seq = Sequence("r", (1, 2, 3), SamplingParams(grammar=grammar))
+    first = grammars.allowed(seq)
+    assert first is not None and first.nonzero().flatten().tolist() == [ord("a")]
+    seq.output_ids += [ord("a"), ord("b")]
+    assert set(grammars.allowed(seq).nonzero().flatten().tolist()) == {ord("b"), ord("c")}
+    seq.output_ids.append(ord("c"))
+    assert set(grammars.allowed(seq).nonzero().flatten().tolist()) == reference.tokenizer.eos_token_ids
+    assert seq.grammar_state.consumed == 3
