@@ -10,10 +10,14 @@ import subprocess
 import sys
 import urllib.request
 from collections.abc import Iterator
+from enum import StrEnum
 from pathlib import Path
+from typing import Annotated
 
 import pytest
+from pydantic import BaseModel, Field
 
+from pdfabric import structure
 from pdfabric.engine.generate import ReferenceEngine
 from pdfabric.sampling_params import SamplingParams
 from tests.fabric import running_fabric
@@ -86,3 +90,107 @@ def test_readme_run_command_streams_a_sensible_answer() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
+
+
+class Color(StrEnum):
+    red = "red"
+    green = "green"
+    blue = "blue"
+
+
+class Address(BaseModel):
+    city: str = Field(max_length=40)
+    zip_code: str = Field(pattern=r"^[0-9]{5}$")
+
+
+class Person(BaseModel):  # nested objects, an enum, a bounded number, an array, an optional field
+    name: str = Field(max_length=40)
+    age: int = Field(ge=0, le=120)
+    favourite: Color
+    address: Address
+    nicknames: list[Annotated[str, Field(max_length=20)]] = Field(max_length=3)
+    height_m: float | None = None
+
+
+class Score(BaseModel):
+    subject: str = Field(max_length=30)
+    score: float = Field(ge=0, le=100)
+
+
+class Report(BaseModel):  # an array of objects
+    student: str = Field(max_length=40)
+    scores: list[Score] = Field(min_length=1, max_length=4)
+    passed: bool
+
+
+@pytest.mark.parametrize(
+    "shape, question",
+    [
+        (Person, "Invent a person who lives in Paris."),
+        (Report, "Write a school report for Tom."),
+        (Address, "Give the address of the Louvre."),
+    ],
+)
+def test_the_sdks_parse_returns_valid_objects_equal_to_the_reference(
+    fabric: str, reference: ReferenceEngine, shape: type[BaseModel], question: str
+) -> None:
+    """``client.chat.completions.parse`` with a Pydantic model (a strict JSON schema): the answer
+    validates, and its tokens are the single-process reference's under the same grammar."""
+    import openai
+    from openai.lib._pydantic import to_strict_json_schema
+
+    client = openai.OpenAI(base_url=fabric + "/v1", api_key="unused")
+    messages = [{"role": "user", "content": question}]
+    answer = client.chat.completions.parse(
+        model=MODEL, messages=messages, response_format=shape, max_tokens=160, temperature=0,
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    choice = answer.choices[0]
+    assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, shape)
+    schema = {"name": shape.__name__, "schema": to_strict_json_schema(shape), "strict": True}
+    grammar = structure.response_format_grammar({"type": "json_schema", "json_schema": schema})
+    prompt = reference.tokenizer.encode(
+        reference.tokenizer.apply_chat_template(messages), add_special_tokens=False
+    )
+    expected = reference.generate(prompt, SamplingParams(max_tokens=160, grammar=grammar))
+    assert choice.model_extra["token_ids"] == expected.token_ids
+
+
+def test_tool_calls_stream_in_the_sdks_shape(fabric: str) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=fabric + "/v1", api_key="unused")
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 30},
+                    "unit": {"enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city", "unit"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=[weather],
+        tool_choice="required", parallel_tool_calls=False, max_tokens=80, temperature=0, stream=True,
+    )  # fmt: skip
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            call = calls.setdefault(
+                delta.index, {"id": delta.id, "name": delta.function.name, "arguments": ""}
+            )
+            call["arguments"] += delta.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and len(calls) == 1, (finish, calls)
+    call = calls[0]
+    arguments = json.loads(call["arguments"])
+    assert call["id"] and call["name"] == "get_weather" and arguments["unit"] in ("celsius", "fahrenheit")
+    assert "Paris" in arguments["city"]
