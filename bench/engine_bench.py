@@ -71,6 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also profile one step of the longest prefill and of the smallest and largest decode "
         "batches with the torch profiler and print the N ops with the most self time",
     )
+    parser.add_argument(
+        "--grammar",
+        action="store_true",
+        help="also time structured output at each decode batch: a JSON schema's token masks and the "
+        "masked sampling, per step and as a share of the step (bench/grammar_cost.py)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
 
 
@@ -238,6 +244,15 @@ def run(args: argparse.Namespace) -> int:
                 "tokens_per_s": bs / t,
             }
         )
+    if args.grammar:
+        from pdfabric.bench.grammar_cost import grammar_cost
+
+        results["grammar"] = []
+        for d in results["decode"]:
+            _progress(f"grammar masks, batch {d['batch']}")
+            cost = grammar_cost(resolve_model(args.model), cfg.vocab_size, runner.step(batches[d["batch"]]))
+            cost["share_of_step"] = (cost["mask_seconds"] + cost["sample_extra_seconds"]) / d["seconds"]
+            results["grammar"].append(cost)
     if args.op_profile:
         _progress("op profile")
         prefill = StepEntry(token * prefill_lens[-1], 0, tuple(range(-(-prefill_lens[-1] // block))))
@@ -299,6 +314,19 @@ def _print_table(r: dict) -> None:
             f"{d['batch']:>14} {d['seconds'] * 1e3:>9.1f} {d['floor_seconds'] * 1e3:>9.1f} "
             f"{d['ratio_to_floor']:>8.2f} {d['tokens_per_s']:>9.0f}"
         )
+    if r.get("grammar"):
+        g = r["grammar"][0]
+        once, cold, cached = g["tokenizer_seconds"], g["compile_seconds"], g["cached_compile_seconds"]
+        print(
+            f"\nstructured output, a JSON schema (bench/grammar_cost.py): tokenizer {once * 1e3:.0f} ms "
+            f"once, compile {cold * 1e3:.1f} ms, cached {cached * 1e3:.2f} ms"
+        )
+        print(f"{'decode batch':>14} {'masks ms':>9} {'sample ms':>10} {'of step':>8}")
+        for g in r["grammar"]:
+            print(
+                f"{g['batch']:>14} {g['mask_seconds'] * 1e3:>9.3f} {g['sample_extra_seconds'] * 1e3:>10.3f} "
+                f"{g['share_of_step']:>8.1%}"
+            )
     for step, ops in r.get("op_profile", {}).items():
         print(f"\n{step}: ops by self CPU time (torch profiler, per step)")
         print(f"{'op':<48} {'ms':>8} {'calls':>7} {'share':>6}")

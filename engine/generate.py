@@ -109,7 +109,7 @@ class ReferenceEngine:
                 if not last:
                     continue
                 history = History(prompt_ids, out, stop_ids)
-                allowed = [self.grammars.allowed(structured)] if structured is not None else None
+                allowed = self.grammars.allowed([structured]) if structured is not None else None
                 token = sample(logits, [params], [params.output_offset + len(out)], [history], allowed)[0]
                 out.append(token.token_id)
                 logprobs.append(token.logprob)

@@ -80,32 +80,47 @@ class Grammars:
             self._compiled.move_to_end(grammar)
         return compiled.deep_copy()
 
-    def allowed(self, seq: Sequence) -> torch.Tensor | None:
-        """The tokens ``seq`` may sample next, as a bool mask over the vocabulary (None: any). The
-        matcher first consumes the output tokens it has not seen."""
-        if not seq.params.grammar:
+    def allowed(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """The tokens each of ``seqs`` may sample next, as bools ``[len(seqs), vocab]`` (a row without a
+        grammar allows every token); None when none of them has a grammar. Each matcher first
+        consumes the output tokens it has not seen."""
+        rows = [i for i, seq in enumerate(seqs) if seq.params.grammar]
+        if not rows:
             return None
+        words = torch.full((len(seqs), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        row_bytes = words.shape[1] * 4
+        for i in rows:
+            state = self._state(seqs[i])
+            if state is not None:  # the mask written straight into row i
+                state.matcher.unsafe_compute_mask_ptr(words[i].data_ptr(), row_bytes)  # type: ignore[attr-defined]
+        return unpack(words, self.vocab_size)
+
+    def _state(self, seq: Sequence) -> GrammarState | None:
+        """``seq``'s matcher, caught up with its output (None: its output left the grammar)."""
         state = seq.grammar_state
         if state is None:
             state = seq.grammar_state = GrammarState(self.matcher(seq.params.grammar))
         if state.failed:
             return None
-        offset = seq.params.output_offset
-        earlier = seq.prompt_ids[len(seq.prompt_ids) - offset :] if offset else ()
-        total = offset + len(seq.output_ids)
-        if state.consumed < total:
-            pending = [*earlier, *seq.output_ids][state.consumed :]
+        offset, output = seq.params.output_offset, seq.output_ids
+        if state.consumed < offset + len(output):
+            earlier = (
+                seq.prompt_ids[len(seq.prompt_ids) - offset + state.consumed :]
+                if state.consumed < offset
+                else ()
+            )
+            pending = [*earlier, *output[max(0, state.consumed - offset) :]]
             if not state.matcher.consume_tokens(pending):  # type: ignore[attr-defined]
-                log.warning("%s: its output left its grammar: %s", seq.request_id,
-                            state.matcher.get_error())  # type: ignore[attr-defined]  # fmt: skip
+                error = state.matcher.get_error()  # type: ignore[attr-defined]
+                log.warning("%s: its output left its grammar: %s", seq.request_id, error)
                 state.failed = True
                 return None
-            state.consumed = total
-        words = torch.frombuffer(bytearray(state.matcher.compute_bitmask()), dtype=torch.int32)  # type: ignore[attr-defined]
-        return unpack(words, self.vocab_size)
+            state.consumed = offset + len(output)
+        return state
 
 
 def unpack(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """A bitmask (bit ``i % 32`` of word ``i // 32`` set: token ``i`` allowed) as bools ``[vocab_size]``."""
-    bits = (words[:, None] >> _BITS) & 1
-    return bits.reshape(-1)[:vocab_size].bool()
+    """Bitmasks ``[rows, words]`` (bit ``i % 32`` of word ``i // 32`` set: token ``i`` allowed) as
+    bools ``[rows, vocab_size]``."""
+    bits = (words[..., None] >> _BITS) & 1
+    return bits.reshape(*words.shape[:-1], -1)[..., :vocab_size].bool()

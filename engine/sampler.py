@@ -47,31 +47,30 @@ def sample(
     params: list[SamplingParams],
     indices: list[int],
     histories: Sequence[History | None] | None = None,
-    allowed: Sequence[torch.Tensor | None] | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> list[Sampled]:
     """One token per row of ``logits`` ``[S, vocab]`` (float32); ``indices[s]`` is the output index of
     the token being sampled for row ``s`` (0 for the first token after the prompt). ``histories[s]`` is
     needed for a row whose parameters change its logits (``SamplingParams.changes_logits``).
-    ``allowed[s]``: the tokens row ``s``'s grammar allows next (bools ``[vocab]``; None: any), removed
-    before any other change; where ``min_tokens`` would then remove every token left (a finished
-    structure allows only end-of-sequence), the grammar wins.
+    ``allowed``: the tokens each row's grammar allows next (bools ``[S, vocab]``; None: any), the
+    others removed before any other change; where ``min_tokens`` would then remove every token left
+    (a finished structure allows only end-of-sequence), the grammar wins.
 
     A large vocabulary is read a few times per row, never copied whole: the greedy rows' tokens come
     from one batched argmax, each row's log-probabilities from one log-normaliser (``logsumexp``), top
     log-probabilities and top-k / top-p from partial sorts (``_sample_row``)."""
     scores = logits
-    masks = allowed if allowed is not None else [None] * len(params)
-    if any(p.changes_logits for p in params) or any(m is not None for m in masks):
-        scores = logits.clone()
-        for row, (p, index, mask) in enumerate(zip(params, indices, masks, strict=True)):
-            if mask is not None:
-                scores[row].masked_fill_(~mask.to(scores.device), float("-inf"))
+    if allowed is not None:
+        scores = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+    if any(p.changes_logits for p in params):
+        scores = scores.clone() if allowed is None else scores
+        for row, (p, index) in enumerate(zip(params, indices, strict=True)):
             if p.changes_logits:
                 history = histories[row] if histories is not None else None
                 if history is None:
                     raise ValueError("penalties, logit_bias and min_tokens need the row's token history")
                 changed = process_logits(scores[row], p, index, history)
-                if mask is None or bool(changed.isfinite().any()):
+                if allowed is None or bool(changed.isfinite().any()):
                     scores[row] = changed
     tokens = [0] * len(params)
     greedy = [row for row, p in enumerate(params) if p.greedy]

@@ -33,8 +33,8 @@ class Stepper:
         per chunk with ``sample``, in order. ``after_layer(i)``: called as each layer finishes (layer-wise
         KV push)."""
         entries = [_entry(c, tables) for c in chunks]
-        # A mask depends only on the tokens so far: computed before the step (about 10 us a row).
-        allowed = [self._allowed(c.seq) for c in chunks if c.sample]
+        # A mask depends only on the tokens so far: computed before the step.
+        allowed = self._allowed([c.seq for c in chunks if c.sample])
         logits = self.runner.step(entries, after_layer)
         rows: list[int] = []  # the sampling row of each chunk with ``sample``
         row = 0
@@ -52,12 +52,14 @@ class Stepper:
         picks = sample(logits[rows], [c.seq.params for c in sampled], indices, histories, allowed)
         return [(p.token_id, p.logprob, p.top_logprobs) for p in picks]
 
-    def _allowed(self, seq: Sequence) -> torch.Tensor | None:
-        if not seq.params.grammar:
-            return None
+    def _allowed(self, seqs: list[Sequence]) -> torch.Tensor | None:
         if self.grammars is None:
-            raise ValueError(f"{seq.request_id}: this model has no grammar engine for its structured output")
-        return self.grammars.allowed(seq)
+            if any(seq.params.grammar for seq in seqs):
+                raise ValueError(
+                    "this model has no tokenizer.json, so no grammar engine for structured output"
+                )
+            return None
+        return self.grammars.allowed(seqs)
 
 
 def _score_prompt(chunk: Chunk, logits: torch.Tensor) -> None:

@@ -15,7 +15,7 @@ def test_bench_engine_reports_both_phases_against_their_floors(tmp_path: Path) -
         [
             sys.executable, "-m", "pdfabric.cli", "bench", "engine", "--model", "tiny",
             "--prefill-tokens", "16,48", "--batch-sizes", "1,3", "--context", "40", "--repeats", "1",
-            "--linears", linears, "--op-profile", "3", "--json", str(out),
+            "--linears", linears, "--op-profile", "3", "--grammar", "--json", str(out),
         ],  # fmt: skip
         capture_output=True,
         text=True,
@@ -31,6 +31,9 @@ def test_bench_engine_reports_both_phases_against_their_floors(tmp_path: Path) -
     assert [d["batch"] for d in r["decode"]] == [1, 3]
     assert all(d["floor_seconds"] > 0 and d["ratio_to_floor"] > 0 for d in r["decode"])
     assert set(r["op_profile"]) == {"prefill 48 tokens", "decode batch 1", "decode batch 3"}
+    # structured output: each batch's masks and masked sampling, as a share of its step
+    assert [g["batch"] for g in r["grammar"]] == [1, 3] and "structured output" in done.stdout
+    assert all(g["mask_seconds"] > 0 and g["share_of_step"] > 0 for g in r["grammar"])
 
 
 def test_bench_names_the_linear_kernels_the_runner_knows() -> None:

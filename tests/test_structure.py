@@ -210,26 +210,28 @@ def test_a_streamed_reply_gives_the_calls_and_text_of_the_whole_reply(piece: int
 def test_the_sampler_picks_only_allowed_tokens_and_the_grammar_outranks_min_tokens() -> None:
     torch.manual_seed(0)
     logits = torch.randn(3, 50)
-    allowed = torch.zeros(50, dtype=torch.bool)
-    allowed[[4, 9, 33]] = True
+    allowed = torch.ones(3, 50, dtype=torch.bool)
+    allowed[:2] = False
+    allowed[:2, [4, 9, 33]] = True
     params = [SamplingParams(), SamplingParams(temperature=1.0, seed=5, top_p=0.9), SamplingParams()]
     for _ in range(3):
-        picks = sample(logits, params, [0, 0, 0], None, [allowed, allowed, None])
+        picks = sample(logits, params, [0, 0, 0], None, allowed)
         assert picks[0].token_id in (4, 9, 33) and picks[1].token_id in (4, 9, 33)
         assert picks[2].token_id == int(logits[2].argmax())
         # log-probabilities stay the model's own
         assert picks[0].logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[picks[0].token_id]))
-    only_eos = torch.zeros(50, dtype=torch.bool)
-    only_eos[7] = True
+    only_eos = torch.zeros(1, 50, dtype=torch.bool)
+    only_eos[0, 7] = True
     held = SamplingParams(min_tokens=5)
-    pick = sample(logits[:1], [held], [0], [History((1, 2), [], frozenset({7}))], [only_eos])[0]
+    pick = sample(logits[:1], [held], [0], [History((1, 2), [], frozenset({7}))], only_eos)[0]
     assert pick.token_id == 7
 
 
 def test_a_bitmask_unpacks_bit_by_bit() -> None:
-    words = torch.tensor([0b1001, -(2**31)], dtype=torch.int32)  # tokens 0, 3 and 63
-    assert unpack(words, 64).nonzero().flatten().tolist() == [0, 3, 63]
-    assert unpack(words, 40).nonzero().flatten().tolist() == [0, 3]
+    words = torch.tensor([[0b1001, -(2**31)], [0, 1]], dtype=torch.int32)  # tokens 0, 3 and 63; 32
+    assert unpack(words, 64)[0].nonzero().flatten().tolist() == [0, 3, 63]
+    assert unpack(words, 64)[1].nonzero().flatten().tolist() == [32]
+    assert unpack(words, 40).shape == (2, 40) and unpack(words, 40)[0].nonzero().flatten().tolist() == [0, 3]
 
 
 @pytest.fixture(scope="module")
@@ -264,10 +266,23 @@ def test_a_sequence_state_consumes_only_what_it_has_not_seen() -> None:
     grammars = Grammars.for_model(reference.path, reference.config.vocab_size)
     grammar = structure.response_format_grammar({"type": "regex", "regex": "ab+c"})
     seq = Sequence("r", (1, 2, 3), SamplingParams(grammar=grammar))
-    first = grammars.allowed(seq)
-    assert first is not None and first.nonzero().flatten().tolist() == [ord("a")]
+    plain = Sequence("p", (1, 2, 3), SamplingParams())
+    assert grammars.allowed([plain]) is None
+
+    def allowed() -> set[int]:
+        rows = grammars.allowed([plain, seq])
+        assert rows is not None and bool(rows[0].all())  # a row without a grammar allows any token
+        return set(rows[1].nonzero().flatten().tolist())
+
+    assert allowed() == {ord("a")}
     seq.output_ids += [ord("a"), ord("b")]
-    assert set(grammars.allowed(seq).nonzero().flatten().tolist()) == {ord("b"), ord("c")}
+    assert allowed() == {ord("b"), ord("c")}
     seq.output_ids.append(ord("c"))
-    assert set(grammars.allowed(seq).nonzero().flatten().tolist()) == reference.tokenizer.eos_token_ids
+    assert allowed() == reference.tokenizer.eos_token_ids
     assert seq.grammar_state.consumed == 3
+    # resumed after "ab" (its prompt ends with them): the same state once caught up
+    resumed = Sequence("r", (1, 2, 3, ord("a"), ord("b")), SamplingParams(grammar=grammar, output_offset=2))
+    assert set(grammars.allowed([resumed])[0].nonzero().flatten().tolist()) == {ord("b"), ord("c")}
+    resumed.output_ids.append(ord("b"))
+    assert set(grammars.allowed([resumed])[0].nonzero().flatten().tolist()) == {ord("b"), ord("c")}
+    assert resumed.grammar_state.consumed == 3
