@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -239,8 +240,9 @@ class Call:
 
 def split_calls(text: str) -> tuple[str, tuple[Call, ...]]:
     """A reply in the default tool format as (its text, its calls): the calls are the complete ones
-    from the first ``<tool_call>`` on; the text is what comes before them and, after them, anything
-    that is not a complete call (a call cut short by ``max_tokens``)."""
+    from the first ``<tool_call>`` on, and a last one cut short (by ``max_tokens``) once its name is
+    written, with its arguments as far as they go; the text is what comes before the calls and,
+    after them, anything that is not a call."""
     start = text.find(CALL_OPEN)
     if start < 0:
         return text, ()
@@ -249,7 +251,13 @@ def split_calls(text: str) -> tuple[str, tuple[Call, ...]]:
     while True:
         stripped = rest.lstrip("\n")
         end = stripped.find(CALL_CLOSE)
-        if not stripped.startswith(CALL_OPEN) or end < 0:
+        if not stripped.startswith(CALL_OPEN):
+            break
+        if end < 0:  # cut short
+            head = CALL_HEAD.match(stripped)
+            if head:
+                calls.append(Call(json.loads(head.group(1)), stripped[head.end() :]))
+                rest = ""
             break
         try:
             body = json.loads(stripped[len(CALL_OPEN) : end])
@@ -257,11 +265,25 @@ def split_calls(text: str) -> tuple[str, tuple[Call, ...]]:
             break
         if not isinstance(body, dict) or not isinstance(body.get("name"), str):
             break
-        calls.append(Call(body["name"], json.dumps(body.get("arguments", {}))))
+        arguments = _raw_arguments(stripped[:end]) or json.dumps(body.get("arguments", {}))
+        calls.append(Call(body["name"], arguments))
         rest = stripped[end + len(CALL_CLOSE) :]
     if not calls:
         return text, ()
     return text[:start] + rest.lstrip("\n"), tuple(calls)
+
+
+# The start of a call as the tool grammar writes it, up to its arguments: <tool_call>, a newline,
+# {"name": "...", "arguments": (what follows is the arguments, then "}" and a newline).
+CALL_HEAD = re.compile(re.escape(CALL_OPEN) + r'\n\{"name": ("(?:[^"\\]|\\.)*"), "arguments": ')
+
+
+def _raw_arguments(call: str) -> str:
+    """The arguments of ``call`` (``<tool_call>`` up to before ``</tool_call>``) as the model wrote
+    them, when it wrote the call in the grammar's shape ("" otherwise)."""
+    head = CALL_HEAD.match(call)
+    tail = call.rstrip()
+    return tail[head.end() : -1] if head and tail.endswith("}") else ""
 
 
 def _is_name(name: str) -> bool:

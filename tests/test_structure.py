@@ -189,7 +189,13 @@ def test_replies_split_into_text_and_calls() -> None:
 def test_a_streamed_reply_gives_the_calls_and_text_of_the_whole_reply(piece: int) -> None:
     paris = structure.render_call("get_weather", '{"city": "Paris"}')
     sums = structure.render_call("add", '{"a": 1, "b": 2}')
-    for reply in ["Plain <tool text, no call.", "Hi " + paris + "\n" + sums, paris + "\n" + sums[:25]]:
+    replies = [
+        "Plain <tool text, no call.",
+        "Hi " + paris + "\n" + sums,
+        paris + "\n" + sums[:25],  # cut before the second call's name is whole: text
+        paris + "\n" + sums[:44],  # cut inside the second call's arguments
+    ]
+    for reply in replies:
         stream, content, deltas = ToolCallStream(), "", []
         pieces = [reply[i : i + piece] for i in range(0, len(reply), piece)]
         for i, part in enumerate(pieces):
@@ -197,14 +203,23 @@ def test_a_streamed_reply_gives_the_calls_and_text_of_the_whole_reply(piece: int
             content += text
             deltas += got
         whole, calls = message(reply)
-        assert content == (whole["content"] or "")
-        assert calls == stream.calls
-        # each call: its id, type and name first, then its arguments
+        assert content == (whole["content"] or ""), reply
+        assert calls == stream.calls, reply
+        # each call: its id, type and name first, then its arguments in fragments
         for i, call in enumerate(whole.get("tool_calls", [])):
-            head, args = deltas[2 * i], deltas[2 * i + 1]
-            assert head["index"] == args["index"] == i and head["id"].startswith("call_")
+            head, *fragments = [d for d in deltas if d["index"] == i]
+            assert head["id"].startswith("call_") and head["type"] == "function"
             assert head["function"] == {"name": call["function"]["name"], "arguments": ""}
-            assert args["function"]["arguments"] == call["function"]["arguments"]
+            assert "".join(f["function"]["arguments"] for f in fragments) == call["function"]["arguments"]
+            if piece == 1 and i == 0:
+                assert len(fragments) > 1, "arguments stream as they are written"
+    cut = message(paris + "\n" + sums[:44])[0]["tool_calls"][1]["function"]
+    assert cut == {"name": "add", "arguments": sums[structure.CALL_HEAD.match(sums).end() : 44]}
+
+
+def test_raw_arguments_are_kept_as_written() -> None:
+    call = structure.render_call("f", '{"word": "caf\u00e9", "n": [1, 2]}'.replace("\\u00e9", "\u00e9"))
+    assert structure.split_calls(call)[1][0].arguments == '{"word": "caf\u00e9", "n": [1, 2]}'
 
 
 def test_the_sampler_picks_only_allowed_tokens_and_the_grammar_outranks_min_tokens() -> None:
