@@ -85,7 +85,7 @@ def grammar_cost(model_dir: Path, vocab_size: int, logits: object, steps: int = 
             else:
                 row.output_ids.append(answer[len(row.output_ids)])
         started = time.perf_counter()
-        masks = grammars.allowed(rows)
+        masks = grammars.masks(rows)
         mask_times.append(time.perf_counter() - started)
         started = time.perf_counter()
         sample(logits, [row.params for row in rows], [0] * batch, None, masks)

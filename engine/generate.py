@@ -109,8 +109,8 @@ class ReferenceEngine:
                 if not last:
                     continue
                 history = History(prompt_ids, out, stop_ids)
-                allowed = self.grammars.allowed([structured]) if structured is not None else None
-                token = sample(logits, [params], [params.output_offset + len(out)], [history], allowed)[0]
+                masks = self.grammars.masks([structured]) if structured is not None else None
+                token = sample(logits, [params], [params.output_offset + len(out)], [history], masks)[0]
                 out.append(token.token_id)
                 logprobs.append(token.logprob)
                 if token.token_id in stop_ids:

@@ -24,7 +24,6 @@ from pdfabric.engine.sequence import Sequence
 log = logging.getLogger("pdfabric.engine.grammar")
 
 MAX_CACHED_GRAMMARS = 256
-_BITS = torch.arange(32, dtype=torch.int32)
 
 
 @dataclass
@@ -80,10 +79,11 @@ class Grammars:
             self._compiled.move_to_end(grammar)
         return compiled.deep_copy()
 
-    def allowed(self, seqs: list[Sequence]) -> torch.Tensor | None:
-        """The tokens each of ``seqs`` may sample next, as bools ``[len(seqs), vocab]`` (a row without a
-        grammar allows every token); None when none of them has a grammar. Each matcher first
-        consumes the output tokens it has not seen."""
+    def masks(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """The tokens each of ``seqs`` may sample next, as bitmasks: int32 ``[len(seqs), ceil(vocab /
+        32)]``, bit ``t % 32`` of word ``t // 32`` set where token ``t`` is allowed (a row without a
+        grammar allows every token; ``kernels.dispatch.mask_logits`` applies them); None when none of
+        them has a grammar. Each matcher first consumes the output tokens it has not seen."""
         rows = [i for i, seq in enumerate(seqs) if seq.params.grammar]
         if not rows:
             return None
@@ -93,7 +93,7 @@ class Grammars:
             state = self._state(seqs[i])
             if state is not None:  # the mask written straight into row i
                 state.matcher.unsafe_compute_mask_ptr(words[i].data_ptr(), row_bytes)  # type: ignore[attr-defined]
-        return unpack(words, self.vocab_size)
+        return words
 
     def _state(self, seq: Sequence) -> GrammarState | None:
         """``seq``'s matcher, caught up with its output (None: its output left the grammar)."""
@@ -117,10 +117,3 @@ class Grammars:
                 return None
             state.consumed = offset + len(output)
         return state
-
-
-def unpack(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Bitmasks ``[rows, words]`` (bit ``i % 32`` of word ``i // 32`` set: token ``i`` allowed) as
-    bools ``[rows, vocab_size]``."""
-    bits = (words[..., None] >> _BITS) & 1
-    return bits.reshape(*words.shape[:-1], -1)[..., :vocab_size].bool()

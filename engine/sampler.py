@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdfabric.kernels.dispatch import mask_logits
 from pdfabric.sampling_params import SamplingParams
 
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -47,30 +48,31 @@ def sample(
     params: list[SamplingParams],
     indices: list[int],
     histories: Sequence[History | None] | None = None,
-    allowed: torch.Tensor | None = None,
+    masks: torch.Tensor | None = None,
 ) -> list[Sampled]:
     """One token per row of ``logits`` ``[S, vocab]`` (float32); ``indices[s]`` is the output index of
     the token being sampled for row ``s`` (0 for the first token after the prompt). ``histories[s]`` is
     needed for a row whose parameters change its logits (``SamplingParams.changes_logits``).
-    ``allowed``: the tokens each row's grammar allows next (bools ``[S, vocab]``; None: any), the
-    others removed before any other change; where ``min_tokens`` would then remove every token left
-    (a finished structure allows only end-of-sequence), the grammar wins.
+    ``masks``: the tokens each row's grammar allows next (bitmasks, ``engine/grammar.py``; None: any),
+    the others removed before any other change; where ``min_tokens`` would then remove every token
+    left (a finished structure allows only end-of-sequence), the grammar wins.
 
     A large vocabulary is read a few times per row, never copied whole: the greedy rows' tokens come
     from one batched argmax, each row's log-probabilities from one log-normaliser (``logsumexp``), top
     log-probabilities and top-k / top-p from partial sorts (``_sample_row``)."""
     scores = logits
-    if allowed is not None:
-        scores = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+    if masks is not None:
+        scores = logits.clone()
+        mask_logits(scores, masks)
     if any(p.changes_logits for p in params):
-        scores = scores.clone() if allowed is None else scores
+        scores = scores.clone() if masks is None else scores
         for row, (p, index) in enumerate(zip(params, indices, strict=True)):
             if p.changes_logits:
                 history = histories[row] if histories is not None else None
                 if history is None:
                     raise ValueError("penalties, logit_bias and min_tokens need the row's token history")
                 changed = process_logits(scores[row], p, index, history)
-                if allowed is None or bool(changed.isfinite().any()):
+                if masks is None or bool(changed.isfinite().any()):
                     scores[row] = changed
     tokens = [0] * len(params)
     greedy = [row for row, p in enumerate(params) if p.greedy]

@@ -34,7 +34,7 @@ class Stepper:
         KV push)."""
         entries = [_entry(c, tables) for c in chunks]
         # A mask depends only on the tokens so far: computed before the step.
-        allowed = self._allowed([c.seq for c in chunks if c.sample])
+        masks = self._masks([c.seq for c in chunks if c.sample])
         logits = self.runner.step(entries, after_layer)
         rows: list[int] = []  # the sampling row of each chunk with ``sample``
         row = 0
@@ -49,17 +49,17 @@ class Stepper:
         sampled = [c for c in chunks if c.sample]
         indices = [c.seq.params.output_offset + len(c.seq.output_ids) for c in sampled]
         histories = [history(c.seq) if c.seq.params.changes_logits else None for c in sampled]
-        picks = sample(logits[rows], [c.seq.params for c in sampled], indices, histories, allowed)
+        picks = sample(logits[rows], [c.seq.params for c in sampled], indices, histories, masks)
         return [(p.token_id, p.logprob, p.top_logprobs) for p in picks]
 
-    def _allowed(self, seqs: list[Sequence]) -> torch.Tensor | None:
+    def _masks(self, seqs: list[Sequence]) -> torch.Tensor | None:
         if self.grammars is None:
             if any(seq.params.grammar for seq in seqs):
                 raise ValueError(
                     "this model has no tokenizer.json, so no grammar engine for structured output"
                 )
             return None
-        return self.grammars.allowed(seqs)
+        return self.grammars.masks(seqs)
 
 
 def _score_prompt(chunk: Chunk, logits: torch.Tensor) -> None:

@@ -22,7 +22,7 @@ import torch
 from pdfabric import envs
 from pdfabric.kernels.attention_ref import paged_attention_ref, store_kv_ref
 from pdfabric.kernels.kv_pack_ref import gather_blocks_ref, scatter_blocks_ref
-from pdfabric.kernels.layer_ops_ref import rms_norm_ref, rope_ref, silu_mul_ref
+from pdfabric.kernels.layer_ops_ref import mask_logits_ref, rms_norm_ref, rope_ref, silu_mul_ref
 from pdfabric.kernels.metadata import AttentionMetadata
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
@@ -115,6 +115,15 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
         return silu_mul_cpu(gate_up)
     return silu_mul_ref(gate_up)
+
+
+def mask_logits(logits: torch.Tensor, words: torch.Tensor) -> None:
+    """In place: each row of ``logits [rows, vocab]`` to -inf where its bitmask in ``words`` (int32
+    ``[rows, ceil(vocab / 32)]``, bit ``t % 32`` of word ``t // 32`` for token ``t``) is clear."""
+    if _use_cpu_layer_ops(logits) and logits.dtype == torch.float32:
+        _layer_ops().mask_logits_cpu(logits, words)
+    else:
+        mask_logits_ref(logits, words)
 
 
 def store_kv(

@@ -1,6 +1,7 @@
-"""Wrappers for ``csrc/layer_ops_cpu.c``: RMSNorm, rotary embedding, the SiLU-gated product and the paged
-KV write, each one pass over its rows on the CPU. ``supports`` says whether a tensor can take them; the
-references in ``layer_ops_ref`` and ``attention_ref`` serve everywhere else.
+"""Wrappers for ``csrc/layer_ops_cpu.c``: RMSNorm, rotary embedding, the SiLU-gated product, the paged
+KV write and a grammar's token mask, each one pass over its rows on the CPU. ``supports`` says whether
+a tensor can take them; the references in ``layer_ops_ref`` and ``attention_ref`` serve everywhere
+else.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ def _library() -> ctypes.CDLL | None:
         lib.pd_rope.argtypes = [p, i64, p, p, p, i32, i32, i32, i32, i32]
         lib.pd_silu_mul.argtypes = [p, i64, p, i32, i32, i32, i32]
         lib.pd_store_kv.argtypes = [p, i64, p, i64, p, p, p, i64, i32, i32, i32, i32]
-        for fn in (lib.pd_rms_norm, lib.pd_rope, lib.pd_silu_mul, lib.pd_store_kv):
+        lib.pd_mask_logits.argtypes = [p, i64, p, i32, i32, i32]
+        for fn in (lib.pd_rms_norm, lib.pd_rope, lib.pd_silu_mul, lib.pd_store_kv, lib.pd_mask_logits):
             fn.restype = ctypes.c_int
         lib._pdfabric_typed = True
     return lib
@@ -114,3 +116,15 @@ def store_kv_cpu(
             kv_heads * head_dim, key.element_size(), torch.get_num_threads(),
         )  # fmt: skip
     _check(status, "pd_store_kv")
+
+
+def mask_logits_cpu(logits: torch.Tensor, words: torch.Tensor) -> None:
+    """In place: ``logits`` (float32 ``[rows, vocab]``, rows contiguous) to -inf where ``words`` (int32
+    ``[rows, ceil(vocab / 32)]``) has the token's bit clear."""
+    words = words.contiguous()
+    with cpu_build.profiled("mask_logits_cpu"):
+        status = _library().pd_mask_logits(
+            logits.data_ptr(), logits.stride(0), words.data_ptr(), logits.shape[0], logits.shape[1],
+            torch.get_num_threads(),
+        )  # fmt: skip
+    _check(status, "pd_mask_logits")

@@ -28,3 +28,18 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     # gate_up: [T, 2 * intermediate] (gate, then up) -> [T, intermediate]
     gate, up = gate_up.chunk(2, dim=-1)
     return nn.functional.silu(gate) * up
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Bitmasks ``[rows, ceil(vocab / 32)]`` int32 (bit ``t % 32`` of word ``t // 32`` set: token ``t``
+    allowed) as bools ``[rows, vocab_size]``."""
+    bits = (words[..., None] >> _BITS.to(words.device)) & 1
+    return bits.reshape(*words.shape[:-1], -1)[..., :vocab_size].bool()
+
+
+def mask_logits_ref(logits: torch.Tensor, words: torch.Tensor) -> None:
+    """In place: ``logits [rows, vocab]`` to -inf where the token's bit in ``words`` is clear."""
+    logits.masked_fill_(~unpack_bitmask(words.to(logits.device), logits.shape[-1]), float("-inf"))

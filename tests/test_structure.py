@@ -13,9 +13,11 @@ import torch
 from pdfabric import structure
 from pdfabric.engine.byte_tokenizer import build_byte_tokenizer
 from pdfabric.engine.generate import ReferenceEngine
-from pdfabric.engine.grammar import Grammars, unpack
+from pdfabric.engine.grammar import Grammars
 from pdfabric.engine.sampler import History, sample
 from pdfabric.engine.sequence import Sequence
+from pdfabric.kernels import layer_ops_cpu
+from pdfabric.kernels.layer_ops_ref import mask_logits_ref, unpack_bitmask
 from pdfabric.router.front.tool_calls import ToolCallStream, message
 from pdfabric.sampling_params import SamplingParams
 from pdfabric.structure import StructureError, ToolChoice
@@ -222,6 +224,15 @@ def test_raw_arguments_are_kept_as_written() -> None:
     assert structure.split_calls(call)[1][0].arguments == '{"word": "caf\u00e9", "n": [1, 2]}'
 
 
+def bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    """Bools ``[rows, vocab]`` as the bitmasks the grammar engine writes."""
+    rows, vocab = allowed.shape
+    padded = torch.zeros(rows, (vocab + 31) // 32 * 32, dtype=torch.int64)
+    padded[:, :vocab] = allowed.long()
+    words = (padded.view(rows, -1, 32) << torch.arange(32)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
 def test_the_sampler_picks_only_allowed_tokens_and_the_grammar_outranks_min_tokens() -> None:
     torch.manual_seed(0)
     logits = torch.randn(3, 50)
@@ -230,7 +241,7 @@ def test_the_sampler_picks_only_allowed_tokens_and_the_grammar_outranks_min_toke
     allowed[:2, [4, 9, 33]] = True
     params = [SamplingParams(), SamplingParams(temperature=1.0, seed=5, top_p=0.9), SamplingParams()]
     for _ in range(3):
-        picks = sample(logits, params, [0, 0, 0], None, allowed)
+        picks = sample(logits, params, [0, 0, 0], None, bitmask(allowed))
         assert picks[0].token_id in (4, 9, 33) and picks[1].token_id in (4, 9, 33)
         assert picks[2].token_id == int(logits[2].argmax())
         # log-probabilities stay the model's own
@@ -238,15 +249,35 @@ def test_the_sampler_picks_only_allowed_tokens_and_the_grammar_outranks_min_toke
     only_eos = torch.zeros(1, 50, dtype=torch.bool)
     only_eos[0, 7] = True
     held = SamplingParams(min_tokens=5)
-    pick = sample(logits[:1], [held], [0], [History((1, 2), [], frozenset({7}))], only_eos)[0]
+    pick = sample(logits[:1], [held], [0], [History((1, 2), [], frozenset({7}))], bitmask(only_eos))[0]
     assert pick.token_id == 7
+
+
+@pytest.mark.parametrize("vocab", [1, 31, 32, 33, 260, 49152])
+def test_the_cpu_mask_kernel_equals_its_reference(vocab: int) -> None:
+    torch.manual_seed(vocab)
+    allowed = torch.rand(5, vocab) < torch.tensor([[0.0], [0.02], [0.5], [0.98], [1.0]])
+    allowed[2, : min(vocab, 64)] = True  # whole words set, whole words clear
+    words = bitmask(allowed)
+    assert torch.equal(unpack_bitmask(words, vocab), allowed)
+    logits = torch.randn(5, vocab)
+    kernel, reference = logits.clone(), logits.clone()
+    layer_ops_cpu.mask_logits_cpu(kernel, words)
+    mask_logits_ref(reference, words)
+    assert torch.equal(kernel, reference) and torch.equal(kernel.isfinite(), allowed)
+    rows = torch.randn(8, vocab + 3)[:, :vocab]  # rows with a stride: as the sampler's gathered logits
+    expected = rows.clone()
+    mask_logits_ref(expected, bitmask(allowed.repeat(2, 1)[:8]))
+    layer_ops_cpu.mask_logits_cpu(rows, bitmask(allowed.repeat(2, 1)[:8]))
+    assert torch.equal(rows, expected)
 
 
 def test_a_bitmask_unpacks_bit_by_bit() -> None:
     words = torch.tensor([[0b1001, -(2**31)], [0, 1]], dtype=torch.int32)  # tokens 0, 3 and 63; 32
-    assert unpack(words, 64)[0].nonzero().flatten().tolist() == [0, 3, 63]
-    assert unpack(words, 64)[1].nonzero().flatten().tolist() == [32]
-    assert unpack(words, 40).shape == (2, 40) and unpack(words, 40)[0].nonzero().flatten().tolist() == [0, 3]
+    assert unpack_bitmask(words, 64)[0].nonzero().flatten().tolist() == [0, 3, 63]
+    assert unpack_bitmask(words, 64)[1].nonzero().flatten().tolist() == [32]
+    assert unpack_bitmask(words, 40).shape == (2, 40)
+    assert unpack_bitmask(words, 40)[0].nonzero().flatten().tolist() == [0, 3]
 
 
 @pytest.fixture(scope="module")
@@ -282,12 +313,19 @@ def test_a_sequence_state_consumes_only_what_it_has_not_seen() -> None:
     grammar = structure.response_format_grammar({"type": "regex", "regex": "ab+c"})
     seq = Sequence("r", (1, 2, 3), SamplingParams(grammar=grammar))
     plain = Sequence("p", (1, 2, 3), SamplingParams())
-    assert grammars.allowed([plain]) is None
+    assert grammars.masks([plain]) is None
 
     def allowed() -> set[int]:
-        rows = grammars.allowed([plain, seq])
-        assert rows is not None and bool(rows[0].all())  # a row without a grammar allows any token
+        words = grammars.masks([plain, seq])
+        assert words is not None
+        rows = unpack_bitmask(words, reference.config.vocab_size)
+        assert bool(rows[0].all())  # a row without a grammar allows any token
         return set(rows[1].nonzero().flatten().tolist())
+
+    def allowed_alone(seq: Sequence) -> set[int]:
+        return set(
+            unpack_bitmask(grammars.masks([seq]), reference.config.vocab_size)[0].nonzero().flatten().tolist()
+        )
 
     assert allowed() == {ord("a")}
     seq.output_ids += [ord("a"), ord("b")]
@@ -297,7 +335,7 @@ def test_a_sequence_state_consumes_only_what_it_has_not_seen() -> None:
     assert seq.grammar_state.consumed == 3
     # resumed after "ab" (its prompt ends with them): the same state once caught up
     resumed = Sequence("r", (1, 2, 3, ord("a"), ord("b")), SamplingParams(grammar=grammar, output_offset=2))
-    assert set(grammars.allowed([resumed])[0].nonzero().flatten().tolist()) == {ord("b"), ord("c")}
+    assert allowed_alone(resumed) == {ord("b"), ord("c")}
     resumed.output_ids.append(ord("b"))
-    assert set(grammars.allowed([resumed])[0].nonzero().flatten().tolist()) == {ord("b"), ord("c")}
+    assert allowed_alone(resumed) == {ord("b"), ord("c")}
     assert resumed.grammar_state.consumed == 3

@@ -3,6 +3,7 @@
  *   pd_rope:      out = round(x * cos + rotate_half(x) * sin)              (rotary embedding)
  *   pd_silu_mul:  out = round(round(silu(gate)) * up)                      (the MLP's activation)
  *   pd_store_kv:  cache[slot[r]] = key[r], value[r]                        (the paged KV write)
+ *   pd_mask_logits: logits[r][t] = -inf where bit t of row r's bitmask is clear (structured output)
  * In PyTorch each is three to six passes, each through a fresh tensor, and together they were a
  * quarter or more of a long prefill step. The arithmetic is float32 and every rounding to the
  * model dtype happens where the reference (kernels/layer_ops_ref.py) rounds, so the two agree to
@@ -154,6 +155,32 @@ int pd_store_kv(const void *key, int64_t key_stride, const void *value, int64_t 
     for (int r = 0; r < rows; r++) {
         memcpy((char *)k_cache + slots[r] * bytes, (const char *)key + r * key_stride * esize, bytes);
         memcpy((char *)v_cache + slots[r] * bytes, (const char *)value + r * value_stride * esize, bytes);
+    }
+    return 0;
+}
+
+/* Row r of logits (float32 [rows, vocab], row stride `stride`) keeps token t where bit t % 32 of word
+ * t / 32 of words[r] ([rows, (vocab + 31) / 32] int32, contiguous) is set; the others become -inf, in
+ * place. A word with every bit set (a token range the grammar allows) is skipped and one with none set
+ * is 32 stores, so a mask costs about one pass over the tokens it removes. */
+int pd_mask_logits(float *logits, int64_t stride, const int32_t *words, int rows, int vocab, int threads) {
+    if (rows < 0 || vocab <= 0 || stride < vocab) return 1;
+    const int nwords = (vocab + 31) / 32;
+#pragma omp parallel for num_threads(threads) if ((int64_t)rows * vocab >= 4 * PARALLEL_MIN) schedule(static)
+    for (int r = 0; r < rows; r++) {
+        float *row = logits + (int64_t)r * stride;
+        const uint32_t *bits = (const uint32_t *)words + (int64_t)r * nwords;
+        for (int w = 0; w < nwords; w++) {
+            const uint32_t word = bits[w];
+            if (word == 0xFFFFFFFFu) continue;
+            const int base = w * 32, n = vocab - base < 32 ? vocab - base : 32;
+            if (word == 0) {
+                for (int b = 0; b < n; b++) row[base + b] = -INFINITY;
+            } else {
+                for (int b = 0; b < n; b++)
+                    if (!((word >> b) & 1u)) row[base + b] = -INFINITY;
+            }
+        }
     }
     return 0;
 }
