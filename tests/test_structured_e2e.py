@@ -104,6 +104,26 @@ def test_outputs_follow_their_schema_and_equal_the_reference(fabric: str, refere
     wait_blocks_free(fabric)
 
 
+def test_logprobs_and_a_cached_prefix_leave_a_structured_output_as_it_was(
+    fabric: str, reference: ReferenceEngine
+) -> None:
+    """The log-probabilities are the model's own (before the mask), and the same request again, its
+    prompt now in the prefix cache, gives the same tokens."""
+    prompt = reference.tokenizer.encode("Numbers again, " * 6, add_special_tokens=True)  # several blocks
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 200, "response_format": NUMBERS,
+            "return_token_ids": True, "temperature": 0, "logprobs": 2}  # fmt: skip
+    params = SamplingParams(max_tokens=200, grammar=structure.response_format_grammar(NUMBERS))
+    want = reference.generate(prompt, params)
+    for attempt in range(2):
+        status, data = post_json(fabric + "/v1/completions", body)
+        assert status == 200, data
+        choice = data["choices"][0]
+        assert choice["token_ids"] == want.token_ids and valid_numbers(choice["text"])
+        assert choice["logprobs"]["token_logprobs"] == pytest.approx(want.logprobs, abs=1e-4)
+        if attempt:
+            assert data["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, data["usage"]
+
+
 def test_a_structure_cut_by_max_tokens_ends_with_length(fabric: str) -> None:
     body = {"model": "tiny", "prompt": "x", "max_tokens": 10, "response_format": NUMBERS, "temperature": 0}
     status, data = post_json(fabric + "/v1/completions", body)
@@ -157,11 +177,12 @@ def test_a_decode_worker_killed_mid_structure_fails_over_token_exact(
         else {"prompt": p, "max_tokens": 200, "response_format": NUMBERS, "temperature": 0.8, "seed": 40 + i}
         for i, p in enumerate(prompts)
     ]
+    bodies[-1]["n"] = 2  # two outputs of one prompt, each moved from where it stood
     with running_fabric("--model", "tiny", "--num-blocks", "256", "--prefill", "1", "--decode", "2") as url:
         started = [asyncio.Event() for _ in bodies]
 
-        async def one(i: int) -> tuple[list[int], str]:
-            ids, text = [], ""
+        async def one(i: int) -> list[tuple[list[int], str]]:
+            outputs: list[tuple[list[int], str]] = [([], "") for _ in range(bodies[i].get("n", 1))]
             body = {"model": "tiny", "stream": True, "return_token_ids": True, **bodies[i]}
             async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json=body) as r:
                 assert r.status == 200, await r.text()
@@ -171,13 +192,13 @@ def test_a_decode_worker_killed_mid_structure_fails_over_token_exact(
                     data = json.loads(line[6:])
                     assert "error" not in data, data
                     for choice in data["choices"]:
-                        ids += choice["token_ids"]
-                        text += choice["text"]
-                    if len(ids) >= 12:  # inside the structure
+                        ids, text = outputs[choice["index"]]
+                        outputs[choice["index"]] = (ids + choice["token_ids"], text + choice["text"])
+                    if min(len(ids) for ids, _ in outputs) >= 12:  # inside the structure
                         started[i].set()
-            return ids, text
+            return outputs
 
-        async def run_all() -> list[tuple[list[int], str]]:
+        async def run_all() -> list[list[tuple[list[int], str]]]:
             tasks = [asyncio.create_task(one(i)) for i in range(len(bodies))]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
             workers = [w for w in get_json(url + "/health")[1]["workers"] if w["kind"] == victim_kind]
@@ -185,7 +206,8 @@ def test_a_decode_worker_killed_mid_structure_fails_over_token_exact(
             return await asyncio.wait_for(asyncio.gather(*tasks), 120)
 
         results = asyncio.run(run_all())
-        for body, (ids, text) in zip(bodies, results, strict=True):
-            assert valid_numbers(text), text
-            assert ids == reference_ids(reference, body["prompt"], body, 200)
+        for body, outputs in zip(bodies, results, strict=True):
+            for choice, (ids, text) in enumerate(outputs):
+                assert valid_numbers(text), text
+                assert ids == reference_ids(reference, body["prompt"], {**body, "_choice": choice}, 200)
         assert sum(metric_values(url, "pdfabric_failovers_total").values()) >= 1
