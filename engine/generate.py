@@ -138,10 +138,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype", choices=("float32", "bfloat16", "float16"), help="override the checkpoint's dtype"
     )
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    parser.add_argument(
+        "--response-format",
+        type=json.loads,
+        metavar="JSON",
+        help='constrain the output as the API\'s response_format does, e.g. \'{"type": "json_object"}\' '
+        "or a json_schema, regex or grammar one (docs/structured-outputs.md)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
 
 
 def run(args: argparse.Namespace) -> int:
+    from pdfabric.structure import response_format_grammar
+
     try:
         params = SamplingParams(
             max_tokens=args.max_tokens,
@@ -149,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
             top_p=args.top_p,
             top_k=args.top_k,
             seed=args.seed,
+            grammar=response_format_grammar(args.response_format),
         )
         engine = ReferenceEngine(args.model, args.dtype)
         if args.chat:  # the template writes its own special tokens

@@ -339,3 +339,13 @@ def test_a_sequence_state_consumes_only_what_it_has_not_seen() -> None:
     resumed.output_ids.append(ord("b"))
     assert allowed_alone(resumed) == {ord("b"), ord("c")}
     assert resumed.grammar_state.consumed == 3
+
+
+def test_generate_takes_a_response_format(capsys: pytest.CaptureFixture[str]) -> None:
+    from pdfabric.cli.main import main
+
+    regex = '{"type": "regex", "regex": "(yes|no)!"}'
+    assert main(["generate", "--prompt", "x", "--response-format", regex, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] in ("yes!", "no!")
+    assert main(["generate", "--prompt", "x", "--response-format", '{"type": "regex", "regex": "(a"}']) == 2
+    assert "does not compile" in capsys.readouterr().err
