@@ -118,10 +118,23 @@ class Tokenizer:
         """The jinja2 source of the chat template, or None."""
         return self._chat_template
 
+    @property
+    def renders_tool_calls(self) -> bool:
+        """Whether the chat template renders tools and tool calls itself, in the tool format pdfabric
+        constrains and parses (it reads ``tools`` and writes ``<tool_call>``, as Qwen2.5's and other
+        Hermes-format templates do; ``pdfabric/structure.py``)."""
+        template = self._chat_template or ""
+        return "tools" in template and "<tool_call>" in template
+
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
-        """Renders ``messages`` (dicts with string ``role`` and ``content``) into prompt text.
+        """Renders ``messages`` (dicts with string ``role`` and ``content``, an assistant's also with
+        ``tool_calls``) into prompt text; ``tools``: the functions offered, for a template that renders
+        them (OpenAI's ``{"type": "function", "function": {...}}`` objects).
 
         The text already holds the template's special tokens (often bos): encode it with
         ``add_special_tokens=False``. Raises ValueError for a missing template, a malformed message
@@ -134,7 +147,7 @@ class Tokenizer:
             return self._compiled_template.render(
                 messages=[dict(m) for m in messages],
                 add_generation_prompt=add_generation_prompt,
-                tools=None,
+                tools=list(tools) if tools else None,
                 documents=None,
                 **{name: value or "" for name, value in self._tokens.items()},
             )

@@ -349,3 +349,42 @@ def test_generate_takes_a_response_format(capsys: pytest.CaptureFixture[str]) ->
     assert json.loads(capsys.readouterr().out)["text"] in ("yes!", "no!")
     assert main(["generate", "--prompt", "x", "--response-format", '{"type": "regex", "regex": "(a"}']) == 2
     assert "does not compile" in capsys.readouterr().err
+
+
+# A chat template that renders tools and calls itself, in the default tool format (as Qwen2.5's does).
+HERMES_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools:\n{%- for t in tools %}\n{{ t | tojson }}{%- endfor %}"
+    "<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{%- for c in m.tool_calls or [] %}\n<tool_call>\n"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}\n</tool_call>'
+    "{%- endfor %}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+
+
+def test_a_template_that_renders_tool_calls_gets_the_tools_and_calls_as_objects() -> None:
+    from pdfabric.engine.tokenizer import Tokenizer
+    from pdfabric.router.front import openai_api, prompts
+
+    path = ReferenceEngine("tiny").path
+    plain = Tokenizer.from_pretrained(path)
+    hermes = Tokenizer(plain._backend, {"eos_token": "<|end_of_text|>"}, None, HERMES_TEMPLATE)
+    assert hermes.renders_tool_calls and not plain.renders_tool_calls
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    messages = [
+        {"role": "user", "content": "1 + 2?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "3"},
+    ]
+    body = {"model": "tiny", "tools": [ADD], "messages": messages}
+    parsed = openai_api.parse_request(body, True, ("tiny",), 260)
+    (ids,) = prompts.tokenize(hermes, parsed)
+    text = hermes.decode(list(ids), skip_special_tokens=False)
+    assert '"name": "add"' in text.split("<|im_end|>")[0]  # the template's own tool list
+    assert '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>' in text
+    assert "<|im_start|>tool\n3<|im_end|>" in text and "<tools>" not in text
+    # the plain template gets the default format instead
+    (ids,) = prompts.tokenize(plain, parsed)
+    text = plain.decode(list(ids), skip_special_tokens=False)
+    assert "<tools>" in text and "<tool_response>\n3\n</tool_response>" in text

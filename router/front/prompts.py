@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pdfabric import structure
@@ -15,8 +16,11 @@ def tokenize(tokenizer: Tokenizer, parsed: api.ParsedRequest) -> list[tuple[int,
     """Each prompt's token ids (a chat request's one prompt, rendered by the chat template)."""
     if parsed.chat:
         try:
-            messages = with_tools(parsed.messages or (), parsed.tools)
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            if parsed.tools and tokenizer.renders_tool_calls:  # the template writes the tool format itself
+                messages, tools = for_template(parsed.messages or ()), offered(parsed.tools)
+            else:
+                messages, tools = with_tools(parsed.messages or (), parsed.tools), None
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
         except ValueError as exc:
             raise bad(str(exc), "messages") from None
         ids = tokenizer.encode(text, add_special_tokens=False)
@@ -56,6 +60,31 @@ def with_tools(messages: tuple[dict[str, Any], ...], tools: tuple[Tool, ...]) ->
         else:
             out.insert(0, {"role": "system", "content": offer})
     return out
+
+
+def for_template(messages: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
+    """The messages for a chat template that renders tool calls itself: an assistant's calls as
+    ``tool_calls`` with their arguments as objects (as Hugging Face templates read them), a tool's
+    result as a ``tool`` message."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        message: dict[str, Any] = {"role": m["role"], "content": m["content"]}
+        if m.get("tool_calls"):
+            message["tool_calls"] = [
+                {"type": "function", "function": {"name": name, "arguments": json.loads(arguments)}}
+                for name, arguments in m["tool_calls"]
+            ]
+        out.append(message)
+    return out
+
+
+def offered(tools: tuple[Tool, ...]) -> list[dict[str, Any]]:
+    """The tools as OpenAI's objects, for a chat template that renders them."""
+    return [
+        {"type": "function", "function": {"name": t.name, "description": t.description,
+                                          "parameters": json.loads(t.parameters)}}
+        for t in tools
+    ]  # fmt: skip
 
 
 def prompt_text(tokenizer: Tokenizer, parsed: api.ParsedRequest, i: int, ids: tuple[int, ...]) -> str:
