@@ -20,6 +20,7 @@ model (``bench.sim_link``).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Protocol
 
 from pdfabric.bench.sim_link import SimLink, endpoint_of
@@ -51,7 +52,9 @@ class SimulatedWorker:
         self.sim = sim
         self.spec = spec
         endpoint = endpoint_of(spec.worker_id) if spec.kind == DECODE else ""
-        self.core = KINDS[spec.kind].core(spec.core, FixedProfile(spec.profile), endpoint)
+        # Its tokens are not real, so it cannot model speculation's proposals: it runs without them.
+        core = replace(spec.core, config=replace(spec.core.config, speculative="off"))
+        self.core = KINDS[spec.kind].core(core, FixedProfile(spec.profile), endpoint)
         self.scheduler, self.tables = self.core.scheduler, self.core.tables
         self.busy = False  # a step is running
         self._wake = False  # a boundary is queued for an idle worker

@@ -64,6 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         help=f"start-up profiling time per worker, s (default {w('profile_seconds'):g})",
     )
+    parser.add_argument(
+        "--speculative",
+        choices=("off", "ngram"),
+        help="speculative decoding on decode and colocated workers: ngram proposes tokens from each "
+        "greedy sequence's own history, checked in one step (default off; [worker] speculative_k, "
+        "speculative_below tune it)",
+    )
     parser.add_argument("--served-model-name", help="the model name clients use (default: --model)")
     parser.add_argument(
         "--routing-policy",
@@ -112,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
             "max_running",
             "served_model_name",
             "profile_seconds",
+            "speculative",
             "routing_policy",
             "ray_address",
         )

@@ -24,7 +24,13 @@ from pdfabric.control import KINDS
 from pdfabric.kinds.table import kind
 from pdfabric.kv_config import CHOICES as KV_TRANSPORTS
 from pdfabric.worker.loop import run_worker
-from pdfabric.worker_config import LINEARS, WorkerConfig, worker_config_from_json, worker_default
+from pdfabric.worker_config import (
+    LINEARS,
+    SPECULATIVE,
+    WorkerConfig,
+    worker_config_from_json,
+    worker_default,
+)
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -50,13 +56,25 @@ OVERRIDES: tuple[tuple[str, type, str], ...] = (
     ("kv_transport", str, "how KV moves to decode workers (auto: shm on one host, zmq across hosts)"),
     ("prefix_caching", bool, "on or off: reuse the KV of prompt prefixes computed before"),
     ("linears", str, "linear-layer kernel: invariant (the same bits in any batch), onednn or cublas"),
-    ("kv_encryption", bool, "on or off: encrypt the KV channel (off: authenticated but in the clear, for a "
-     "trusted network; the same on every worker)"),
+    (
+        "kv_encryption",
+        bool,
+        "on or off: encrypt the KV channel (off: authenticated but in the clear, for a "
+        "trusted network; the same on every worker)",
+    ),
     ("served", str, "the model version it serves, NAME@VERSION, for a router with [[models]]"),
+    (
+        "speculative",
+        str,
+        "speculative decoding on decode and colocated workers: off or ngram (prompt lookup)",
+    ),
+    ("speculative_k", int, "tokens proposed at most per sequence and step"),
+    ("speculative_below", int, "speculate only while at most this many sequences decode"),
 )
 _QUOTED = ("model", "pool", "block_size", "kv_memory_mb", "max_batch_tokens", "max_running", "kv_host",
            "heartbeat_s", "drain_timeout_s", "device", "profile_seconds", "kv_transport",
-           "prefix_caching", "linears", "kv_encryption")  # fmt: skip
+           "prefix_caching", "linears", "kv_encryption", "speculative", "speculative_k",
+           "speculative_below")  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,7 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, type_, text in OVERRIDES:
         default = f" (default {worker_default(name)})" if name in _QUOTED else ""
         flag = "--" + name.replace("_", "-")
-        choices = {"kind": KINDS, "dtype": DTYPES, "kv_transport": KV_TRANSPORTS, "linears": LINEARS}
+        choices = {"kind": KINDS, "dtype": DTYPES, "kv_transport": KV_TRANSPORTS, "linears": LINEARS,
+                   "speculative": SPECULATIVE}  # fmt: skip
         choices = choices.get(name)
         parse = _on_off if type_ is bool else type_
         o.add_argument(flag, type=parse, choices=choices, help=text + default)

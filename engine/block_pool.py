@@ -197,6 +197,18 @@ class BlockTables:
         table.extend(new)
         return table
 
+    def shrink(self, seq_id: Hashable, num_tokens: int) -> int:
+        """Frees the blocks of the sequence's table past those ``num_tokens`` tokens need (room grown
+        for proposed tokens that were not kept); returns how many."""
+        table = self._tables.get(seq_id)
+        keep = blocks_for(num_tokens, self.pool.block_size)
+        if table is None or len(table) <= keep:
+            return 0
+        extra = table[keep:]
+        del table[keep:]
+        self.pool.free(extra)
+        return len(extra)
+
     def attach(self, seq_id: Hashable, blocks: list[int]) -> None:
         """Starts a sequence's table with blocks it already holds a reference to (a cached prefix)."""
         if seq_id in self._tables:

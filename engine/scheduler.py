@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from pdfabric.engine.block_pool import BlockTables, blocks_for, cacheable_blocks, chain_hashes
 from pdfabric.engine.sequence import SeqState, Sequence, TopLogprobs, branch_id, branch_params
+from pdfabric.engine.speculate import propose
 from pdfabric.profile import StepShape
 
 # One sampled token: (token, logprob) or (token, logprob, top log-probabilities).
@@ -36,21 +37,30 @@ class SchedulerConfig:
     max_model_len: int  # tokens one sequence may hold
     on_prefilled: str = "decode"  # or "handoff"
     prefix_salt: bytes | None = None  # prefix caching on, hashes salted by the model (None: off)
+    # Prompt-lookup speculation (engine/speculate.py): up to this many proposed tokens per decode
+    # (0: off), while at most speculate_below sequences decode (beyond, a step is compute-bound).
+    speculate_k: int = 0
+    speculate_below: int = 0
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens < 1 or self.max_running < 1:
             raise ValueError("max_batch_tokens and max_running must be at least 1")
+        if self.speculate_k < 0 or self.speculate_below < 0:
+            raise ValueError("speculate_k and speculate_below must be >= 0")
         if self.on_prefilled not in ("decode", "handoff"):
             raise ValueError(f"on_prefilled must be 'decode' or 'handoff', got {self.on_prefilled!r}")
 
 
 @dataclass(frozen=True)
 class Chunk:
-    """Run tokens ``start:stop`` of ``seq`` this step; ``sample`` when they reach its end."""
+    """Run tokens ``start:stop`` of ``seq`` this step; ``sample`` when they reach its end. A decode
+    chunk may carry a ``proposal``: tokens guessed to follow (``engine/speculate.py``), run after
+    ``stop`` in the same step and kept as far as the model picks them itself."""
 
     seq: Sequence
     start: int
     stop: int
+    proposal: tuple[int, ...] = ()
 
     @property
     def sample(self) -> bool:
@@ -138,8 +148,9 @@ class Scheduler:
                     break
             if seq.state is SeqState.RUNNING:
                 self.tables.grow(seq.request_id, seq.num_tokens)
-                chunks.append(Chunk(seq, seq.num_cached, seq.num_tokens))
-                budget -= 1
+                proposal = self._proposal(seq, budget - 1)
+                chunks.append(Chunk(seq, seq.num_cached, seq.num_tokens, proposal))
+                budget -= 1 + len(proposal)
         prefills = 0
         for seq in list(self.waiting):
             if budget == 0 or len(self.running) + prefills >= self.config.max_running:
@@ -159,6 +170,26 @@ class Scheduler:
             if stop < seq.num_tokens:
                 break  # a partly prefilled prompt stays at the head of the queue
         return chunks
+
+    def _proposal(self, seq: Sequence, budget: int) -> tuple[int, ...]:
+        """Tokens to check after ``seq``'s next one this step (``engine/speculate.py``), for a greedy
+        sequence whose logits nothing else changes, while few sequences decode; () otherwise. Its
+        blocks grow to hold them (a proposal is cut to what the pool, the budget and the sequence's
+        own limits leave)."""
+        c, p = self.config, seq.params
+        if not c.speculate_k or len(self.running) > c.speculate_below or not p.greedy:
+            return ()
+        if p.changes_logits or p.grammar or p.logprobs:
+            return ()
+        left = min(
+            c.speculate_k, budget, p.max_tokens - len(seq.output_ids) - 1,
+            c.max_model_len - seq.num_tokens - 1,
+        )  # fmt: skip
+        proposal = propose(seq.token_slice(0, seq.num_tokens), min(left, seq.speculate_k or c.speculate_k))
+        while proposal and self.tables.grow(seq.request_id, seq.num_tokens + len(proposal)) is None:
+            proposal = proposal[:-1]
+        seq.proposed += len(proposal)
+        return proposal
 
     def _attach_prefix(self, seq: Sequence) -> None:
         """A waiting sequence without blocks starts from the cached blocks of its longest cached
@@ -222,19 +253,24 @@ class Scheduler:
         seq.state = SeqState.WAITING
         self.waiting.appendleft(seq)
 
-    def complete(self, chunks: list[Chunk], sampled: list[Pick]) -> list[Sequence]:
+    def complete(self, chunks: list[Chunk], sampled: list[Pick | list[Pick]]) -> list[Sequence]:
         """Advances the step's sequences; ``sampled`` holds (token, logprob) or (token, logprob, top
-        log-probabilities) for each chunk with ``sample``, in order. Returns the sequences that got a
-        new token (finished ones included)."""
+        log-probabilities) for each chunk with ``sample``, in order, and for a chunk with a proposal
+        the list of its kept tokens (``_verified``). Returns the sequences that got new tokens
+        (finished ones included)."""
         got = iter(sampled)
         changed: list[Sequence] = []
         for chunk in chunks:
             seq = chunk.seq
+            if chunk.proposal:
+                self._verified(chunk, next(got))  # type: ignore[arg-type]
+                changed.append(seq)
+                continue
             seq.num_cached = chunk.stop
             self._record(seq)
             if not chunk.sample:
                 continue
-            token, logprob, *top = next(got)
+            token, logprob, *top = next(got)  # type: ignore[misc]
             if seq.state is SeqState.WAITING:
                 self.waiting.remove(seq)
                 if self.config.on_prefilled == "handoff":
@@ -245,8 +281,28 @@ class Scheduler:
                     self.running.append(seq)
                     self._branch(seq)
             self._append(seq, token, logprob, top[0] if top else ())
+            seq.step_tokens = 1
             changed.append(seq)
         return changed
+
+    def _verified(self, chunk: Chunk, picks: list[Pick]) -> None:
+        """A decode chunk with a proposal ran: ``picks`` are the proposed tokens the model picked
+        itself, in order, then the token after them. The sequence takes them (up to its end); the
+        cache holds its KV up to the last kept proposed token, and blocks past the new end go back."""
+        seq = chunk.seq
+        kept = len(picks) - 1
+        seq.accepted += kept
+        # the next proposal's length follows this one's outcome
+        seq.speculate_k = len(chunk.proposal) * 2 if kept == len(chunk.proposal) else max(1, kept)
+        seq.step_tokens = 0
+        for token, logprob, *top in picks:
+            self._append(seq, token, logprob, top[0] if top else ())
+            seq.step_tokens += 1
+            if seq.state is SeqState.FINISHED:
+                return
+        seq.num_cached = chunk.stop + kept
+        self._record(seq)
+        self.tables.shrink(seq.request_id, seq.num_tokens)
 
     def _branch(self, seq: Sequence) -> None:
         """Starts the branches of a sequence whose prompt's KV is complete: each holds a reference to
@@ -340,8 +396,13 @@ class Scheduler:
 def step_shape(chunks: list[Chunk]) -> StepShape:
     """What a step runs, in the terms of the latency profile: decode tokens of running sequences
     (by their length after the step) and prefill chunks (cached tokens, new tokens)."""
-    decoding = [c for c in chunks if c.seq.state is SeqState.RUNNING]
-    prefilling = [(c.start, c.stop - c.start) for c in chunks if c.seq.state is not SeqState.RUNNING]
+    # a decode with a proposal runs its tokens as a chunk does
+    decoding = [c for c in chunks if c.seq.state is SeqState.RUNNING and not c.proposal]
+    prefilling = [
+        (c.start, c.stop - c.start + len(c.proposal))
+        for c in chunks
+        if c.seq.state is not SeqState.RUNNING or c.proposal
+    ]
     return StepShape.of(prefilling, [c.stop for c in decoding])
 
 

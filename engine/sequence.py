@@ -38,6 +38,10 @@ class Sequence:
     branches: tuple[Branch, ...] = ()  # the request's other outputs, started once its prompt is computed
     group: str = ""  # a branch's: the request id of the sequence it branched from ("": none)
     grammar_state: object | None = None  # with params.grammar: its matcher (engine/grammar.py)
+    step_tokens: int = 1  # output tokens its last step added (more than one: a proposal was kept)
+    speculate_k: int = 0  # how many tokens to propose next (0: the worker's most; engine/speculate.py)
+    proposed: int = 0  # tokens proposed for it so far
+    accepted: int = 0  # of those, kept
 
     @property
     def reply_id(self) -> str:

@@ -30,15 +30,22 @@ class Stepper:
         self, chunks: list[Chunk], tables: BlockTables, after_layer: Callable[[int], None] | None = None
     ) -> list[Pick]:
         """Runs the chunks (writing their KV into the cache); one (token, logprob, top log-probabilities)
-        per chunk with ``sample``, in order. ``after_layer(i)``: called as each layer finishes (layer-wise
-        KV push)."""
+        per chunk with ``sample``, in order, and for a chunk with a proposal the list of the proposed
+        tokens the model picks itself followed by the token after them (``verify``).
+        ``after_layer(i)``: called as each layer finishes (layer-wise KV push)."""
         entries = [_entry(c, tables) for c in chunks]
         # A mask depends only on the tokens so far: computed before the step.
-        masks = self._masks([c.seq for c in chunks if c.sample])
+        sampled = [c for c in chunks if c.sample and not c.proposal]
+        masks = self._masks([c.seq for c in sampled])
         logits = self.runner.step(entries, after_layer)
         rows: list[int] = []  # the sampling row of each chunk with ``sample``
+        checks: list[torch.Tensor] = []  # each proposal chunk's rows: its last token's and the proposal's
         row = 0
         for chunk, entry in zip(chunks, entries, strict=True):
+            if chunk.proposal:  # the rows of its last token and of each proposed token
+                row += len(entry.token_ids)
+                checks.append(logits[row - 1 - len(chunk.proposal) : row])
+                continue
             if entry.all_logits:
                 _score_prompt(chunk, logits[row : row + len(entry.token_ids)])
                 row += len(entry.token_ids)
@@ -46,11 +53,20 @@ class Stepper:
                 row += 1
             if chunk.sample:
                 rows.append(row - 1)
-        sampled = [c for c in chunks if c.sample]
         indices = [c.seq.params.output_offset + len(c.seq.output_ids) for c in sampled]
         histories = [history(c.seq) if c.seq.params.changes_logits else None for c in sampled]
-        picks = sample(logits[rows], [c.seq.params for c in sampled], indices, histories, masks)
-        return [(p.token_id, p.logprob, p.top_logprobs) for p in picks]
+        picks = iter(sample(logits[rows], [c.seq.params for c in sampled], indices, histories, masks))
+        verified = iter(
+            verify(c, rows) for c, rows in zip([c for c in chunks if c.proposal], checks, strict=True)
+        )
+        out: list[Pick | list[Pick]] = []
+        for chunk in chunks:
+            if chunk.proposal:
+                out.append(next(verified))
+            elif chunk.sample:
+                p = next(picks)
+                out.append((p.token_id, p.logprob, p.top_logprobs))
+        return out
 
     def _masks(self, seqs: list[Sequence]) -> torch.Tensor | None:
         if self.grammars is None:
@@ -60,6 +76,22 @@ class Stepper:
                 )
             return None
         return self.grammars.masks(seqs)
+
+
+def verify(chunk: Chunk, logits: torch.Tensor) -> list[Pick]:
+    """A greedy decode chunk with a proposal: ``logits`` has a row for its last token and one for each
+    proposed token. Keeps the proposed tokens the model picks itself, in order, and the model's pick
+    after the last one kept: what decoding one token at a time would give (each row's logits are the
+    same in a chunk as in a decode step)."""
+    seq = chunk.seq
+    index = seq.params.output_offset + len(seq.output_ids)
+    picked = sample(logits, [seq.params] * len(logits), list(range(index, index + len(logits))))
+    out: list[Pick] = []
+    for p, proposed in zip(picked, (*chunk.proposal, None), strict=True):
+        out.append((p.token_id, p.logprob, p.top_logprobs))
+        if p.token_id != proposed:
+            break
+    return out
 
 
 def _score_prompt(chunk: Chunk, logits: torch.Tensor) -> None:
@@ -82,11 +114,11 @@ def history(seq: Sequence) -> History:
 def _entry(chunk: Chunk, tables: BlockTables) -> StepEntry:
     seq = chunk.seq
     return StepEntry(
-        token_ids=seq.token_slice(chunk.start, chunk.stop),
+        token_ids=seq.token_slice(chunk.start, chunk.stop) + chunk.proposal,
         num_cached=chunk.start,
         block_table=tuple(tables.table(seq.request_id)),
         needs_logits=chunk.sample,
-        all_logits=_scores_prompt(chunk),
+        all_logits=_scores_prompt(chunk) or bool(chunk.proposal),
     )
 
 

@@ -28,6 +28,7 @@ AUTO_KV_MIN_MB = 256
 # "onednn" on CPUs and "cublas" on CUDA, are faster on long prompts on a GPU but give a token other
 # bits in another batch, so greedy text is no longer the same in every deployment (docs/serving.md).
 LINEARS = ("invariant", "onednn", "cublas")
+SPECULATIVE = ("off", "ngram")  # speculative decoding's proposers
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,12 @@ class WorkerConfig:
     # (PLAIN); the same for every worker of a deployment, or its transfers fail (docs/security.md)
     kv_encryption: bool = True
     served: str = ""  # the model version it serves, "name@version" ("": the deployment's one model)
+    # Speculative decoding on decode and colocated workers (docs/engine.md#speculative-decoding):
+    # "ngram" proposes up to speculative_k tokens per greedy sequence from its own history, while at
+    # most speculative_below sequences decode; "off": none.
+    speculative: str = "off"
+    speculative_k: int = 6
+    speculative_below: int = 4
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -82,6 +89,13 @@ class WorkerConfig:
                 f"kv_transport must be one of {', '.join(KV_TRANSPORTS)}, got {self.kv_transport!r}"
             )
 
+        if self.speculative not in SPECULATIVE:
+            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE)}, got {self.speculative!r}")
+        if not 1 <= self.speculative_k <= 32 or self.speculative_below < 1:
+            raise ValueError(
+                f"speculative_k must be in [1, 32] and speculative_below at least 1, got "
+                f"{self.speculative_k}, {self.speculative_below}"
+            )
         if self.linears not in LINEARS:
             raise ValueError(f"linears must be one of {', '.join(LINEARS)}, got {self.linears!r}")
 

@@ -92,15 +92,16 @@ class KVRates:
         return {k: b / s for k, (b, s) in totals.items()}
 
 
-def delta_of(seq: Sequence) -> TokenDelta:
-    """The delta for a sequence that just got one token (and maybe finished)."""
-    index = len(seq.output_ids) - 1
+def delta_of(seq: Sequence, new: int = 1) -> TokenDelta:
+    """The delta for a sequence that just got ``new`` tokens (and maybe finished)."""
+    index = len(seq.output_ids) - new
     cached = (seq.prefix_hit or 0) if index == 0 else 0
-    top = (seq.output_top[-1],) if seq.params.logprobs else ()
+    top = tuple(seq.output_top[index:]) if seq.params.logprobs else ()
     scored = tuple(seq.prompt_logprobs) if index == 0 and seq.params.prompt_logprobs else ()
     return TokenDelta(
-        seq.reply_id, index, (seq.output_ids[-1],), (seq.output_logprobs[-1],), seq.finish_reason,
-        cached_tokens=cached, top_logprobs=top, choice=seq.params.choice, prompt_logprobs=scored,
+        seq.reply_id, index, tuple(seq.output_ids[index:]), tuple(seq.output_logprobs[index:]),
+        seq.finish_reason, cached_tokens=cached, top_logprobs=top, choice=seq.params.choice,
+        prompt_logprobs=scored,
     )  # fmt: skip
 
 
@@ -119,6 +120,8 @@ class WorkerCore:
         sched = SchedulerConfig(
             max_batch_tokens=c.max_batch_tokens, max_running=c.max_running, max_model_len=spec.max_model_len,
             on_prefilled=self.on_prefilled, prefix_salt=prefix_salt(c.model) if c.prefix_caching else None,
+            speculate_k=c.speculative_k if c.speculative == "ngram" and self.on_prefilled == "decode" else 0,
+            speculate_below=c.speculative_below,
         )  # fmt: skip
         self.scheduler = Scheduler(self.tables, sched)
         self.kv_rates = KVRates()
@@ -181,8 +184,9 @@ class WorkerCore:
         chunks = self.scheduler.schedule()
         return Step(chunks, step_shape(chunks)) if chunks else None
 
-    def complete(self, step: Step, sampled: list[Pick], seconds: float) -> Out:
-        """The step ran for ``seconds``; ``sampled``: one pick per chunk with ``sample`` (``Pick``)."""
+    def complete(self, step: Step, sampled: list[Pick | list[Pick]], seconds: float) -> Out:
+        """The step ran for ``seconds``; ``sampled``: one pick per chunk with ``sample`` (``Pick``), a
+        list of them for a chunk with a proposal (``Scheduler.complete``)."""
         self._recent_ms.append(seconds * 1e3)
         self.profile.observe(step.shape, seconds)
         changed = self.scheduler.complete(step.chunks, sampled)
@@ -190,7 +194,7 @@ class WorkerCore:
 
     def stepped(self, changed: list[Sequence]) -> Out:
         """Turns the sequences that got a token into messages."""
-        return self.outputs([delta_of(seq) for seq in changed])
+        return self.outputs([delta_of(seq, seq.step_tokens) for seq in changed])
 
     def transfer_ended(self, result: TransferResult) -> Out:
         return []

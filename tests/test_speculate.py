@@ -1,0 +1,93 @@
+"""Prompt-lookup speculative decoding: proposals from a sequence's own history (engine/speculate.py),
+checked in one step and kept where the model picks them itself, so greedy output is what plain
+decoding gives, token for token, with no block leaked."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdfabric.control import Generate, StepOutputs
+from pdfabric.decode.core import ColocatedCore
+from pdfabric.engine.generate import ReferenceEngine
+from pdfabric.engine.runner import ModelRunner
+from pdfabric.engine.speculate import propose
+from pdfabric.engine.stepper import Stepper
+from pdfabric.profile import WorkerProfile
+from pdfabric.sampling_params import SamplingParams
+from pdfabric.worker.spec import FixedProfile
+from tests.core_helpers import core_spec
+
+
+def test_proposals_come_from_the_latest_earlier_occurrence_of_the_last_ngram() -> None:
+    assert propose([1, 2, 3, 4, 5, 6, 7, 1, 2, 3], 3) == (4, 5, 6)
+    assert propose([1, 2, 9, 1, 2, 8, 1, 2], 2) == (8, 1)  # the latest occurrence
+    assert propose([1, 2, 3, 9, 2, 3, 7, 1, 2, 3], 2) == (9, 2)  # the longest n-gram first
+    assert propose([5, 6, 7, 8, 9], 3) == () and propose([1, 2], 3) == () and propose([1, 2, 1, 2], 0) == ()
+    assert propose([7, 7, 7, 7], 5) == (7,)  # what followed, up to the end
+    big = [2**20 + 1, 7, 2**20 + 1, 7]  # token ids whose bytes could match across a token boundary
+    assert propose([1, 256, 0, 0, 1, 256], 2) == (0, 0) and propose(big, 4) == (2**20 + 1, 7)
+
+
+@pytest.fixture(scope="module")
+def reference() -> ReferenceEngine:
+    return ReferenceEngine("tiny")
+
+
+def run(reference: ReferenceEngine, prompts: list[list[int]], params: SamplingParams, **config: object):
+    """Serves the prompts on a colocated core with the real model; returns each request's output, the
+    core and its deltas."""
+    spec = core_spec("colocated", 128, worker_id="c", max_model_len=2048, **config)
+    core = ColocatedCore(spec, FixedProfile(WorkerProfile()))
+    stepper = Stepper(ModelRunner(reference.model, 128, 16))
+    for i, prompt in enumerate(prompts):
+        core.handle(Generate(f"r{i}", tuple(prompt), params, ()))
+    seqs = [core.scheduler.get(f"r{i}") for i in range(len(prompts))]
+    deltas = []
+    while core.has_work:
+        step = core.schedule()
+        assert step is not None
+        out = core.complete(step, stepper.run(step.chunks, core.tables), 0.0)
+        deltas += [d for msg in out if isinstance(msg, StepOutputs) for d in msg.deltas]
+    return [s.output_ids for s in seqs], seqs, core, deltas
+
+
+def test_greedy_output_with_speculation_equals_plain_decoding(reference: ReferenceEngine) -> None:
+    # prompts that repeat themselves, so that proposals are found and some are kept
+    prompts = [([3, 4, 5, 6, 7, 8] * 12)[: 20 + 7 * i] for i in range(4)] + [list(range(10, 40))]
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    want = [reference.generate(p, params).token_ids for p in prompts]
+    got, seqs, core, deltas = run(reference, prompts, params, speculative="ngram", speculative_k=6,
+                                  speculative_below=8)  # fmt: skip
+    assert got == want
+    assert sum(s.accepted for s in seqs) > 0, "no proposal was kept: the test checks nothing"
+    assert sum(s.proposed for s in seqs) > sum(s.accepted for s in seqs)  # and some were not
+    assert max(len(d.token_ids) for d in deltas) > 1  # kept tokens leave in one delta
+    # the deltas tile each output: every index once, in order
+    for i, out in enumerate(got):
+        mine = [d for d in deltas if d.request_id == f"r{i}"]
+        assert [t for d in mine for t in d.token_ids] == out
+        assert [d.index for d in mine] == [sum(len(m.token_ids) for m in mine[:j]) for j in range(len(mine))]
+    assert core.tables.pool.num_free == core.tables.pool.num_blocks and len(core.tables) == 0
+
+
+def test_speculation_stops_at_max_tokens_and_eos(reference: ReferenceEngine) -> None:
+    prompt = [3, 4, 5, 6] * 10
+    for max_tokens in (1, 2, 5, 13):
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        got, *_ = run(reference, [prompt], params, speculative="ngram", speculative_k=8, speculative_below=4)
+        assert got == [reference.generate(prompt, params).token_ids]
+    params = SamplingParams(max_tokens=40)  # stops at an eos if the model picks one
+    got, seqs, core, _ = run(reference, [prompt], params, speculative="ngram", speculative_below=4)
+    assert got == [reference.generate(prompt, params).token_ids]
+
+
+def test_sampled_and_busy_sequences_do_not_speculate(reference: ReferenceEngine) -> None:
+    prompt = [3, 4, 5, 6] * 10
+    seeded = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.8, seed=3)
+    _, seqs, *_ = run(reference, [prompt], seeded, speculative="ngram", speculative_below=4)
+    assert seqs[0].proposed == 0
+    greedy = SamplingParams(max_tokens=20, ignore_eos=True)
+    _, seqs, *_ = run(reference, [prompt] * 3, greedy, speculative="ngram", speculative_below=2)
+    assert sum(s.proposed for s in seqs) == 0  # three decoding: above speculative_below
+    _, seqs, *_ = run(reference, [prompt], greedy)  # off by default
+    assert seqs[0].proposed == 0
