@@ -79,6 +79,8 @@ class Scheduler:
         self._groups: dict[str, set[str]] = {}  # a request with branches -> its live sequences' ids
         self.prompt_tokens = 0  # prompt tokens scheduled for the first time (prefix cache queries)
         self.prefix_hit_tokens = 0  # of those, found in the prefix cache
+        self.proposed_tokens = 0  # tokens speculation proposed (engine/speculate.py)
+        self.accepted_tokens = 0  # of those, kept
 
     # --- admission ------------------------------------------------------------------------------
 
@@ -189,6 +191,7 @@ class Scheduler:
         while proposal and self.tables.grow(seq.request_id, seq.num_tokens + len(proposal)) is None:
             proposal = proposal[:-1]
         seq.proposed += len(proposal)
+        self.proposed_tokens += len(proposal)
         return proposal
 
     def _attach_prefix(self, seq: Sequence) -> None:
@@ -292,6 +295,7 @@ class Scheduler:
         seq = chunk.seq
         kept = len(picks) - 1
         seq.accepted += kept
+        self.accepted_tokens += kept
         # the next proposal's length follows this one's outcome
         seq.speculate_k = len(chunk.proposal) * 2 if kept == len(chunk.proposal) else max(1, kept)
         seq.step_tokens = 0

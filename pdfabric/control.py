@@ -71,6 +71,8 @@ class Heartbeat:
     evicted: tuple[bytes, ...] = ()  # prefix hashes it dropped from its cache since then
     received: int = 0  # work messages (Generate, Reserve, Prefill) taken in since it registered
     refused_peers: int = 0  # handshakes its KV endpoint refused since it started (no cluster secret)
+    proposed_tokens: int = 0  # tokens speculative decoding proposed here since it started
+    accepted_tokens: int = 0  # of those, kept (the model picked them itself)
 
 
 @message(3)

@@ -4,6 +4,12 @@ decoding gives, token for token, with no block leaked."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import signal
+
+import aiohttp
 import pytest
 
 from pdfabric.control import Generate, StepOutputs
@@ -16,6 +22,7 @@ from pdfabric.profile import WorkerProfile
 from pdfabric.sampling_params import SamplingParams
 from pdfabric.worker.spec import FixedProfile
 from tests.core_helpers import core_spec
+from tests.fabric import get_json, metric_values, running_fabric, wait_blocks_free
 
 
 def test_proposals_come_from_the_latest_earlier_occurrence_of_the_last_ngram() -> None:
@@ -91,3 +98,51 @@ def test_sampled_and_busy_sequences_do_not_speculate(reference: ReferenceEngine)
     assert sum(s.proposed for s in seqs) == 0  # three decoding: above speculative_below
     _, seqs, *_ = run(reference, [prompt], greedy)  # off by default
     assert seqs[0].proposed == 0
+
+
+@pytest.mark.parametrize("flags", [("--colocated", "2"), ("--prefill", "1", "--decode", "2")])
+def test_a_fabric_that_speculates_survives_a_kill_token_exact(
+    flags: tuple[str, ...], reference: ReferenceEngine
+) -> None:
+    """kill -9 of the worker decoding the most streams while 6 greedy streams run with speculation
+    on: every stream moves and ends exactly as the single-process reference (proposals never leave
+    the worker, so the new one simply goes on), and kept proposals arrive several tokens a delta."""
+    prompts = [([5 + i, 6, 7, 8, 9, 10] * 10)[: 30 + 5 * i] for i in range(6)]
+    kind = "colocated" if "--colocated" in flags else "decode"
+    with running_fabric("--model", "tiny", "--num-blocks", "256", "--speculative", "ngram", *flags) as url:
+        started = [asyncio.Event() for _ in prompts]
+
+        async def one(i: int) -> tuple[list[int], int]:
+            ids, biggest = [], 0
+            body = {"model": "tiny", "prompt": prompts[i], "max_tokens": 150, "temperature": 0,
+                    "ignore_eos": True, "stream": True, "return_token_ids": True}  # fmt: skip
+            async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+                async for line in r.content:
+                    if line.startswith(b"data: {"):
+                        data = json.loads(line[6:])
+                        assert "error" not in data, data
+                        for choice in data["choices"]:
+                            ids += choice["token_ids"]
+                            biggest = max(biggest, len(choice["token_ids"]))
+                        if len(ids) >= 10:
+                            started[i].set()
+            return ids, biggest
+
+        async def run_all() -> list[tuple[list[int], int]]:
+            tasks = [asyncio.create_task(one(i)) for i in range(len(prompts))]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+            workers = [w for w in get_json(url + "/health")[1]["workers"] if w["kind"] == kind]
+            os.kill(max(workers, key=lambda w: w["requests"])["pid"], signal.SIGKILL)
+            return await asyncio.wait_for(asyncio.gather(*tasks), 120)
+
+        results = asyncio.run(run_all())
+        params = SamplingParams(max_tokens=150, ignore_eos=True)
+        for prompt, (ids, _) in zip(prompts, results, strict=True):
+            assert ids == reference.generate(prompt, params).token_ids
+        assert max(biggest for _, biggest in results) > 1  # kept proposals: several tokens a chunk
+        assert sum(metric_values(url, "pdfabric_failovers_total").values()) >= 1
+        wait_blocks_free(url)
+        proposed = sum(metric_values(url, "pdfabric_speculative_proposed_tokens_total").values())
+        accepted = sum(metric_values(url, "pdfabric_speculative_accepted_tokens_total").values())
+        assert proposed >= accepted > 0, (proposed, accepted)

@@ -229,6 +229,8 @@ class WorkerCore:
             evicted=evicted,
             received=self.received,
             refused_peers=refused_peers,
+            proposed_tokens=s.proposed_tokens,
+            accepted_tokens=s.accepted_tokens,
         )
 
     @property

@@ -46,6 +46,16 @@ class _WorkerGauges(Collector):
             "Handshakes a worker's KV endpoint refused: peers without the cluster secret",
             labels=labels,
         )
+        proposed = CounterMetricFamily(
+            "pdfabric_speculative_proposed_tokens",
+            "Tokens speculative decoding proposed on a worker",
+            labels=labels,
+        )
+        accepted = CounterMetricFamily(
+            "pdfabric_speculative_accepted_tokens",
+            "Of those, tokens kept (the model picked them itself)",
+            labels=labels,
+        )
         per_pool: dict[tuple[str, str], int] = {}
         for w in self.fleet.workers.values():
             key = [w.worker_id, w.reg.pool, w.reg.kind]
@@ -57,12 +67,14 @@ class _WorkerGauges(Collector):
                 prompt.add_metric(key, w.load.prompt_tokens)
                 hits.add_metric(key, w.load.prefix_hit_tokens)
                 refused.add_metric(key, w.load.refused_peers)
+                proposed.add_metric(key, w.load.proposed_tokens)
+                accepted.add_metric(key, w.load.accepted_tokens)
             per_pool[(w.reg.pool, w.reg.kind)] = per_pool.get((w.reg.pool, w.reg.kind), 0) + 1
         for kind in KINDS:
             per_pool.setdefault(("default", kind), 0)
         for (pool, kind), n in sorted(per_pool.items()):
             count.add_metric([pool, kind], n)
-        yield from (free, total, running, queued, count, prompt, hits, refused)
+        yield from (free, total, running, queued, count, prompt, hits, refused, proposed, accepted)
 
 
 class _Waiting(Collector):
