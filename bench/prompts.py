@@ -7,6 +7,12 @@ endpoints that only take text: the ids below are decoded, and the text is trimme
 re-encoding it gives the count (byte-level BPE merges across piece boundaries, so decoding N ids does
 not always give N tokens back).
 
+A third, ``edit``, is an editing workload for chat models (what speculative decoding is for): each
+prompt is the model's chat template around a request to copy an excerpt of the Python standard
+library's sources on this machine with its mistakes fixed, the excerpt cut so that the whole prompt
+is exactly the asked number of tokens. The file and the excerpt's first line come from the seed and
+the request's index.
+
 Ids are drawn uniformly from ``[0, vocab_size)`` with a seeded generator, so the same workload and seed
 give the same prompts against every deployment. A request with Mooncake ``hash_ids`` is built block by
 block: block ``h`` is the same ``PREFIX_BLOCK_TOKENS`` ids wherever ``h`` appears, so requests that share
@@ -26,7 +32,8 @@ from pdfabric.bench.workload import PREFIX_BLOCK_TOKENS, Request
 if TYPE_CHECKING:
     from pdfabric.engine.tokenizer import Tokenizer
 
-FORMATS = ("ids", "text")
+FORMATS = ("ids", "text", "edit")
+EDIT_ASK = "Copy the following Python code, fixing any mistakes you find:\n\n```python\n{code}\n```"
 _FIX_ROUNDS = 64  # trim/extend rounds before giving up on an exact text length
 
 _BLOCK_STREAM = 1  # keeps hash-block ids and per-request ids in separate random streams
@@ -50,13 +57,15 @@ class PromptConfig:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
         if self.format not in FORMATS:
             raise ValueError(f"prompt format must be one of {', '.join(FORMATS)}, got {self.format!r}")
-        if self.format == "text" and not self.tokenizer:
-            raise ValueError("text prompts need the served model's tokenizer (--tokenizer DIR or preset)")
+        if self.format in ("text", "edit") and not self.tokenizer:
+            raise ValueError(
+                f"{self.format} prompts need the served model's tokenizer (--tokenizer DIR or preset)"
+            )
 
     def describe(self) -> dict[str, Any]:
         """What the report says about the prompts."""
         out: dict[str, Any] = {"vocab_size": self.vocab_size, "seed": self.seed, "format": self.format}
-        if self.format == "text":
+        if self.format in ("text", "edit"):
             out["tokenizer"] = self.tokenizer
         return out
 
@@ -80,12 +89,58 @@ class PromptBuilder:
         """Loads what the format needs now (the tokenizer for text), so a bad setting fails before a run."""
         if self.cfg.format == "text":
             _ = self._text_ids
+        if self.cfg.format == "edit":
+            _ = self._sources, self._tokenizer.apply_chat_template([{"role": "user", "content": "x"}])
 
     def prompt(self, req: Request) -> list[int] | str:
         """What the client sends as ``prompt``: token ids, or text of exactly ``req.input_len`` tokens."""
         if self.cfg.format == "ids":
             return self.tokens(req)
+        if self.cfg.format == "edit":
+            return self.edit(req)
         return self.text(req)
+
+    @cached_property
+    def _sources(self) -> list[str]:
+        """The standard library's Python files on this machine, in name order."""
+        import sysconfig
+        from pathlib import Path
+
+        files = sorted(str(p) for p in Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+        if not files:
+            raise ValueError("no Python standard library sources found for edit prompts")
+        return files
+
+    def edit(self, req: Request) -> str:
+        """A chat prompt of exactly ``req.input_len`` tokens asking to copy a stretch of standard
+        library code with its mistakes fixed (``EDIT_ASK``)."""
+        from pathlib import Path
+
+        tok = self._tokenizer
+        rng = np.random.default_rng([self.cfg.seed, _REQUEST_STREAM, req.index, 2])
+        empty = tok.apply_chat_template([{"role": "user", "content": EDIT_ASK.format(code="")}])
+        room = req.input_len - len(tok.encode(empty, add_special_tokens=True))
+        if room < 1:
+            raise ValueError(f"request {req.index}: {req.input_len} tokens leave no room for code")
+        for _ in range(_FIX_ROUNDS):
+            lines = Path(self._sources[int(rng.integers(len(self._sources)))]).read_text().splitlines()
+            start = int(rng.integers(max(1, len(lines) - 20)))
+            ids = tok.encode("\n".join(lines[start:]), add_special_tokens=False)
+            if len(ids) < room:
+                continue
+            code = tok.decode(ids[:room])
+            for _ in range(_FIX_ROUNDS):  # the chat wrapper's tokens can merge with the code's ends
+                text = tok.apply_chat_template([{"role": "user", "content": EDIT_ASK.format(code=code)}])
+                have = len(tok.encode(text, add_special_tokens=True))
+                if have == req.input_len:
+                    return text
+                cut = tok.encode(code, add_special_tokens=False)
+                code = (
+                    tok.decode(cut[: len(cut) - max(1, have - req.input_len)])
+                    if have > req.input_len
+                    else code + " "
+                )
+        raise ValueError(f"request {req.index}: no edit prompt of exactly {req.input_len} tokens found")
 
     @cached_property
     def _tokenizer(self) -> Tokenizer:

@@ -13,6 +13,7 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 from pdfabric.bench.prompts import PromptBuilder, PromptConfig
 from pdfabric.bench.workload import PREFIX_BLOCK_TOKENS, Request
 from pdfabric.engine.tokenizer import Tokenizer
+from tests.test_gguf import packaged
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog while the cat sleeps in the sun",
@@ -75,3 +76,21 @@ def test_text_prompt_errors_are_clear(bpe_dir: Path, tmp_path: Path) -> None:
         builder.text(Request(0, 0.0, 1, 1))  # bos alone is one token
     ids = PromptBuilder(PromptConfig()).prompt(Request(0, 0.0, 9, 1))
     assert isinstance(ids, list) and len(ids) == 9
+
+
+@pytest.mark.parametrize("tokenizer", ["tiny", pytest.param("smollm2-135m", marks=packaged)])
+def test_edit_prompts_are_chat_requests_to_copy_stdlib_code_of_the_exact_length(tokenizer: str) -> None:
+    from pdfabric.engine.default_model import resolve_model
+
+    tok = Tokenizer.from_pretrained(resolve_model(tokenizer))
+    builder = PromptBuilder(PromptConfig(format="edit", tokenizer=tokenizer, seed=3))
+    builder.check()
+    prompts = [builder.prompt(Request(i, 0.0, 120 + 40 * i, 16)) for i in range(4)]
+    for i, text in enumerate(prompts):
+        assert isinstance(text, str) and "Copy the following Python code" in text and "```python" in text
+        assert len(tok.encode(text, add_special_tokens=True)) == 120 + 40 * i
+    assert len(set(prompts)) == 4  # each request its own excerpt
+    again = PromptBuilder(PromptConfig(format="edit", tokenizer=tokenizer, seed=3))
+    assert again.prompt(Request(2, 0.0, 200, 16)) == prompts[2]  # the seed and the index decide it
+    with pytest.raises(ValueError, match="tokenizer"):
+        PromptConfig(format="edit")
