@@ -68,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--speculative",
         choices=("off", "ngram"),
         help="speculative decoding on decode and colocated workers: ngram proposes tokens from each "
-        "greedy sequence's own history, checked in one step (default off; [worker] speculative_k, "
+        "sequence's own history, checked in one step (default off; [worker] speculative_k, "
         "speculative_below tune it)",
     )
     parser.add_argument("--served-model-name", help="the model name clients use (default: --model)")

@@ -95,6 +95,25 @@ class Grammars:
                 state.matcher.unsafe_compute_mask_ptr(words[i].data_ptr(), row_bytes)  # type: ignore[attr-defined]
         return words
 
+    def masks_ahead(self, seq: Sequence, proposal: tuple[int, ...]) -> torch.Tensor:
+        """Bitmasks for ``seq``'s next token and for the token after each of ``proposal``'s first
+        ``i`` tokens (``[1 + len(proposal), words]``), to check a speculative proposal in one step.
+        Rows past the first proposed token the grammar refuses allow every token: that row's mask
+        already excludes the refused token, so nothing after it is kept. The matcher is left as it
+        was."""
+        words = torch.full((1 + len(proposal), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        state = self._state(seq)
+        if state is None:
+            return words
+        matcher, row_bytes = state.matcher, words.shape[1] * 4
+        valid = matcher.validate_tokens(list(proposal))  # type: ignore[attr-defined]
+        for i in range(valid + 1):
+            matcher.unsafe_compute_mask_ptr(words[i].data_ptr(), row_bytes)  # type: ignore[attr-defined]
+            if i < valid:
+                matcher.consume_token(proposal[i])  # type: ignore[attr-defined]
+        matcher.rollback(valid)  # type: ignore[attr-defined]
+        return words
+
     def _state(self, seq: Sequence) -> GrammarState | None:
         """``seq``'s matcher, caught up with its output (None: its output left the grammar)."""
         state = seq.grammar_state

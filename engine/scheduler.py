@@ -174,14 +174,11 @@ class Scheduler:
         return chunks
 
     def _proposal(self, seq: Sequence, budget: int) -> tuple[int, ...]:
-        """Tokens to check after ``seq``'s next one this step (``engine/speculate.py``), for a greedy
-        sequence whose logits nothing else changes, while few sequences decode; () otherwise. Its
-        blocks grow to hold them (a proposal is cut to what the pool, the budget and the sequence's
-        own limits leave)."""
+        """Tokens to check after ``seq``'s next one this step (``engine/speculate.py``), while few
+        sequences decode; () otherwise. Its blocks grow to hold them (a proposal is cut to what the
+        pool, the budget and the sequence's own limits leave)."""
         c, p = self.config, seq.params
-        if not c.speculate_k or len(self.running) > c.speculate_below or not p.greedy:
-            return ()
-        if p.changes_logits or p.grammar or p.logprobs:
+        if not c.speculate_k or len(self.running) > c.speculate_below:
             return ()
         left = min(
             c.speculate_k, budget, p.max_tokens - len(seq.output_ids) - 1,

@@ -56,8 +56,9 @@ class Stepper:
         indices = [c.seq.params.output_offset + len(c.seq.output_ids) for c in sampled]
         histories = [history(c.seq) if c.seq.params.changes_logits else None for c in sampled]
         picks = iter(sample(logits[rows], [c.seq.params for c in sampled], indices, histories, masks))
+        proposing = [c for c in chunks if c.proposal]
         verified = iter(
-            verify(c, rows) for c, rows in zip([c for c in chunks if c.proposal], checks, strict=True)
+            verify(c, rows, self._masks_ahead(c)) for c, rows in zip(proposing, checks, strict=True)
         )
         out: list[Pick | list[Pick]] = []
         for chunk in chunks:
@@ -67,6 +68,13 @@ class Stepper:
                 p = next(picks)
                 out.append((p.token_id, p.logprob, p.top_logprobs))
         return out
+
+    def _masks_ahead(self, chunk: Chunk) -> torch.Tensor | None:
+        if not chunk.seq.params.grammar:
+            return None
+        if self.grammars is None:
+            raise ValueError("this model has no tokenizer.json, so no grammar engine for structured output")
+        return self.grammars.masks_ahead(chunk.seq, chunk.proposal)
 
     def _masks(self, seqs: list[Sequence]) -> torch.Tensor | None:
         if self.grammars is None:
@@ -78,14 +86,26 @@ class Stepper:
         return self.grammars.masks(seqs)
 
 
-def verify(chunk: Chunk, logits: torch.Tensor) -> list[Pick]:
-    """A greedy decode chunk with a proposal: ``logits`` has a row for its last token and one for each
-    proposed token. Keeps the proposed tokens the model picks itself, in order, and the model's pick
-    after the last one kept: what decoding one token at a time would give (each row's logits are the
-    same in a chunk as in a decode step)."""
+def verify(chunk: Chunk, logits: torch.Tensor, masks: torch.Tensor | None = None) -> list[Pick]:
+    """A decode chunk with a proposal: ``logits`` has a row for its last token and one for each
+    proposed token (``masks``: the grammar's for each, ``Grammars.masks_ahead``). Each row is sampled
+    as decoding would sample that position (greedy, or the seeded draw of that output index, with the
+    penalties of the history before it); the proposed tokens drawn themselves are kept, in order, with
+    the draw after the last one kept. That is what decoding one token at a time gives, token for
+    token, since each row's logits are the same in a chunk as in a decode step; a seeded proposal is
+    kept with the probability the model gives it, as rejection sampling would keep it."""
     seq = chunk.seq
-    index = seq.params.output_offset + len(seq.output_ids)
-    picked = sample(logits, [seq.params] * len(logits), list(range(index, index + len(logits))))
+    params = seq.params
+    index = params.output_offset + len(seq.output_ids)
+    histories = None
+    if params.changes_logits:
+        stop_ids = params.stop_ids(seq.eos_token_ids)
+        histories = [
+            History(seq.prompt_ids, [*seq.output_ids, *chunk.proposal[:i]], stop_ids)
+            for i in range(len(logits))
+        ]
+    indices = list(range(index, index + len(logits)))
+    picked = sample(logits, [params] * len(logits), indices, histories, masks)
     out: list[Pick] = []
     for p, proposed in zip(picked, (*chunk.proposal, None), strict=True):
         out.append((p.token_id, p.logprob, p.top_logprobs))

@@ -62,7 +62,7 @@ class WorkerConfig:
     kv_encryption: bool = True
     served: str = ""  # the model version it serves, "name@version" ("": the deployment's one model)
     # Speculative decoding on decode and colocated workers (docs/engine.md#speculative-decoding):
-    # "ngram" proposes up to speculative_k tokens per greedy sequence from its own history, while at
+    # "ngram" proposes up to speculative_k tokens per sequence from its own history, while at
     # most speculative_below sequences decode; "off": none.
     speculative: str = "off"
     speculative_k: int = 6

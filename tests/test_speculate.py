@@ -12,6 +12,7 @@ import signal
 import aiohttp
 import pytest
 
+from pdfabric import structure
 from pdfabric.control import Generate, StepOutputs
 from pdfabric.decode.core import ColocatedCore
 from pdfabric.engine.generate import ReferenceEngine
@@ -45,9 +46,10 @@ def run(reference: ReferenceEngine, prompts: list[list[int]], params: SamplingPa
     core and its deltas."""
     spec = core_spec("colocated", 128, worker_id="c", max_model_len=2048, **config)
     core = ColocatedCore(spec, FixedProfile(WorkerProfile()))
-    stepper = Stepper(ModelRunner(reference.model, 128, 16))
+    stepper = Stepper(ModelRunner(reference.model, 128, 16), reference.grammars)
+    eos = tuple(sorted(reference.tokenizer.eos_token_ids))
     for i, prompt in enumerate(prompts):
-        core.handle(Generate(f"r{i}", tuple(prompt), params, ()))
+        core.handle(Generate(f"r{i}", tuple(prompt), params, eos))
     seqs = [core.scheduler.get(f"r{i}") for i in range(len(prompts))]
     deltas = []
     while core.has_work:
@@ -88,11 +90,75 @@ def test_speculation_stops_at_max_tokens_and_eos(reference: ReferenceEngine) -> 
     assert got == [reference.generate(prompt, params).token_ids]
 
 
-def test_sampled_and_busy_sequences_do_not_speculate(reference: ReferenceEngine) -> None:
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=50, ignore_eos=True, temperature=0.05, seed=3),  # near greedy: kept often
+        SamplingParams(max_tokens=50, ignore_eos=True, temperature=0.9, top_p=0.9, seed=4),
+        SamplingParams(max_tokens=50, ignore_eos=True, repetition_penalty=1.1, frequency_penalty=0.1),
+        SamplingParams(max_tokens=50, ignore_eos=True, logprobs=3),
+        SamplingParams(
+            max_tokens=50, grammar=structure.response_format_grammar({"type": "regex", "regex": "(abc){12}!"})
+        ),
+    ],
+    ids=["seeded-cold", "seeded-hot", "penalties", "logprobs", "grammar"],
+)
+def test_every_kind_of_request_speculates_and_gives_what_plain_decoding_gives(
+    reference: ReferenceEngine, params: SamplingParams
+) -> None:
+    """A seeded row keeps a proposed token only where the seeded draw of that position picks it, a
+    penalised row sees the proposal in its history, a structured row the grammar's mask after it: so
+    each gives exactly what it gives without speculation (and the model's own log-probabilities)."""
+    prompts = [[3, 4, 5, 6] * 10, [97, 98, 99] * 8]
+    plain, _, _, _ = run(reference, prompts, params)
+    assert plain == [reference.generate(p, params).token_ids for p in prompts]
+    got, seqs, core, _ = run(reference, prompts, params, speculative="ngram", speculative_below=4)
+    assert got == plain
+    if (params.temperature and params.temperature < 0.5) or params.grammar:  # others rarely repeat
+        assert sum(s.accepted for s in seqs) > 0
+    if params.logprobs:
+        want = [reference.generate(p, params).logprobs for p in prompts]
+        assert [s.output_logprobs for s in seqs] == [pytest.approx(w, abs=1e-5) for w in want]
+        assert all(len(top) == 3 for s in seqs for top in s.output_top)
+    assert core.tables.pool.num_free == core.tables.pool.num_blocks
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=24, ignore_eos=True),
+    SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.9, top_p=0.9, seed=4),
+    SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.7, repetition_penalty=1.3, seed=5),
+], ids=["greedy", "seeded", "penalties"])  # fmt: skip
+def test_a_proposal_of_the_right_tokens_is_kept_whole_and_a_wrong_token_ends_it(
+    reference: ReferenceEngine, params: SamplingParams, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Proposals made to order: the very tokens plain decoding gives (each kept: a seeded row draws
+    the same token at the same index), or those with one wrong (kept up to it, then the right one)."""
+    import pdfabric.engine.scheduler as scheduler
+
+    prompt = list(range(20, 60))
+    want = reference.generate(prompt, params).token_ids
+
+    def right(tokens: list[int], k: int) -> tuple[int, ...]:
+        done = len(tokens) - len(prompt)
+        return tuple(want[done : done + k])
+
+    def wrong(tokens: list[int], k: int) -> tuple[int, ...]:
+        good = list(right(tokens, k))
+        if len(good) > 2:
+            good[2] = (good[2] + 1) % 260
+        return tuple(good)
+
+    for proposer, kept in ((right, "all"), (wrong, "some")):
+        monkeypatch.setattr(scheduler, "propose", proposer)
+        got, (seq,), core, deltas = run(reference, [prompt], params, speculative="ngram", speculative_k=4)
+        assert got == [want]
+        assert seq.accepted > 0 and (seq.accepted == seq.proposed) == (kept == "all")
+        assert len(deltas) < len(want)  # several tokens a step
+        assert core.tables.pool.num_free == core.tables.pool.num_blocks
+
+
+def test_busy_workers_do_not_speculate(reference: ReferenceEngine) -> None:
     prompt = [3, 4, 5, 6] * 10
-    seeded = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.8, seed=3)
-    _, seqs, *_ = run(reference, [prompt], seeded, speculative="ngram", speculative_below=4)
-    assert seqs[0].proposed == 0
     greedy = SamplingParams(max_tokens=20, ignore_eos=True)
     _, seqs, *_ = run(reference, [prompt] * 3, greedy, speculative="ngram", speculative_below=2)
     assert sum(s.proposed for s in seqs) == 0  # three decoding: above speculative_below
