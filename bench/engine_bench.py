@@ -53,6 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "whatever the batch) or onednn (oneDNN's packed GEMM, for comparison)",
     )
     parser.add_argument(
+        "--quantization",
+        choices=("none", "int8"),
+        default="none",
+        help="how the linear layers' weights are held: none (the model's dtype) or int8 (weight-only); the "
+        "decode floor counts the bytes actually read",
+    )
+    parser.add_argument(
         "--decoder",
         choices=("c", "ops"),
         default="c",
@@ -179,8 +186,13 @@ def run(args: argparse.Namespace) -> int:
     block = 16
     per_seq_blocks = -(-max(max(prefill_lens), args.context + 1) // block)
     runner = ModelRunner(
-        model, num_blocks=per_seq_blocks * max(batch_sizes) + 1, block_size=block, linears=args.linears
-    )
+        model, num_blocks=per_seq_blocks * max(batch_sizes) + 1, block_size=block, linears=args.linears,
+        quantization=args.quantization,
+    )  # fmt: skip
+    if args.quantization != "none":  # what a step reads: the packed weights, and the norms as loaded
+        weight_bytes = sum(
+            b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith("packed_weight")
+        ) + sum(p.numel() * p.element_size() for n, p in model.named_parameters() if p.dim() < 2)
     if args.decoder == "ops":
         runner.decoder = None
 
@@ -196,6 +208,7 @@ def run(args: argparse.Namespace) -> int:
         "threads": torch.get_num_threads(),
         "kernel_backend": get_backend(),
         "linears": args.linears,
+        "quantization": args.quantization,
         "decoder": "c" if runner.decoder is not None else "ops",
         "cpu": _cpu_name(),
         "gemm_flops": gemm_flops,
@@ -294,7 +307,8 @@ def _op_profile(runner: object, entries: list, top: int, steps: int = 3) -> list
 def _print_table(r: dict) -> None:
     print(
         f"model {r['model']} ({r['dtype']}), {r['threads']} threads, kernels {r['kernel_backend']}, "
-        f"linears {r['linears']}, decoder {r.get('decoder', 'ops')}"
+        f"linears {r['linears']}, decoder {r.get('decoder', 'ops')}, "
+        f"quantization {r.get('quantization', 'none')}"
     )
     print(f"cpu: {r['cpu']}")
     print(

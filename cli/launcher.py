@@ -65,6 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"start-up profiling time per worker, s (default {w('profile_seconds'):g})",
     )
     parser.add_argument(
+        "--quantization",
+        choices=("none", "int8"),
+        help="how workers hold the linear layers' weights: int8 (weight-only, a scale per output: half "
+        "the bytes of bfloat16 for a decode step to read; CPUs) or none (default: the model's dtype)",
+    )
+    parser.add_argument(
         "--speculative",
         choices=("off", "ngram"),
         help="speculative decoding on decode and colocated workers: ngram proposes tokens from each "
@@ -119,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
             "max_running",
             "served_model_name",
             "profile_seconds",
+            "quantization",
             "speculative",
             "routing_policy",
             "ray_address",

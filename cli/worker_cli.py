@@ -26,6 +26,7 @@ from pdfabric.kv_config import CHOICES as KV_TRANSPORTS
 from pdfabric.worker.loop import run_worker
 from pdfabric.worker_config import (
     LINEARS,
+    QUANTIZATIONS,
     SPECULATIVE,
     WorkerConfig,
     worker_config_from_json,
@@ -63,6 +64,7 @@ OVERRIDES: tuple[tuple[str, type, str], ...] = (
         "trusted network; the same on every worker)",
     ),
     ("served", str, "the model version it serves, NAME@VERSION, for a router with [[models]]"),
+    ("quantization", str, "linear weights: none (the model's dtype) or int8 (weight-only, CPUs)"),
     (
         "speculative",
         str,
@@ -73,7 +75,7 @@ OVERRIDES: tuple[tuple[str, type, str], ...] = (
 )
 _QUOTED = ("model", "pool", "block_size", "kv_memory_mb", "max_batch_tokens", "max_running", "kv_host",
            "heartbeat_s", "drain_timeout_s", "device", "profile_seconds", "kv_transport",
-           "prefix_caching", "linears", "kv_encryption", "speculative", "speculative_k",
+           "prefix_caching", "linears", "kv_encryption", "quantization", "speculative", "speculative_k",
            "speculative_below")  # fmt: skip
 
 
@@ -90,7 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default = f" (default {worker_default(name)})" if name in _QUOTED else ""
         flag = "--" + name.replace("_", "-")
         choices = {"kind": KINDS, "dtype": DTYPES, "kv_transport": KV_TRANSPORTS, "linears": LINEARS,
-                   "speculative": SPECULATIVE}  # fmt: skip
+                   "speculative": SPECULATIVE, "quantization": QUANTIZATIONS}  # fmt: skip
         choices = choices.get(name)
         parse = _on_off if type_ is bool else type_
         o.add_argument(flag, type=parse, choices=choices, help=text + default)

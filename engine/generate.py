@@ -36,7 +36,9 @@ class ReferenceEngine:
         dtype: str | None = None,
         num_blocks: int = 512,
         block_size: int = 16,
+        quantization: str = "none",
     ) -> None:
+        """``quantization``: how the linear weights are held, as a worker's setting of that name."""
         from pdfabric.engine.default_model import resolve_model
         from pdfabric.engine.loader import load_model
         from pdfabric.engine.runner import ModelRunner
@@ -46,7 +48,7 @@ class ReferenceEngine:
         self.config = self.model.config
         self._tokenizer = None
         self._grammars = None
-        self.runner = ModelRunner(self.model, num_blocks, block_size)
+        self.runner = ModelRunner(self.model, num_blocks, block_size, quantization=quantization)
         self.tables = BlockTables(BlockPool(num_blocks, block_size))
 
     @property
@@ -139,6 +141,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     parser.add_argument(
+        "--quantization",
+        choices=("none", "int8"),
+        default="none",
+        help="linear weights as a worker's setting",
+    )
+    parser.add_argument(
         "--response-format",
         type=json.loads,
         metavar="JSON",
@@ -160,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             grammar=response_format_grammar(args.response_format),
         )
-        engine = ReferenceEngine(args.model, args.dtype)
+        engine = ReferenceEngine(args.model, args.dtype, quantization=args.quantization)
         if args.chat:  # the template writes its own special tokens
             text = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
             prompt_ids = engine.tokenizer.encode(text, add_special_tokens=False)

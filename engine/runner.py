@@ -18,7 +18,7 @@ from pdfabric.engine.kv_cache import allocate_kv_cache
 from pdfabric.engine.model import LlamaForCausalLM
 from pdfabric.kernels import AttentionMetadata, get_backend
 from pdfabric.kernels.decoder_cpu import Decoder
-from pdfabric.kernels.linear import can_pack, check_kind, pack_linears, packed
+from pdfabric.kernels.linear import can_pack, check_kind, check_quantization, pack_linears, packed
 from pdfabric.kernels.paged_attention_cpu import tiled_kv_supported
 
 
@@ -53,10 +53,17 @@ class ModelRunner:
     """
 
     def __init__(
-        self, model: LlamaForCausalLM, num_blocks: int, block_size: int, linears: str = "invariant"
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        linears: str = "invariant",
+        quantization: str = "none",
     ) -> None:
         if get_backend() != "torch":
-            _pack_model(model, linears)
+            _pack_model(model, linears, quantization)
+        elif quantization != "none":
+            raise ValueError(f"quantization {quantization!r} needs the C kernels (not the torch backend)")
         self.model = model
         self.config = model.config
         self.block_size = block_size
@@ -148,15 +155,18 @@ class ModelRunner:
         return self.model.compute_logits(hidden[prepared.logits_indices])
 
 
-def _pack_model(model: LlamaForCausalLM, kind: str) -> None:
+def _pack_model(model: LlamaForCausalLM, kind: str, quantization: str = "none") -> None:
     """Packs the linear layers, and a tied head as a layer of its own: the head then runs the same
     kernel as every other projection (on CPUs a copy of the embedding table, which the lookup keeps
-    using; on CUDA the table itself)."""
-    check_kind(kind, model.model.embed_tokens.weight.device.type)
-    pack_linears(model, kind)
+    using; on CUDA the table itself). ``quantization``: how the packed weights are held
+    (``kernels/linear.py``); the embedding lookup keeps the model's dtype."""
+    device = model.model.embed_tokens.weight.device.type
+    check_kind(kind, device)
+    check_quantization(quantization, kind, device)
+    pack_linears(model, kind, quantization)
     if model.lm_head is None:
         embed = model.model.embed_tokens.weight
         head = nn.Linear(embed.shape[1], embed.shape[0], bias=False, device="meta")
         head.weight = embed
-        if can_pack(head, kind):
-            model.lm_head = packed(head, kind)
+        if can_pack(head, kind, quantization):
+            model.lm_head = packed(head, kind, quantization)

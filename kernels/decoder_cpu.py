@@ -46,6 +46,7 @@ class _Shape(ctypes.Structure):
         ("num_slots", ctypes.c_int64),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
+        ("linear_dtype", ctypes.c_int),
     ]
 
 
@@ -105,7 +106,7 @@ class Decoder:
         self._shape = _Shape(
             cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
             block_size, layer_ops_cpu.DTYPE_CODES[dtype], int(tiled), num_blocks * block_size,
-            cfg.rms_norm_eps, cfg.head_dim**-0.5,
+            cfg.rms_norm_eps, cfg.head_dim**-0.5, _linears(model.model.layers[0])[0].dtype_code,
         )  # fmt: skip
         self._keep: list[torch.Tensor] = []  # norm weights in the model dtype, alive as long as this is
         layers = []
@@ -142,10 +143,14 @@ class Decoder:
             or not paged_attention_cpu.decodes_as_prefill(weight.dtype)
         ):
             return None
+        codes = set()
         for layer in model.model.layers:
             for m in _linears(layer):
-                if not isinstance(m, InvariantLinear) or m.packed_weight.dtype != weight.dtype:
+                if not isinstance(m, InvariantLinear) or m._dtype != weight.dtype:
                     return None
+                codes.add(m.dtype_code)
+        if len(codes) != 1:  # one weight format for every layer (quantized or not)
+            return None
         cfg = model.config
         q = torch.empty(1, cfg.num_heads, cfg.head_dim, dtype=weight.dtype)
         for cache in kv_caches:

@@ -13,6 +13,9 @@ layer's device; the model calls it like ``nn.Linear`` and never learns which it 
 
 A layer that no kernel of the kind takes (a dtype the CPU cannot multiply natively, no C compiler, no
 Triton) stays ``nn.Linear``.
+
+``quantization="int8"`` (a worker's ``quantization`` setting) holds the invariant kernel's weights as
+int8 with a scale per output (CPUs only: ``linear_cpu.quantize_int8``); elsewhere it is an error.
 """
 
 from __future__ import annotations
@@ -36,34 +39,45 @@ def check_kind(kind: str, device: str) -> None:
         raise ValueError(f"linear kernel {kind!r} does not run on {device}; there: {', '.join(kinds)}")
 
 
-def can_pack(linear: nn.Linear, kind: str = "invariant") -> bool:
+def check_quantization(quantization: str, kind: str, device: str) -> None:
+    """``ValueError`` unless the linear kernel ``kind`` on ``device`` holds weights as ``quantization``."""
+    if quantization not in linear_cpu.QUANTIZATIONS:
+        raise ValueError(
+            f"unknown quantization {quantization!r}; expected one of {', '.join(linear_cpu.QUANTIZATIONS)}"
+        )
+    if quantization != "none" and (device != "cpu" or kind != "invariant"):
+        raise ValueError(f"quantization {quantization!r} runs on CPUs with the invariant linears only")
+
+
+def can_pack(linear: nn.Linear, kind: str = "invariant", quantization: str = "none") -> bool:
     """Whether ``linear`` gets a module of ``kind`` on its device (``False``: it stays ``nn.Linear``)."""
     device = linear.weight.device.type
     check_kind(kind, device)
+    check_quantization(quantization, kind, device)
     if device == "cpu":
-        return linear_cpu.can_pack(linear, kind)
+        return linear_cpu.can_pack(linear, kind, quantization)
     if device != "cuda" or kind == "cublas":
         return False  # other devices have no kernel of their own; on CUDA nn.Linear already is cuBLAS
     return dispatch.runs_triton(linear.weight) and linear.weight.dtype in FLOAT_DTYPES
 
 
-def packed(linear: nn.Linear, kind: str = "invariant") -> nn.Module:
+def packed(linear: nn.Linear, kind: str = "invariant", quantization: str = "none") -> nn.Module:
     """``linear`` as a module of ``kind`` (the caller checks ``can_pack`` first)."""
     if linear.weight.device.type == "cpu":
-        return linear_cpu.packed(linear, kind)
+        return linear_cpu.packed(linear, kind, quantization)
     from pdfabric.kernels.linear_triton import TritonLinear  # imports Triton: only for CUDA layers
 
     return TritonLinear(linear.weight, linear.bias)
 
 
-def pack_linears(module: nn.Module, kind: str = "invariant") -> int:
+def pack_linears(module: nn.Module, kind: str = "invariant", quantization: str = "none") -> int:
     """Replaces every ``nn.Linear`` under ``module`` that ``can_pack`` by its module of ``kind``; returns
     how many. The plain weights are released, so the model's weights stay in memory once."""
     count = 0
     for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear) and can_pack(child, kind):
-            setattr(module, name, packed(child, kind))
+        if isinstance(child, nn.Linear) and can_pack(child, kind, quantization):
+            setattr(module, name, packed(child, kind, quantization))
             count += 1
         else:
-            count += pack_linears(child, kind)
+            count += pack_linears(child, kind, quantization)
     return count

@@ -30,6 +30,8 @@ from pdfabric.kernels import cpu_build
 
 LINEAR_KINDS = ("invariant", "onednn")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+INT8_CODES = {torch.bfloat16: 2, torch.float32: 3}  # int8 weights beside inputs and outputs of this dtype
+QUANTIZATIONS = ("none", "int8")
 
 
 @functools.cache
@@ -39,6 +41,8 @@ def _library() -> ctypes.CDLL | None:
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.pd_linear.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, i32, i32]
         lib.pd_linear_pack.argtypes = [p, i64, i64, i64, i32, p]
+        lib.pd_linear_pack_int8.argtypes = [p, i64, p, i64, i64, i32, p]
+        lib.pd_linear_pack_int8.restype = ctypes.c_int
         lib.pd_linear_packed_elems.argtypes = [i64, i64, i32]
         lib.pd_linear_packed_elems.restype = i64
         lib.pd_linear_supported.argtypes = [i32]
@@ -61,40 +65,66 @@ def _onednn_available() -> bool:
     )
 
 
-def can_pack(linear: nn.Linear, kind: str = "invariant") -> bool:
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` ``[n, k]`` as int8 and one float32 scale per row: symmetric, ``q = round(w / s)`` with
+    ``s = max |w| / 127`` over the row (1 for a row of zeros), so ``q * s`` is the weight to within half
+    a step."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+def can_pack(linear: nn.Linear, kind: str = "invariant", quantization: str = "none") -> bool:
     """Whether ``linear``'s weight can be packed for ``kind``: a CPU float32 weight, or a bfloat16 one
-    on a CPU that multiplies bfloat16 natively, and a kernel that built (or oneDNN) here."""
+    on a CPU that multiplies bfloat16 natively, and a kernel that built (or oneDNN) here; with
+    ``quantization`` ``int8``, the invariant kernel's int8 form for that dtype."""
     if kind not in LINEAR_KINDS:
         raise ValueError(f"unknown linear kernel {kind!r}; expected one of {', '.join(LINEAR_KINDS)}")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; expected one of {', '.join(QUANTIZATIONS)}")
     w = linear.weight
     if w.device.type != "cpu" or w.dtype not in DTYPE_CODES:
         return False
     if w.dtype == torch.bfloat16 and not cpu_build.cpu_has_half_math():
         return False
     if kind == "onednn":
-        return _onednn_available()
+        return quantization == "none" and _onednn_available()
     lib = _library()
-    return lib is not None and bool(lib.pd_linear_supported(DTYPE_CODES[w.dtype]))
+    code = INT8_CODES[w.dtype] if quantization == "int8" else DTYPE_CODES[w.dtype]
+    return lib is not None and bool(lib.pd_linear_supported(code))
 
 
 class InvariantLinear(nn.Module):
-    """``y = x W^T + b`` by ``csrc/linear_cpu.c``: each output summed in one fixed order; inference only."""
+    """``y = x W^T + b`` by ``csrc/linear_cpu.c``: each output summed in one fixed order; inference only.
+    With ``quantization="int8"`` the weight is held as int8 with a scale per output (``quantize_int8``):
+    half the bytes of bfloat16 to read, the inputs and outputs still in the compute dtype."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quantization: str = "none") -> None:
         super().__init__()
         # weight: [out_features, in_features]; bias: [out_features] or None, both in the compute dtype
         self.out_features, self.in_features = weight.shape
-        self.dtype_code = DTYPE_CODES[weight.dtype]
+        self.quantization = quantization
+        self.dtype_code = INT8_CODES[weight.dtype] if quantization == "int8" else DTYPE_CODES[weight.dtype]
         weight = weight.detach()
         if weight.stride(1) != 1:
             weight = weight.contiguous()
         lib = _library()
         size = lib.pd_linear_packed_elems(self.out_features, self.in_features, self.dtype_code)
-        packed = torch.empty(size, dtype=weight.dtype)  # 64-column panels, see linear_cpu.c
-        status = lib.pd_linear_pack(
-            weight.data_ptr(), weight.stride(0), self.out_features, self.in_features, self.dtype_code,
-            packed.data_ptr(),
-        )  # fmt: skip
+        if quantization == "int8":
+            q, scale = quantize_int8(weight)
+            packed = torch.empty(size, dtype=torch.uint8)  # the scales, then int8 panels (linear_cpu.c)
+            status = lib.pd_linear_pack_int8(
+                q.data_ptr(), q.stride(0), scale.data_ptr(), self.out_features, self.in_features,
+                self.dtype_code, packed.data_ptr(),
+            )  # fmt: skip
+        else:
+            packed = torch.empty(size, dtype=weight.dtype)  # 64-column panels, see linear_cpu.c
+            status = lib.pd_linear_pack(
+                weight.data_ptr(), weight.stride(0), self.out_features, self.in_features, self.dtype_code,
+                packed.data_ptr(),
+            )  # fmt: skip
         if status != 0:
             raise ValueError(f"pd_linear_pack rejected a {tuple(weight.shape)} weight")
         self.register_buffer("packed_weight", packed)
@@ -127,8 +157,10 @@ class InvariantLinear(nn.Module):
         return out
 
     def extra_repr(self) -> str:
+        quantized = f", quantization={self.quantization}" if self.quantization != "none" else ""
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+            + quantized
         )
 
 
@@ -153,8 +185,8 @@ class PackedLinear(nn.Module):
         )
 
 
-def packed(linear: nn.Linear, kind: str = "invariant") -> nn.Module:
+def packed(linear: nn.Linear, kind: str = "invariant", quantization: str = "none") -> nn.Module:
     """``linear`` packed for ``kind`` (the caller checks ``can_pack`` first)."""
     if kind == "onednn":
         return PackedLinear(linear)
-    return InvariantLinear(linear.weight, linear.bias)
+    return InvariantLinear(linear.weight, linear.bias, quantization)

@@ -29,6 +29,7 @@ AUTO_KV_MIN_MB = 256
 # bits in another batch, so greedy text is no longer the same in every deployment (docs/serving.md).
 LINEARS = ("invariant", "onednn", "cublas")
 SPECULATIVE = ("off", "ngram")  # speculative decoding's proposers
+QUANTIZATIONS = ("none", "int8")  # kernels/linear_cpu.py's, named here so configs import no torch
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,9 @@ class WorkerConfig:
     )
     prefix_caching: bool = True  # keep computed full blocks for prompts that share their prefix
     linears: str = "invariant"  # the linear-layer kernel (LINEARS); a vendor one gives up batch invariance
+    # How the linear layers' weights are held (QUANTIZATIONS): "int8", weight-only with a scale per
+    # output, half of bfloat16's bytes to read a decode step; "none", the model's dtype (CPUs only)
+    quantization: str = "none"
     # KV channel encrypted (CURVE) or, on a network the operator trusts, authenticated in the clear
     # (PLAIN); the same for every worker of a deployment, or its transfers fail (docs/security.md)
     kv_encryption: bool = True
@@ -89,6 +93,10 @@ class WorkerConfig:
                 f"kv_transport must be one of {', '.join(KV_TRANSPORTS)}, got {self.kv_transport!r}"
             )
 
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
         if self.speculative not in SPECULATIVE:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE)}, got {self.speculative!r}")
         if not 1 <= self.speculative_k <= 32 or self.speculative_below < 1:

@@ -53,10 +53,16 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return path
 
 
-def _pair(path: Path, dtype: str, num_blocks: int = 64) -> tuple[ModelRunner, ModelRunner]:
+def _pair(
+    path: Path, dtype: str, num_blocks: int = 64, quantization: str = "none"
+) -> tuple[ModelRunner, ModelRunner]:
     """Two runners of the same weights: the first with the C decoder, the second without."""
-    fused = ModelRunner(load_model(path, dtype), num_blocks=num_blocks, block_size=BLOCK)
-    plain = ModelRunner(load_model(path, dtype), num_blocks=num_blocks, block_size=BLOCK)
+    fused = ModelRunner(
+        load_model(path, dtype), num_blocks=num_blocks, block_size=BLOCK, quantization=quantization
+    )
+    plain = ModelRunner(
+        load_model(path, dtype), num_blocks=num_blocks, block_size=BLOCK, quantization=quantization
+    )
     assert fused.decoder is not None
     plain.decoder = None
     return fused, plain
@@ -79,10 +85,13 @@ def _decode_equal(fused: ModelRunner, plain: ModelRunner, prompts: list[tuple[in
             out.append(int(row.argmax()))
 
 
+@pytest.mark.parametrize("quantization", ["none", "int8"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_c_decoder_gives_the_models_logits_to_the_bit(checkpoint: Path, dtype: str) -> None:
+def test_c_decoder_gives_the_models_logits_to_the_bit(
+    checkpoint: Path, dtype: str, quantization: str
+) -> None:
     _need(dtype)
-    fused, plain = _pair(checkpoint, dtype)
+    fused, plain = _pair(checkpoint, dtype, quantization=quantization)
     gen = torch.Generator().manual_seed(2)
     prompts = [tuple(torch.randint(0, 300, (n,), generator=gen).tolist()) for n in (5, 40, 17)]
     _decode_equal(fused, plain, prompts[:1], 4)  # one sequence
@@ -102,10 +111,11 @@ def test_c_decoder_calls_after_layer_for_each_layer_in_order(checkpoint: Path) -
 
 
 @packaged
+@pytest.mark.parametrize("quantization", ["none", "int8"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_c_decoder_on_smollm2(dtype: str) -> None:
+def test_c_decoder_on_smollm2(dtype: str, quantization: str) -> None:
     _need(dtype)
-    fused, plain = _pair(resolve_model("smollm2-135m"), dtype, num_blocks=96)
+    fused, plain = _pair(resolve_model("smollm2-135m"), dtype, num_blocks=96, quantization=quantization)
     gen = torch.Generator().manual_seed(3)
     prompts = [tuple(torch.randint(0, 49152, (n,), generator=gen).tolist()) for n in (70, 3, 130)]
     _decode_equal(fused, plain, prompts, 3)

@@ -241,7 +241,9 @@ def build_engine(cfg: WorkerConfig) -> Engine:
         model_max_len=model.config.max_position_embeddings,
         kv_bytes_per_token=model.config.kv_bytes_per_token, pid=os.getpid(), host=host_id(),
     )  # fmt: skip
-    runner = ModelRunner(model, spec.num_blocks, cfg.block_size, linears=cfg.linears)
+    runner = ModelRunner(
+        model, spec.num_blocks, cfg.block_size, linears=cfg.linears, quantization=cfg.quantization
+    )
     has_tokenizer = (path / "tokenizer.json").exists()
     grammars = Grammars.for_model(path, model.config.vocab_size) if has_tokenizer else None
     return Engine(runner, spec, ProfileBuilder(), grammars)

@@ -15,6 +15,15 @@
  * with columns past n and the odd k of an odd K zero. A step streams each panel once and applies it
  * to up to ROWS rows held in registers; with few rows it is a read of the weights at memory speed.
  *
+ * Weights quantized to int8 (weight-only, symmetric, one float32 scale per output column; packed by
+ * pd_linear_pack_int8) halve the bytes a decode step reads:
+ *   dtype 2: bfloat16 x and out, panel[k / 2][64][2] int8, widened to bfloat16 in registers (an int8 is
+ *            a bfloat16 exactly) and multiplied as dtype 1 multiplies;
+ *   dtype 3: float32 x and out, panel[k][64] int8, widened to float32.
+ *   y[m, n] = round(scale[n] * sum_k x[m, k] * q[n, k] + bias[n])
+ * The packed buffer starts with the scales of every panel's 64 columns (float32), then the panels. The
+ * sums keep the order of the other dtypes, so a row's result does not depend on the batch either.
+ *
  * Layouts (element strides): x row m starts at m * x_stride, out row m at m * out_stride, elements
  * contiguous. dtype: 0 float32, 1 bfloat16 (x, weight, bias and out alike). Rounding to bfloat16 is
  * to nearest even on the bits, as torch rounds.
@@ -48,10 +57,34 @@
 
 static inline int64_t pairs_of(int64_t k) { return (k + 1) / 2; }
 
-/* Elements of the packed weight of an [n, k] linear in `dtype`. */
+static inline int quantized(int dtype) { return dtype == 2 || dtype == 3; }
+
+/* Elements of the packed weight of an [n, k] linear in `dtype` (bytes for the int8 dtypes: the scales'
+ * too). */
 int64_t pd_linear_packed_elems(int64_t n, int64_t k, int dtype) {
     const int64_t panels = (n + COLS - 1) / COLS;
+    if (quantized(dtype))
+        return panels * COLS * (int64_t)sizeof(float) + (dtype == 2 ? panels * pairs_of(k) * COLS * 2 : panels * k * COLS);
     return dtype == 1 ? panels * pairs_of(k) * COLS * 2 : panels * k * COLS;
+}
+
+/* Packs int8 weights q [n, k] (row stride w_stride) and their per-row scales [n] for dtype 2 (pairs of
+ * inputs, for bfloat16 x) or 3 (one input at a time, for float32 x). Returns 0, or 1 on bad arguments. */
+int pd_linear_pack_int8(const int8_t *q, int64_t w_stride, const float *scales, int64_t n, int64_t k, int dtype,
+                        void *packed) {
+    if (n <= 0 || k <= 0 || w_stride < k || !quantized(dtype)) return 1;
+    const int64_t panels = (n + COLS - 1) / COLS, per = dtype == 2 ? 2 : 1, steps = dtype == 2 ? pairs_of(k) : k;
+    float *scale = (float *)packed;
+    int8_t *dst = (int8_t *)packed + panels * COLS * (int64_t)sizeof(float);
+    for (int64_t c = 0; c < panels * COLS; c++) scale[c] = c < n ? scales[c] : 0.0f;
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t i = 0; i < steps; i++)
+            for (int c = 0; c < COLS; c++)
+                for (int e = 0; e < per; e++) {
+                    const int64_t row = p * COLS + c, col = per * i + e;
+                    dst[((p * steps + i) * COLS + c) * per + e] = row < n && col < k ? q[row * w_stride + col] : 0;
+                }
+    return 0;
 }
 
 /* Packs w [n, k] (rows contiguous, row stride w_stride) into `packed`. Returns 0, or 1 on bad arguments. */
@@ -108,11 +141,13 @@ static inline __m512 widen_bf16x16(const uint16_t *p, __mmask16 live) {
 /* store_tile's bfloat16 rows, 16 columns at a time: the same roundings as the scalar loop. */
 static void store_tile_bf16(const job_t *j, int64_t m0, int rows, int64_t c0, int cols, const float *acc) {
     const uint16_t *bias = (const uint16_t *)j->bias;
+    const float *scale = quantized(j->dtype) ? (const float *)j->packed + c0 : NULL;
     for (int r = 0; r < rows; r++) {
         uint16_t *o = (uint16_t *)j->out + (m0 + r) * j->out_stride + c0;
         for (int c = 0; c < cols; c += 16) {
             const __mmask16 live = cols - c >= 16 ? 0xffff : (__mmask16)((1u << (cols - c)) - 1);
             __m512 y = _mm512_loadu_ps(acc + r * COLS + c);
+            if (scale) y = _mm512_mul_ps(y, _mm512_loadu_ps(scale + c));
             if (bias) y = _mm512_add_ps(y, widen_bf16x16(bias + c0 + c, live));
             _mm256_mask_storeu_epi16(o + c, live, round_bf16x16(y));
         }
@@ -124,28 +159,37 @@ static void store_tile_bf16(const job_t *j, int64_t m0, int rows, int64_t c0, in
 static void store_tile(const job_t *j, int64_t m0, int rows, int64_t p, const float *acc) {
     const int64_t c0 = p * COLS;
     const int cols = j->n - c0 < COLS ? (int)(j->n - c0) : COLS;
+    const int bf16 = j->dtype == 1 || j->dtype == 2;
 #ifdef HAVE_AVX512
-    if (j->dtype == 1) {
+    if (bf16) {
         store_tile_bf16(j, m0, rows, c0, cols, acc);
         return;
     }
 #endif
+    const float *scale = quantized(j->dtype) ? (const float *)j->packed + c0 : NULL;
     for (int r = 0; r < rows; r++) {
         const float *a = acc + r * COLS;
-        if (j->dtype == 1) {
+        if (bf16) {
             const uint16_t *bias = (const uint16_t *)j->bias;
             uint16_t *o = (uint16_t *)j->out + (m0 + r) * j->out_stride + c0;
             for (int c = 0; c < cols; c++) {
-                o[c] = f32_to_bf16(bias ? a[c] + bf16_to_f32(bias[c0 + c]) : a[c]);
+                const float y = scale ? a[c] * scale[c] : a[c];
+                o[c] = f32_to_bf16(bias ? y + bf16_to_f32(bias[c0 + c]) : y);
             }
         } else {
             const float *bias = (const float *)j->bias;
             float *o = (float *)j->out + (m0 + r) * j->out_stride + c0;
             for (int c = 0; c < cols; c++) {
-                o[c] = bias ? a[c] + bias[c0 + c] : a[c];
+                const float y = scale ? a[c] * scale[c] : a[c];
+                o[c] = bias ? y + bias[c0 + c] : y;
             }
         }
     }
+}
+
+/* The int8 panels of a quantized weight start after the scales. */
+static inline const int8_t *int8_panels(const job_t *j) {
+    return (const int8_t *)j->packed + (j->n + COLS - 1) / COLS * COLS * (int64_t)sizeof(float);
 }
 
 #ifdef HAVE_AVX512_BF16
@@ -180,7 +224,79 @@ static inline __attribute__((always_inline)) void tile_bf16(const job_t *j, int6
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + r * COLS + 16 * c, sum[r][c]);
 }
+
+/* 32 int8 weights (16 columns, a pair of inputs each) as 32 bfloat16, which hold them exactly. */
+static inline __m512bh widen_int8x32(const int8_t *p) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+/* tile_bf16 over int8 panels (dtype 2): the same products in the same order, the weights widened. */
+static inline __attribute__((always_inline)) void tile_q8_bf16(const job_t *j, int64_t m0, int64_t p, int64_t i0,
+                                                               int64_t i1, float *acc, const int rows) {
+    const int64_t kp = pairs_of(j->k), full = j->k / 2;
+    const int8_t *panel = int8_panels(j) + p * kp * COLS * 2;
+    const pair_t *x[ROWS];
+    for (int r = 0; r < rows; r++) x[r] = (const pair_t *)((const uint16_t *)j->x + (m0 + r) * j->x_stride);
+    __m512 sum[ROWS][4];
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < 4; c++) sum[r][c] = i0 ? _mm512_loadu_ps(acc + r * COLS + 16 * c) : _mm512_setzero_ps();
+    for (int64_t i = i0; i < i1; i++) {
+        const int8_t *w = panel + i * COLS * 2;
+        __builtin_prefetch(w + 2 * PREFETCH_PAIRS * COLS, 0, PREFETCH_HINT);
+        __builtin_prefetch(w + 2 * PREFETCH_PAIRS * COLS + 64, 0, PREFETCH_HINT);
+        const __m512bh b0 = widen_int8x32(w), b1 = widen_int8x32(w + 32);
+        const __m512bh b2 = widen_int8x32(w + 64), b3 = widen_int8x32(w + 96);
+        for (int r = 0; r < rows; r++) {
+            const int32_t pair = i < full ? x[r][i] : (int32_t)((const uint16_t *)x[r])[2 * i];
+            const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+            sum[r][0] = _mm512_dpbf16_ps(sum[r][0], a, b0);
+            sum[r][1] = _mm512_dpbf16_ps(sum[r][1], a, b1);
+            sum[r][2] = _mm512_dpbf16_ps(sum[r][2], a, b2);
+            sum[r][3] = _mm512_dpbf16_ps(sum[r][3], a, b3);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + r * COLS + 16 * c, sum[r][c]);
+}
 #endif
+
+/* tile_f32 over int8 panels (dtype 3): one input at a time, the weights widened to float32. */
+static inline __attribute__((always_inline)) void tile_q8_f32(const job_t *j, int64_t m0, int64_t p, int64_t i0,
+                                                              int64_t i1, float *acc, const int rows) {
+    const int8_t *panel = int8_panels(j) + p * j->k * COLS;
+    const float *x = (const float *)j->x + m0 * j->x_stride;
+#ifdef HAVE_AVX512
+    __m512 sum[ROWS][4];
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < 4; c++) sum[r][c] = i0 ? _mm512_loadu_ps(acc + r * COLS + 16 * c) : _mm512_setzero_ps();
+    for (int64_t i = i0; i < i1; i++) {
+        const int8_t *w = panel + i * COLS;
+        __builtin_prefetch(w + PREFETCH_PAIRS * COLS, 0, PREFETCH_HINT);
+        __m512 b[4];
+        for (int c = 0; c < 4; c++)
+            b[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 16 * c))));
+        for (int r = 0; r < rows; r++) {
+            const __m512 a = _mm512_set1_ps(x[r * j->x_stride + i]);
+            for (int c = 0; c < 4; c++) sum[r][c] = _mm512_fmadd_ps(a, b[c], sum[r][c]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + r * COLS + 16 * c, sum[r][c]);
+#else
+    for (int r = 0; r < rows; r++) {
+        float sum[COLS];
+        for (int c = 0; c < COLS; c++) sum[c] = i0 ? acc[r * COLS + c] : 0.0f;
+        for (int64_t i = i0; i < i1; i++) {
+            const float a = x[r * j->x_stride + i];
+            const int8_t *w = panel + i * COLS;
+            for (int c = 0; c < COLS; c++) sum[c] += a * (float)w[c];
+        }
+        memcpy(acc + r * COLS, sum, sizeof sum);
+    }
+#endif
+}
 
 #ifdef HAVE_AVX512
 /* The float32 twin of tile_bf16: one input at a time, fused multiply-add, inputs [i0, i1). */
@@ -238,7 +354,15 @@ static inline __attribute__((always_inline)) void tile_rows(const job_t *j, int6
         tile_bf16(j, m0, p, i0, i1, acc, rows);
         return;
     }
+    if (j->dtype == 2) {
+        tile_q8_bf16(j, m0, p, i0, i1, acc, rows);
+        return;
+    }
 #endif
+    if (j->dtype == 3) {
+        tile_q8_f32(j, m0, p, i0, i1, acc, rows);
+        return;
+    }
     tile_f32(j, m0, p, i0, i1, acc, rows);
 }
 
@@ -261,7 +385,8 @@ static void tile(const job_t *j, int64_t m0, int rows, int64_t p, int64_t i0, in
 static void run_item(const job_t *j, int64_t block, int64_t p) {
     float acc[ROW_BLOCK * COLS];
     const int64_t start = block * ROW_BLOCK, end = start + ROW_BLOCK < j->m ? start + ROW_BLOCK : j->m;
-    const int64_t steps = j->dtype == 1 ? pairs_of(j->k) : j->k, chunk = j->dtype == 1 ? K_CHUNK : 2 * K_CHUNK;
+    const int pairs = j->dtype == 1 || j->dtype == 2;
+    const int64_t steps = pairs ? pairs_of(j->k) : j->k, chunk = pairs ? K_CHUNK : 2 * K_CHUNK;
     for (int64_t i0 = 0; i0 < steps; i0 += chunk) {
         const int64_t i1 = i0 + chunk < steps ? i0 + chunk : steps;
         for (int64_t m0 = start; m0 < end; m0 += ROWS)
@@ -274,16 +399,16 @@ static void run_item(const job_t *j, int64_t block, int64_t p) {
 /* Whether this build can run `dtype`: 1 or 0. */
 int pd_linear_supported(int dtype) {
 #ifdef HAVE_AVX512_BF16
-    return dtype == 0 || dtype == 1;
+    return dtype >= 0 && dtype <= 3;
 #else
-    return dtype == 0;
+    return dtype == 0 || dtype == 3;
 #endif
 }
 
 /* Returns 0 on success, 1 on bad arguments, 3 when this build cannot run the dtype. */
 int pd_linear(const void *x, int64_t x_stride, const void *packed, const void *bias, void *out,
               int64_t out_stride, int64_t m, int64_t n, int64_t k, int dtype, int threads) {
-    if (m < 0 || n <= 0 || k <= 0 || x_stride < k || out_stride < n || (dtype != 0 && dtype != 1)) return 1;
+    if (m < 0 || n <= 0 || k <= 0 || x_stride < k || out_stride < n || dtype < 0 || dtype > 3) return 1;
     if (!pd_linear_supported(dtype)) return 3;
     const job_t job = {x, packed, bias, out, x_stride, out_stride, m, n, k, dtype};
     const int64_t panels = (n + COLS - 1) / COLS, blocks = (m + ROW_BLOCK - 1) / ROW_BLOCK;
