@@ -178,12 +178,10 @@ class Scheduler:
         sequences decode; () otherwise. Its blocks grow to hold them (a proposal is cut to what the
         pool, the budget and the sequence's own limits leave)."""
         c, p = self.config, seq.params
-        if not c.speculate_k or len(self.running) > c.speculate_below:
+        most = c.speculate_k if p.speculative_k < 0 else min(c.speculate_k, p.speculative_k)
+        if not most or len(self.running) > c.speculate_below:
             return ()
-        left = min(
-            c.speculate_k, budget, p.max_tokens - len(seq.output_ids) - 1,
-            c.max_model_len - seq.num_tokens - 1,
-        )  # fmt: skip
+        left = min(most, budget, p.max_tokens - len(seq.output_ids) - 1, c.max_model_len - seq.num_tokens - 1)
         proposal = propose(seq.token_slice(0, seq.num_tokens), min(left, seq.speculate_k or c.speculate_k))
         while proposal and self.tables.grow(seq.request_id, seq.num_tokens + len(proposal)) is None:
             proposal = proposal[:-1]

@@ -23,6 +23,10 @@ class SamplingParams:
     first (its log-probability given the tokens before it, and the ``logprobs`` likeliest there); such
     a prompt is computed whole, never taken from the prefix cache.
 
+    ``speculative_k``: the most tokens speculative decoding may propose for it a step, below the
+    worker's own setting (-1: the worker's; 0: none); it never changes the output, only how fast it
+    comes (``engine/speculate.py``).
+
     ``grammar``: the output must follow it (a grammar built and checked by ``pdfabric.structure``;
     "" none); tokens it does not allow next are never picked, and a finished structure allows only
     end-of-sequence.
@@ -54,6 +58,7 @@ class SamplingParams:
     choice: int = 0  # which of the request's outputs (its seed stream)
     prompt_logprobs: bool = False  # also each prompt token's log-probability (and ``logprobs`` top ones)
     grammar: str = ""  # what the output must follow (``pdfabric.structure``); "" none
+    speculative_k: int = -1  # speculative decoding: most proposed tokens a step (-1: the worker's; 0: off)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -81,6 +86,8 @@ class SamplingParams:
             raise ValueError("logit_bias values must be in [-100, 100]")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if not -1 <= self.speculative_k <= 32:
+            raise ValueError(f"speculative_k must be in [-1, 32], got {self.speculative_k}")
 
     @property
     def greedy(self) -> bool:

@@ -191,6 +191,8 @@ def _NAMED(name: str) -> dict:  # noqa: N802 - reads as a constant in the table 
         ("/v1/completions", {"response_format": {"type": "regex", "regex": "(a"}}, "response_format"),
         ("/v1/completions", {"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
         ("/v1/completions", {"tools": [_TOOL]}, "tools"),
+        ("/v1/completions", {"speculative": {"k": 33}}, "speculative"),
+        ("/v1/completions", {"speculative": "yes"}, "speculative"),
         ("/v1/completions", {"logprobs": 21}, "logprobs"),
         ("/v1/completions", {"logprobs": True}, "logprobs"),
         ("/v1/completions", {"presence_penalty": 2.5}, "presence_penalty"),

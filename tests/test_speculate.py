@@ -157,6 +157,17 @@ def test_a_proposal_of_the_right_tokens_is_kept_whole_and_a_wrong_token_ends_it(
         assert core.tables.pool.num_free == core.tables.pool.num_blocks
 
 
+def test_a_request_can_turn_speculation_off_or_lower_its_k(reference: ReferenceEngine) -> None:
+    prompt = [3, 4, 5, 6] * 10
+    off = SamplingParams(max_tokens=30, ignore_eos=True, speculative_k=0)
+    _, seqs, *_ = run(reference, [prompt], off, speculative="ngram", speculative_below=4)
+    assert seqs[0].proposed == 0
+    one = SamplingParams(max_tokens=30, ignore_eos=True, speculative_k=1)
+    got, seqs, _, deltas = run(reference, [prompt], one, speculative="ngram", speculative_below=4)
+    assert seqs[0].proposed > 0 and max(len(d.token_ids) for d in deltas) <= 2  # one proposed, one drawn
+    assert got == [reference.generate(prompt, one).token_ids]
+
+
 def test_busy_workers_do_not_speculate(reference: ReferenceEngine) -> None:
     prompt = [3, 4, 5, 6] * 10
     greedy = SamplingParams(max_tokens=20, ignore_eos=True)

@@ -28,7 +28,7 @@ _COMMON_FIELDS = frozenset(
         "model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop",
         "seed", "user", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
         "logit_bias", "min_tokens", "stop_token_ids", "ignore_eos", "return_token_ids", "timeout", "slo",
-        "response_format",
+        "response_format", "speculative",
         # Accepted and without effect on the output: bookkeeping fields some clients always send.
         "metadata", "store", "service_tier",
     }
@@ -67,6 +67,7 @@ class ParsedRequest:
     user: str | None = None  # the end user, as the client names them (no effect on the output)
     return_token_ids: bool = False  # extension: each choice also carries the generated token ids
     timeout_s: float | None = None  # extension: the whole request's deadline, seconds from arrival
+    speculative_k: int = -1  # extension: at most this many proposed tokens a step (-1: the worker's; 0: off)
     n: int = 1  # outputs returned per prompt
     echo: bool = False  # completions: each choice's text (and logprobs) starts with its prompt
     best_of: int = 1  # outputs generated per prompt, of which the ``n`` most likely are returned
@@ -91,6 +92,7 @@ class ParsedRequest:
             top_k=self.top_k,
             prompt_logprobs=self.echo and self.logprobs is not None,
             grammar=self.grammar,
+            speculative_k=self.speculative_k,
         )
 
 
@@ -208,7 +210,28 @@ def parse_request(body: Any, chat: bool, served_models: tuple[str, ...], vocab_s
         grammar=grammar,
         tools=tools,
         parallel_tool_calls=parallel,
+        speculative_k=_speculative(body.get("speculative")),
     )
+
+
+MAX_SPECULATIVE_K = 32
+
+
+def _speculative(value: Any) -> int:
+    """The ``speculative`` extension, which can only turn speculative decoding off or lower how many
+    tokens a step proposes: ``false`` (off), ``true`` or null (the worker's setting), ``{"k": N}``."""
+    if value is None or value is True:
+        return -1
+    if value is False:
+        return 0
+    k = _integral(value.get("k")) if isinstance(value, dict) and set(value) == {"k"} else None
+    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_SPECULATIVE_K:
+        raise bad(
+            f"'speculative' must be a boolean or {{\"k\": N}} with N in [0, {MAX_SPECULATIVE_K}], "
+            f"got {value!r}",
+            "speculative",
+        )
+    return k
 
 
 def _structure(body: dict[str, Any], chat: bool) -> tuple[str, tuple[Tool, ...], bool]:

@@ -137,21 +137,39 @@ _COMMON: dict[str, Any] = {
             "anyOf": [
                 _kind("text"),
                 _kind("json_object"),
-                _kind("json_schema", json_schema={
-                    "type": "object",
-                    "properties": {
-                        "name": {"type": "string"},
-                        "description": {"type": "string"},
-                        "schema": {"type": "object"},
-                        "strict": _nullable({"type": "boolean"}),
+                _kind(
+                    "json_schema",
+                    json_schema={
+                        "type": "object",
+                        "properties": {
+                            "name": {"type": "string"},
+                            "description": {"type": "string"},
+                            "schema": {"type": "object"},
+                            "strict": _nullable({"type": "boolean"}),
+                        },
+                        "additionalProperties": False,
                     },
-                    "additionalProperties": False,
-                }),
+                ),
                 _kind("regex", regex={"type": "string", "minLength": 1}),
                 _kind("grammar", grammar={"type": "string", "minLength": 1}),
             ],
         }
     ),  # fmt: skip
+    "speculative": _nullable(
+        {
+            "description": "extension: false turns speculative decoding off for this request, "
+            '{"k": N} lowers the tokens a step proposes to N; the worker\'s setting is the most',
+            "anyOf": [
+                {"type": "boolean"},
+                {
+                    "type": "object",
+                    "required": ["k"],
+                    "properties": {"k": {"type": "integer", "minimum": 0, "maximum": api.MAX_SPECULATIVE_K}},
+                    "additionalProperties": False,
+                },
+            ],
+        }
+    ),
     "metadata": _nullable({"type": "object"}),
     "store": _nullable({"type": "boolean"}),
     "service_tier": _nullable({"type": "string"}),
