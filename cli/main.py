@@ -36,6 +36,11 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
         "prefill and decode speed beside the machine's floors",
     ),
     (("bench", "transfer"), "pdfabric.bench.transfer", "KV transfer bandwidth per transport beside memcpy"),
+    (
+        ("bench", "perplexity"),
+        "pdfabric.bench.perplexity",
+        "how well a model predicts a held text, per weight format",
+    ),
     (("bench", "kernels"), "pdfabric.bench.kernels_bench", "attention, linears vs cuBLAS, KV pack on a GPU"),
     (("bench", "replay"), "pdfabric.bench.replay_cmd", "replay a trace open-loop: TTFT, ITL, SLO attainment"),
     (("bench", "goodput"), "pdfabric.bench.goodput_cmd", "highest rate meeting both SLOs (rate search)"),

@@ -72,3 +72,30 @@ def test_a_fabric_with_int8_weights_serves_what_the_int8_reference_gives(flags: 
             want = reference.generate(prompt, SamplingParams(max_tokens=24, ignore_eos=True)).token_ids
             assert data["choices"][0]["token_ids"] == want
         wait_blocks_free(url)
+
+
+def test_bench_perplexity_scores_each_format_on_the_same_windows(tmp_path) -> None:  # noqa: ANN001
+    import json
+    import subprocess
+    import sys
+
+    text = tmp_path / "held.txt"
+    text.write_text("def add(a, b):\n    return a + b\n" * 40)
+    out = tmp_path / "ppl.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "pdfabric.cli", "bench", "perplexity", "--model", "tiny", "--text", str(text),
+         "--tokens", "600", "--context", "128", "--quantization", "none,int8", "--json", str(out),
+         "--no-progress"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    r = json.loads(out.read_text())
+    assert r["windows"] == 4 and r["tokens"] == 512
+    none, int8 = r["formats"]
+    assert (none["quantization"], int8["quantization"]) == ("none", "int8")
+    assert none["scored_tokens"] == int8["scored_tokens"] == 4 * 127
+    assert 1 < none["perplexity"] < 1000 and abs(int8["perplexity"] / none["perplexity"] - 1) < 0.05
+    assert "int8" in done.stdout
+    command = [sys.executable, "-m", "pdfabric.cli", "bench", "perplexity", "--quantization", "int4"]
+    bad = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    assert bad.returncode == 2 and "none and/or int8" in bad.stderr

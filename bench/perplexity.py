@@ -1,0 +1,143 @@
+"""``pdfabric bench perplexity``: how well a model, in a given weight format, predicts a held text.
+
+The text is the Python standard library's sources on this machine by default (its ``.py`` files in
+name order, read until ``--tokens`` tokens), or a file. It is cut into windows of ``--context`` tokens
+that do not overlap; each window is one prefill through the engine's own runner (so the kernels, the
+weight format and the dtype are those a worker serves with), and every token after a window's first
+is scored given the tokens before it in the window. Perplexity is exp of the mean negative
+log-likelihood over all scored tokens. Comparing formats (``--quantization none`` against ``int8``) on
+the same text and windows tells what a format costs in accuracy; greedy text is not expected to stay
+the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default="smollm2-135m", help="model directory or preset (default smollm2-135m)"
+    )
+    parser.add_argument(
+        "--quantization",
+        default="none",
+        help="comma-separated weight formats to score, each on the same windows: none (the model's dtype) "
+        "and/or int8 (default none)",
+    )
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="compute dtype")
+    parser.add_argument(
+        "--text", metavar="FILE", help="a UTF-8 text file (default: the standard library's sources)"
+    )
+    parser.add_argument(
+        "--tokens", type=int, default=32768, help="tokens of text to score at most (default 32768)"
+    )
+    parser.add_argument("--context", type=int, default=512, help="tokens per window (default 512)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+
+
+def held_text(path: str | None, limit_chars: int) -> tuple[str, str]:
+    """The text to score and where it came from: ``path``, or the standard library's ``.py`` files in
+    name order, read until ``limit_chars`` characters."""
+    from pathlib import Path
+
+    if path:
+        return Path(path).read_text(encoding="utf-8")[:limit_chars], path
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    parts, have = [], 0
+    for file in sorted(root.glob("*.py")):
+        text = file.read_text(encoding="utf-8", errors="replace")
+        parts.append(text)
+        have += len(text)
+        if have >= limit_chars:
+            break
+    return "".join(parts)[:limit_chars], f"{root}/*.py (name order)"
+
+
+def score(runner: object, windows: list[list[int]], progress: bool, label: str) -> tuple[float, int]:
+    """The summed negative log-likelihood of every window's tokens after its first, and their count."""
+    import torch
+
+    from pdfabric.engine.runner import StepEntry
+
+    nll, count = 0.0, 0
+    blocks = -(-max(len(w) for w in windows) // runner.block_size)  # type: ignore[attr-defined]
+    for i, window in enumerate(windows):
+        entry = StepEntry(tuple(window), 0, tuple(range(blocks)), needs_logits=True, all_logits=True)
+        logits = runner.step([entry])  # type: ignore[attr-defined]
+        logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)
+        targets = torch.tensor(window[1:], dtype=torch.long)
+        nll -= float(logprobs.gather(1, targets[:, None]).sum())
+        count += len(window) - 1
+        if progress:
+            print(f"\r{label}: window {i + 1}/{len(windows)}, perplexity so far {math.exp(nll / count):.3f}",
+                  end="", file=sys.stderr, flush=True)  # fmt: skip
+    if progress:
+        print(file=sys.stderr)
+    return nll, count
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from pdfabric.engine.default_model import resolve_model
+    from pdfabric.engine.loader import load_model
+    from pdfabric.engine.runner import ModelRunner
+    from pdfabric.engine.tokenizer import Tokenizer
+
+    formats = [f.strip() for f in args.quantization.split(",") if f.strip()]
+    if not formats or any(f not in ("none", "int8") for f in formats):
+        error = f"--quantization takes none and/or int8, got {args.quantization!r}"
+        print(f"pdfabric bench perplexity: error: {error}", file=sys.stderr)
+        return 2
+    if args.context < 2 or args.tokens < args.context:
+        print(
+            "pdfabric bench perplexity: error: --context must be >= 2 and --tokens >= --context",
+            file=sys.stderr,
+        )
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = resolve_model(args.model)
+    tokenizer = Tokenizer.from_pretrained(path)
+    text, source = held_text(args.text, args.tokens * 8)
+    ids = tokenizer.encode(text, add_special_tokens=False)[: args.tokens]
+    windows = [ids[i : i + args.context] for i in range(0, len(ids) - args.context + 1, args.context)]
+    if not windows:
+        print(
+            f"pdfabric bench perplexity: error: the text has fewer than {args.context} tokens",
+            file=sys.stderr,
+        )
+        return 2
+    results = {"model": str(args.model), "text": source, "tokens": sum(len(w) for w in windows),
+               "context": args.context, "windows": len(windows), "formats": []}  # fmt: skip
+    for fmt in formats:
+        model = load_model(path, args.dtype)
+        blocks = -(-args.context // 16)
+        runner = ModelRunner(model, num_blocks=blocks, block_size=16, quantization=fmt)
+        started = time.perf_counter()
+        nll, count = score(runner, windows, not args.no_progress, fmt)
+        results["formats"].append({
+            "quantization": fmt, "dtype": model.config.dtype, "perplexity": math.exp(nll / count),
+            "mean_nll": nll / count, "scored_tokens": count, "seconds": time.perf_counter() - started,
+        })  # fmt: skip
+        del runner, model
+    base = results["formats"][0]["perplexity"]
+    print(f"model {results['model']}, {results['tokens']} tokens of {source} in {len(windows)} windows of "
+          f"{args.context}")  # fmt: skip
+    print(f"{'weights':>10} {'dtype':>10} {'perplexity':>11} {'vs first':>9}")
+    for r in results["formats"]:
+        change = r["perplexity"] / base - 1
+        print(f"{r['quantization']:>10} {r['dtype']:>10} {r['perplexity']:>11.4f} {change:>+9.2%}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
