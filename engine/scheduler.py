@@ -183,8 +183,13 @@ class Scheduler:
             return ()
         left = min(most, budget, p.max_tokens - len(seq.output_ids) - 1, c.max_model_len - seq.num_tokens - 1)
         proposal = propose(seq.token_slice(0, seq.num_tokens), min(left, seq.speculate_k or c.speculate_k))
-        while proposal and self.tables.grow(seq.request_id, seq.num_tokens + len(proposal)) is None:
+        # New blocks for a guess only while a free one stays for each decoding sequence: a proposal
+        # never makes another sequence give up its blocks.
+        spare = max(0, self.tables.pool.num_free - len(self.running))
+        while proposal and self.tables.extra_blocks(seq.request_id, seq.num_tokens + len(proposal)) > spare:
             proposal = proposal[:-1]
+        if proposal and self.tables.grow(seq.request_id, seq.num_tokens + len(proposal)) is None:
+            proposal = ()
         seq.proposed += len(proposal)
         self.proposed_tokens += len(proposal)
         return proposal

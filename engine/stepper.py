@@ -28,7 +28,7 @@ class Stepper:
 
     def run(
         self, chunks: list[Chunk], tables: BlockTables, after_layer: Callable[[int], None] | None = None
-    ) -> list[Pick]:
+    ) -> list[Pick | list[Pick]]:
         """Runs the chunks (writing their KV into the cache); one (token, logprob, top log-probabilities)
         per chunk with ``sample``, in order, and for a chunk with a proposal the list of the proposed
         tokens the model picks itself followed by the token after them (``verify``).
@@ -72,18 +72,17 @@ class Stepper:
     def _masks_ahead(self, chunk: Chunk) -> torch.Tensor | None:
         if not chunk.seq.params.grammar:
             return None
-        if self.grammars is None:
-            raise ValueError("this model has no tokenizer.json, so no grammar engine for structured output")
-        return self.grammars.masks_ahead(chunk.seq, chunk.proposal)
+        return self._grammars().masks_ahead(chunk.seq, chunk.proposal)
 
     def _masks(self, seqs: list[Sequence]) -> torch.Tensor | None:
-        if self.grammars is None:
-            if any(seq.params.grammar for seq in seqs):
-                raise ValueError(
-                    "this model has no tokenizer.json, so no grammar engine for structured output"
-                )
+        if not any(seq.params.grammar for seq in seqs):
             return None
-        return self.grammars.masks(seqs)
+        return self._grammars().masks(seqs)
+
+    def _grammars(self) -> Grammars:
+        if self.grammars is None:
+            raise ValueError("this model has no tokenizer.json, so no grammar engine for structured output")
+        return self.grammars
 
 
 def verify(chunk: Chunk, logits: torch.Tensor, masks: torch.Tensor | None = None) -> list[Pick]:

@@ -223,3 +223,25 @@ def test_a_fabric_that_speculates_survives_a_kill_token_exact(
         proposed = sum(metric_values(url, "pdfabric_speculative_proposed_tokens_total").values())
         accepted = sum(metric_values(url, "pdfabric_speculative_accepted_tokens_total").values())
         assert proposed >= accepted > 0, (proposed, accepted)
+
+
+def test_a_proposal_takes_new_blocks_only_while_each_decoding_sequence_keeps_one_free() -> None:
+    from pdfabric.engine.block_pool import BlockPool, BlockTables
+    from pdfabric.engine.scheduler import Scheduler, SchedulerConfig
+    from pdfabric.engine.sequence import Sequence
+
+    def decode_step(num_blocks: int) -> list:
+        tables = BlockTables(BlockPool(num_blocks, 4))
+        config = SchedulerConfig(max_batch_tokens=64, max_running=4, max_model_len=64, speculate_k=4,
+                                 speculate_below=4)  # fmt: skip
+        scheduler = Scheduler(tables, config)
+        for name, prompt in (("a", (1, 2, 3, 1, 2, 3, 1)), ("b", (5, 6, 7, 5, 6, 7, 5))):
+            scheduler.add(Sequence(name, prompt, SamplingParams(max_tokens=20)))
+        first = scheduler.schedule()  # both prompts: two blocks each
+        scheduler.complete(first, [(2, 0.0), (6, 0.0)])  # 8 tokens each: their two blocks are full
+        return scheduler.schedule()
+
+    # four blocks taken, one free, two decoding: a guess would take the block the other may need
+    assert [c.proposal for c in decode_step(5)] == [(), ()]
+    # room to spare: the repeated prompts' next tokens are proposed, into a block of their own
+    assert [c.proposal for c in decode_step(8)] == [(3, 1, 2), (7, 5, 6)]
