@@ -69,7 +69,7 @@ class WorkerConfig:
     # "ngram" proposes up to speculative_k tokens per sequence from its own history, while at
     # most speculative_below sequences decode; "off": none.
     speculative: str = "off"
-    speculative_k: int = 6
+    speculative_k: int = 10
     speculative_below: int = 4
 
     def __post_init__(self) -> None:
