@@ -118,7 +118,12 @@ class Grammars:
         """``seq``'s matcher, caught up with its output (None: its output left the grammar)."""
         state = seq.grammar_state
         if state is None:
-            state = seq.grammar_state = GrammarState(self.matcher(seq.params.grammar))
+            try:
+                state = seq.grammar_state = GrammarState(self.matcher(seq.params.grammar))
+            except ValueError as exc:  # the router checked it against the same tokenizer: a version skew
+                log.error("%s: %s; its output is not constrained", seq.request_id, exc)
+                seq.grammar_state = GrammarState(None, failed=True)
+                return None
         if state.failed:
             return None
         offset, output = seq.params.output_offset, seq.output_ids

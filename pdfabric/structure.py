@@ -286,6 +286,24 @@ def _raw_arguments(call: str) -> str:
     return tail[head.end() : -1] if head and tail.endswith("}") else ""
 
 
+def check_for_tokenizer(grammar: str, tokenizer: object, param: str) -> None:
+    """``StructureError`` unless ``grammar`` compiles against the served model's ``tokenizer`` (an
+    ``llguidance.LLTokenizer``): special tokens it names must exist, token ranges fit the vocabulary.
+    The workers compile it against the same tokenizer, so a request that passes never fails there."""
+    error = _grammar_error_for(grammar, tokenizer)
+    if error:
+        raise StructureError(
+            f"'{param}' does not compile for this model: {error.strip().splitlines()[0]}", param
+        )
+
+
+@functools.lru_cache(maxsize=512)
+def _grammar_error_for(grammar: str, tokenizer: object) -> str:
+    import llguidance
+
+    return llguidance.LLMatcher.validate_grammar(grammar, tokenizer)  # type: ignore[arg-type]
+
+
 def _is_name(name: str) -> bool:
     return all(c.isascii() and (c.isalnum() or c in "_-") for c in name)
 

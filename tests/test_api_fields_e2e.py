@@ -189,6 +189,16 @@ def _NAMED(name: str) -> dict:  # noqa: N802 - reads as a constant in the table 
         ("/v1/completions", {"suffix": "!"}, "suffix"),
         ("/v1/completions", {"response_format": {"type": "xml"}}, "response_format"),
         ("/v1/completions", {"response_format": {"type": "regex", "regex": "(a"}}, "response_format"),
+        (
+            "/v1/completions",
+            {"response_format": {"type": "grammar", "grammar": "start: <|nope|>"}},
+            "response_format",
+        ),
+        (
+            "/v1/completions",
+            {"response_format": {"type": "grammar", "grammar": "start: <[99999]>"}},
+            "response_format",
+        ),
         ("/v1/completions", {"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
         ("/v1/completions", {"tools": [_TOOL]}, "tools"),
         ("/v1/completions", {"speculative": {"k": 33}}, "speculative"),

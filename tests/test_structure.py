@@ -388,3 +388,21 @@ def test_a_template_that_renders_tool_calls_gets_the_tools_and_calls_as_objects(
     (ids,) = prompts.tokenize(plain, parsed)
     text = plain.decode(list(ids), skip_special_tokens=False)
     assert "<tools>" in text and "<tool_response>\n3\n</tool_response>" in text
+
+
+def test_a_grammar_a_worker_cannot_compile_never_fails_the_worker() -> None:
+    """The router checks a grammar against the model's tokenizer (a 400 for a special token the model
+    lacks); a worker that still meets one (another version's tokenizer) logs it and leaves that
+    request unconstrained instead of failing every request it holds."""
+    from pdfabric.engine.tokenizer import Tokenizer
+
+    reference = ReferenceEngine("tiny")
+    grammar = structure.response_format_grammar({"type": "grammar", "grammar": "start: <|nope|>"})
+    with pytest.raises(StructureError, match="for this model"):
+        structure.check_for_tokenizer(
+            grammar, Tokenizer.from_pretrained(reference.path).grammar_tokenizer, "x"
+        )
+    grammars = Grammars.for_model(reference.path, reference.config.vocab_size)
+    seq = Sequence("r", (1, 2), SamplingParams(grammar=grammar))
+    words = grammars.masks([seq])
+    assert words is not None and bool((words == -1).all()) and seq.grammar_state.failed

@@ -13,7 +13,14 @@ from pdfabric.structure import Tool
 
 
 def tokenize(tokenizer: Tokenizer, parsed: api.ParsedRequest) -> list[tuple[int, ...]]:
-    """Each prompt's token ids (a chat request's one prompt, rendered by the chat template)."""
+    """Each prompt's token ids (a chat request's one prompt, rendered by the chat template); a
+    structured request's grammar is checked against the tokenizer first (a 400 naming the field)."""
+    if parsed.grammar:
+        param = "tools" if parsed.tools else "response_format"
+        try:
+            structure.check_for_tokenizer(parsed.grammar, tokenizer.grammar_tokenizer, param)
+        except structure.StructureError as exc:
+            raise bad(str(exc), exc.param) from None
     if parsed.chat:
         try:
             if parsed.tools and tokenizer.renders_tool_calls:  # the template writes the tool format itself
