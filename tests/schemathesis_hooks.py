@@ -12,6 +12,7 @@ token per UTF-8 byte, and a bos) with a context window of ``CONTEXT`` tokens.
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -61,6 +62,15 @@ def _chat_prompt(body: dict[str, Any]) -> int:
     return TEMPLATE_TOKENS * (len(body["messages"]) + 1) + ROLE_BYTES * len(body["messages"]) + LONGEST_PROMPT
 
 
+@functools.cache
+def _tiny_grammar_tokenizer() -> object:
+    """The served model's tokenizer as the grammar engine reads it (a grammar must compile for it)."""
+    from pdfabric.engine.default_model import resolve_model
+    from pdfabric.engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_pretrained(resolve_model("tiny")).grammar_tokenizer
+
+
 def _structure_rules(body: dict[str, Any], chat: bool) -> None:
     """A schema, expression or grammar that does not compile is replaced by one that does; tool names
     made distinct; ``tool_choice`` brought to the tools there are; tools dropped (``tool_choice``
@@ -68,7 +78,9 @@ def _structure_rules(body: dict[str, Any], chat: bool) -> None:
     fmt = body.get("response_format")
     if isinstance(fmt, dict):
         try:
-            structure.response_format_grammar(fmt)
+            grammar = structure.response_format_grammar(fmt)
+            if grammar:
+                structure.check_for_tokenizer(grammar, _tiny_grammar_tokenizer(), "response_format")
         except structure.StructureError:
             kind = fmt["type"]
             if kind == "json_schema":
