@@ -97,6 +97,10 @@ class WorkerConfig:
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
             )
+        if self.quantization != "none" and self.linears != "invariant":
+            raise ValueError(
+                f"quantization {self.quantization!r} runs on the invariant linears, not {self.linears!r}"
+            )
         if self.speculative not in SPECULATIVE:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE)}, got {self.speculative!r}")
         if not 1 <= self.speculative_k <= 32 or self.speculative_below < 1:

@@ -99,3 +99,13 @@ def test_bench_perplexity_scores_each_format_on_the_same_windows(tmp_path) -> No
     command = [sys.executable, "-m", "pdfabric.cli", "bench", "perplexity", "--quantization", "int4"]
     bad = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
     assert bad.returncode == 2 and "none and/or int8" in bad.stderr
+
+
+def test_a_config_asks_for_int8_only_with_the_kernel_that_holds_it() -> None:
+    from pdfabric.worker_config import WorkerConfig
+
+    with pytest.raises(ValueError, match="invariant linears"):
+        WorkerConfig(kind="colocated", quantization="int8", linears="onednn")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        WorkerConfig(kind="colocated", quantization="int4")
+    assert WorkerConfig(kind="colocated", quantization="int8").quantization == "int8"
