@@ -6,13 +6,13 @@ body that names the field. The result is a ``ParsedRequest`` the dispatcher can 
 
 from __future__ import annotations
 
-import json
 import secrets
 from dataclasses import dataclass
 from typing import Any
 
 from pdfabric import structure
 from pdfabric.router.errors import bad
+from pdfabric.router.front import fields, inputs
 from pdfabric.sampling_params import SamplingParams
 from pdfabric.structure import Tool
 
@@ -96,44 +96,6 @@ class ParsedRequest:
         )
 
 
-def _integral(value: Any) -> Any:
-    """``value`` as an int when it is a number with no fraction (JSON's 76.0 is the integer 76, as
-    JSON Schema counts it); anything else as it is."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
-def _token_ids(values: list[Any]) -> list[Any]:
-    return [_integral(t) for t in values]
-
-
-def _typed(body: dict[str, Any], name: str, types: type | tuple[type, ...], default: Any) -> Any:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    kinds = types if isinstance(types, tuple) else (types,)
-    if int in kinds:
-        value = _integral(value)
-    # bool is an int in Python; a JSON true is never a valid number here.
-    if isinstance(value, bool) and bool not in kinds:
-        raise bad(f"'{name}' must be {_type_name(types)}, got a boolean", name)
-    if not isinstance(value, types):
-        raise bad(f"'{name}' must be {_type_name(types)}, got {type(value).__name__}", name)
-    return value
-
-
-def _type_name(types: type | tuple[type, ...]) -> str:
-    names = {
-        int: "an integer",
-        float: "a number",
-        str: "a string",
-        bool: "a boolean",
-        list: "an array",
-        dict: "an object",
-    }
-    seq = types if isinstance(types, tuple) else (types,)
-    return " or ".join(dict.fromkeys(names.get(t, t.__name__) for t in seq))
-
-
 def parse_request(body: Any, chat: bool, served_models: tuple[str, ...], vocab_size: int) -> ParsedRequest:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
@@ -141,8 +103,8 @@ def parse_request(body: Any, chat: bool, served_models: tuple[str, ...], vocab_s
         if name not in (CHAT_FIELDS if chat else COMPLETION_FIELDS):
             raise bad(f"'{name}' is not supported by this server", name)
     for name, kind in (("metadata", dict), ("store", bool), ("service_tier", str)):
-        _typed(body, name, kind, None)  # accepted without effect, but of the type the API documents
-    model = _typed(body, "model", str, None)
+        fields.typed(body, name, kind, None)  # accepted without effect, but of the type the API documents
+    model = fields.typed(body, "model", str, None)
     if model is None:
         raise bad("'model' is required", "model")
     if model not in served_models:
@@ -150,33 +112,33 @@ def parse_request(body: Any, chat: bool, served_models: tuple[str, ...], vocab_s
     prompts: tuple[str | tuple[int, ...], ...] = ()
     messages = None
     if chat:
-        messages = _messages(body)
+        messages = inputs.messages(body)
     else:
-        prompts = _prompts(body, vocab_size)
+        prompts = inputs.prompts(body, vocab_size)
     max_name = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
-    max_tokens = _typed(body, max_name, int, 16 if not chat else None)
+    max_tokens = fields.typed(body, max_name, int, 16 if not chat else None)
     if max_tokens is not None and max_tokens < 1:
         raise bad(f"'{max_name}' must be at least 1, got {max_tokens}", max_name)
-    temperature = float(_typed(body, "temperature", (int, float), 1.0))
+    temperature = float(fields.typed(body, "temperature", (int, float), 1.0))
     if not 0.0 <= temperature <= 2.0:
         raise bad(f"'temperature' must be between 0 and 2, got {temperature}", "temperature")
-    top_p = float(_typed(body, "top_p", (int, float), 1.0))
+    top_p = float(fields.typed(body, "top_p", (int, float), 1.0))
     if not 0.0 < top_p <= 1.0:
         raise bad(f"'top_p' must be in (0, 1], got {top_p}", "top_p")
-    seed = _typed(body, "seed", int, None)
+    seed = fields.typed(body, "seed", int, None)
     if seed is not None and not 0 <= seed < 2**63:
         raise bad("'seed' must be in [0, 2**63)", "seed")
-    stream = _typed(body, "stream", bool, False)
-    options = _typed(body, "stream_options", dict, {})
+    stream = fields.typed(body, "stream", bool, False)
+    options = fields.typed(body, "stream_options", dict, {})
     if options and not stream:
         raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
-    include_usage = _typed(options, "include_usage", bool, False)
+    include_usage = fields.typed(options, "include_usage", bool, False)
     logprobs = _logprobs(body, chat)
     n, best_of = _n_best_of(body, chat, stream, max(1, len(prompts)))
-    min_tokens = _typed(body, "min_tokens", int, 0)
+    min_tokens = fields.typed(body, "min_tokens", int, 0)
     if not 0 <= min_tokens <= (max_tokens if max_tokens is not None else min_tokens):
         raise bad(f"'min_tokens' must be in [0, {max_name}], got {min_tokens}", "min_tokens")
-    top_k = _typed(body, "top_k", int, 0)
+    top_k = fields.typed(body, "top_k", int, 0)
     if top_k < -1:
         raise bad(f"'top_k' must be -1 or 0 (no limit) or positive, got {top_k}", "top_k")
     grammar, tools, parallel = _structure(body, chat)
@@ -191,7 +153,7 @@ def parse_request(body: Any, chat: bool, served_models: tuple[str, ...], vocab_s
         seed=seed,
         stop=_stop(body),
         stop_token_ids=_stop_token_ids(body, vocab_size),
-        ignore_eos=_typed(body, "ignore_eos", bool, False),
+        ignore_eos=fields.typed(body, "ignore_eos", bool, False),
         stream=stream,
         include_usage=include_usage,
         logprobs=logprobs,
@@ -201,12 +163,12 @@ def parse_request(body: Any, chat: bool, served_models: tuple[str, ...], vocab_s
         logit_bias=_logit_bias(body, vocab_size),
         min_tokens=min_tokens,
         top_k=0 if top_k >= vocab_size else max(top_k, 0),  # the whole vocabulary is no limit
-        user=_typed(body, "user", str, None),
-        return_token_ids=_typed(body, "return_token_ids", bool, False),
-        timeout_s=timeout_seconds(_typed(body, "timeout", (int, float), None), "timeout"),
+        user=fields.typed(body, "user", str, None),
+        return_token_ids=fields.typed(body, "return_token_ids", bool, False),
+        timeout_s=timeout_seconds(fields.typed(body, "timeout", (int, float), None), "timeout"),
         n=n,
         best_of=best_of,
-        echo=not chat and _typed(body, "echo", bool, False),
+        echo=not chat and fields.typed(body, "echo", bool, False),
         grammar=grammar,
         tools=tools,
         parallel_tool_calls=parallel,
@@ -224,7 +186,7 @@ def _speculative(value: Any) -> int:
         return -1
     if value is False:
         return 0
-    k = _integral(value.get("k")) if isinstance(value, dict) and set(value) == {"k"} else None
+    k = fields.integral(value.get("k")) if isinstance(value, dict) and set(value) == {"k"} else None
     if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_SPECULATIVE_K:
         raise bad(
             f"'speculative' must be a boolean or {{\"k\": N}} with N in [0, {MAX_SPECULATIVE_K}], "
@@ -238,7 +200,7 @@ def _structure(body: dict[str, Any], chat: bool) -> tuple[str, tuple[Tool, ...],
     """The grammar of ``response_format`` or of the tools (``tools``, ``tool_choice``,
     ``parallel_tool_calls``), the tools offered and whether several calls may come; compiled and
     checked here, before any worker is touched."""
-    parallel = _typed(body, "parallel_tool_calls", bool, True)
+    parallel = fields.typed(body, "parallel_tool_calls", bool, True)
     try:
         grammar = structure.response_format_grammar(body.get("response_format"))
         tools = structure.parse_tools(body.get("tools")) if chat else ()
@@ -254,7 +216,7 @@ def _structure(body: dict[str, Any], chat: bool) -> tuple[str, tuple[Tool, ...],
             grammar = structure.tool_grammar(tools, choice, parallel)
     except structure.StructureError as exc:
         raise bad(str(exc), exc.param) from None
-    if grammar and _typed(body, "ignore_eos", bool, False):
+    if grammar and fields.typed(body, "ignore_eos", bool, False):
         raise bad("'ignore_eos' cannot be combined with a response format or tools", "ignore_eos")
     return grammar, tools, parallel
 
@@ -273,16 +235,16 @@ def timeout_seconds(value: float | str | None, param: str) -> float | None:
     return seconds
 
 
-MAX_N, MAX_BEST_OF, MAX_PROMPTS, MAX_OUTPUTS = 128, 20, 64, 256
+MAX_N, MAX_BEST_OF, MAX_OUTPUTS = 128, 20, 256
 
 
 def _n_best_of(body: dict[str, Any], chat: bool, stream: bool, prompts: int) -> tuple[int, int]:
     """``n`` and ``best_of`` (completions only; never streamed), checked against each other and the
     bound on the outputs one request may ask for."""
-    n = _typed(body, "n", int, 1)
+    n = fields.typed(body, "n", int, 1)
     if not 1 <= n <= MAX_N:
         raise bad(f"'n' must be in [1, {MAX_N}], got {n}", "n")
-    best_of = None if chat else _typed(body, "best_of", int, None)
+    best_of = None if chat else fields.typed(body, "best_of", int, None)
     if best_of is None:
         best_of = n
     elif not n <= best_of <= MAX_BEST_OF:
@@ -295,96 +257,6 @@ def _n_best_of(body: dict[str, Any], chat: bool, stream: bool, prompts: int) -> 
             f"the request asks for {prompts * best_of} outputs; at most {MAX_OUTPUTS} are allowed", param
         )
     return n, best_of
-
-
-def _prompts(body: dict[str, Any], vocab_size: int) -> tuple[str | tuple[int, ...], ...]:
-    """The completion prompts: a string, an array of token ids, or an array of either (a batch)."""
-    if "prompt" not in body or body["prompt"] is None:
-        raise bad("'prompt' is required", "prompt")
-    prompt = body["prompt"]
-    batch = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
-    if not batch:
-        return (_prompt(prompt, "prompt", vocab_size),)
-    if len(prompt) > MAX_PROMPTS:
-        raise bad(f"'prompt' holds {len(prompt)} prompts; at most {MAX_PROMPTS} are allowed", "prompt")
-    return tuple(_prompt(p, f"prompt[{i}]", vocab_size) for i, p in enumerate(prompt))
-
-
-def _prompt(prompt: Any, where: str, vocab_size: int) -> str | tuple[int, ...]:
-    if isinstance(prompt, str):
-        if not prompt:
-            raise bad(f"'{where}' must not be empty", "prompt")
-        return prompt
-    ids = _token_ids(prompt) if isinstance(prompt, list) else None
-    if ids is not None and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        if not ids:
-            raise bad(f"'{where}' must not be empty", "prompt")
-        out_of_range = [t for t in ids if not 0 <= t < vocab_size]
-        if out_of_range:
-            raise bad(
-                f"'{where}' holds token id {out_of_range[0]} outside the vocabulary (0..{vocab_size - 1})",
-                "prompt",
-            )
-        return tuple(ids)
-    raise bad(
-        f"'{where}' must be a string or an array of token ids (or 'prompt' an array of those)", "prompt"
-    )
-
-
-def _messages(body: dict[str, Any]) -> tuple[dict[str, Any], ...]:
-    """Each message's ``role`` and ``content`` (text, or text parts joined); an assistant message's
-    ``tool_calls`` as (name, arguments JSON text) pairs, its content then optional."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad("'messages' must be a non-empty array", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise bad(f"'{where}' must be an object with a string 'role'", where)
-        calls = _tool_calls(m, where) if m["role"] == "assistant" else ()
-        content = m.get("content")
-        if content is None and calls:
-            content = ""
-        if isinstance(content, list):  # content parts: text only
-            parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-            if len(parts) != len(content) or not all(isinstance(p, str) for p in parts):
-                raise bad(f"'{where}.content' parts must all be text", f"{where}.content")
-            content = "".join(parts)
-        if not isinstance(content, str):
-            raise bad(f"'{where}.content' must be a string", f"{where}.content")
-        message: dict[str, Any] = {"role": m["role"], "content": content}
-        if calls:
-            message["tool_calls"] = calls
-        out.append(message)
-    return tuple(out)
-
-
-def _tool_calls(message: dict[str, Any], where: str) -> tuple[tuple[str, str], ...]:
-    """An assistant message's ``tool_calls``: (function name, arguments as JSON text) each."""
-    calls = message.get("tool_calls")
-    if calls is None:
-        return ()
-    param = f"{where}.tool_calls"
-    if not isinstance(calls, list):
-        raise bad(f"'{param}' must be an array", param)
-    out = []
-    for j, call in enumerate(calls):
-        fn = call.get("function") if isinstance(call, dict) else None
-        name = fn.get("name") if isinstance(fn, dict) else None
-        arguments = fn.get("arguments", "{}") if isinstance(fn, dict) else None
-        if not isinstance(name, str) or not name or not isinstance(arguments, str):
-            raise bad(
-                f'\'{param}[{j}]\' must be {{"type": "function", "function": {{"name": string, '
-                f'"arguments": string}}}}',
-                param,
-            )
-        try:
-            parsed = json.loads(arguments)
-        except ValueError:
-            raise bad(f"'{param}[{j}].function.arguments' must be JSON text", param) from None
-        out.append((name, json.dumps(parsed)))
-    return tuple(out)
 
 
 def _stop(body: dict[str, Any]) -> tuple[str, ...]:
@@ -401,7 +273,7 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
 
 
 def _stop_token_ids(body: dict[str, Any], vocab_size: int) -> tuple[int, ...]:
-    ids = _token_ids(_typed(body, "stop_token_ids", list, []))
+    ids = fields.token_ids(fields.typed(body, "stop_token_ids", list, []))
     if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids):
         raise bad("'stop_token_ids' must be token ids inside the vocabulary", "stop_token_ids")
     return tuple(ids)
@@ -412,14 +284,14 @@ def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
     Completions: ``logprobs`` is that number; chat: ``logprobs`` is a flag and ``top_logprobs`` the
     number."""
     if chat:
-        top = _typed(body, "top_logprobs", int, None)
-        if not _typed(body, "logprobs", bool, False):
+        top = fields.typed(body, "top_logprobs", int, None)
+        if not fields.typed(body, "logprobs", bool, False):
             if top:
                 raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
             return None
         name, count = "top_logprobs", top or 0
     else:
-        name, count = "logprobs", _typed(body, "logprobs", int, None)
+        name, count = "logprobs", fields.typed(body, "logprobs", int, None)
         if count is None:
             return None
     if not 0 <= count <= MAX_LOGPROBS:
@@ -430,7 +302,7 @@ def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
 def _penalty(
     body: dict[str, Any], name: str, default: float, low: float, high: float, open_low: bool = False
 ) -> float:
-    value = float(_typed(body, name, (int, float), default))
+    value = float(fields.typed(body, name, (int, float), default))
     if not (low < value <= high if open_low else low <= value <= high):
         raise bad(f"'{name}' must be in {'(' if open_low else '['}{low:g}, {high:g}], got {value:g}", name)
     return value
@@ -438,7 +310,7 @@ def _penalty(
 
 def _logit_bias(body: dict[str, Any], vocab_size: int) -> tuple[tuple[int, float], ...]:
     """``{"token id": bias}`` (JSON keys are strings) to sorted (id, bias) pairs."""
-    given = _typed(body, "logit_bias", dict, {})
+    given = fields.typed(body, "logit_bias", dict, {})
     pairs: list[tuple[int, float]] = []
     for key, value in given.items():
         if not (key.isascii() and key.isdigit()):  # int() would also take " 5", "+5" and "5_0"

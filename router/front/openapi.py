@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pdfabric.router.front import inputs
 from pdfabric.router.front import openai_api as api
 from pdfabric.router.front.openai_api import MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_TIMEOUT_S
 from pdfabric.routing_config import MAX_BUDGET_MS
@@ -69,7 +70,7 @@ def _token_fields(vocab_size: int) -> dict[str, Any]:
                     "type": "array",
                     "items": {"anyOf": [{"type": "string", "minLength": 1}, token_ids]},
                     "minItems": 1,
-                    "maxItems": api.MAX_PROMPTS,
+                    "maxItems": inputs.MAX_PROMPTS,
                     "description": "a batch: choice index = prompt index * n + output index",
                 },
             ]
