@@ -7,6 +7,7 @@ profile's step time in the same place.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -18,13 +19,16 @@ from pdfabric.engine.sampler import History, sample, score
 from pdfabric.engine.scheduler import Chunk, Pick
 from pdfabric.engine.sequence import Sequence
 
+log = logging.getLogger("pdfabric.engine.stepper")
+
 
 class Stepper:
     def __init__(self, runner: ModelRunner, grammars: Grammars | None = None) -> None:
         """``grammars``: the model's grammar engine, for requests with ``SamplingParams.grammar``
-        (None: such a request is an error)."""
+        (None: such a request runs unconstrained, and that is logged)."""
         self.runner = runner
         self.grammars = grammars
+        self._warned = False  # that this worker cannot mask structured requests
 
     def run(
         self, chunks: list[Chunk], tables: BlockTables, after_layer: Callable[[int], None] | None = None
@@ -70,19 +74,23 @@ class Stepper:
         return out
 
     def _masks_ahead(self, chunk: Chunk) -> torch.Tensor | None:
-        if not chunk.seq.params.grammar:
+        if not chunk.seq.params.grammar or not self._has_grammars():
             return None
-        return self._grammars().masks_ahead(chunk.seq, chunk.proposal)
+        return self.grammars.masks_ahead(chunk.seq, chunk.proposal)  # type: ignore[union-attr]
 
     def _masks(self, seqs: list[Sequence]) -> torch.Tensor | None:
-        if not any(seq.params.grammar for seq in seqs):
+        if not any(seq.params.grammar for seq in seqs) or not self._has_grammars():
             return None
-        return self._grammars().masks(seqs)
+        return self.grammars.masks(seqs)  # type: ignore[union-attr]
 
-    def _grammars(self) -> Grammars:
-        if self.grammars is None:
-            raise ValueError("this model has no tokenizer.json, so no grammar engine for structured output")
-        return self.grammars
+    def _has_grammars(self) -> bool:
+        """Whether structured requests can be masked here; a worker whose model directory has no
+        ``tokenizer.json`` serves them unconstrained (logged once) rather than failing every request
+        it holds."""
+        if self.grammars is None and not self._warned:
+            log.error("this model has no tokenizer.json, so structured outputs are not constrained here")
+            self._warned = True
+        return self.grammars is not None
 
 
 def verify(chunk: Chunk, logits: torch.Tensor, masks: torch.Tensor | None = None) -> list[Pick]:

@@ -406,3 +406,26 @@ def test_a_grammar_a_worker_cannot_compile_never_fails_the_worker() -> None:
     seq = Sequence("r", (1, 2), SamplingParams(grammar=grammar))
     words = grammars.masks([seq])
     assert words is not None and bool((words == -1).all()) and seq.grammar_state.failed
+
+
+def test_a_worker_without_a_grammar_engine_serves_structured_requests_unconstrained() -> None:
+    from pdfabric.control import Generate
+    from pdfabric.decode.core import ColocatedCore
+    from pdfabric.engine.runner import ModelRunner
+    from pdfabric.engine.stepper import Stepper
+    from pdfabric.profile import WorkerProfile
+    from pdfabric.worker.spec import FixedProfile
+    from tests.core_helpers import core_spec
+
+    reference = ReferenceEngine("tiny")
+    core = ColocatedCore(core_spec("colocated", 32, worker_id="c"), FixedProfile(WorkerProfile()))
+    stepper = Stepper(ModelRunner(reference.model, 32, 16))  # no grammar engine
+    grammar = structure.response_format_grammar({"type": "regex", "regex": "a+"})
+    params = SamplingParams(max_tokens=5, ignore_eos=True, grammar=grammar)
+    core.handle(Generate("r", (1, 2, 3), params, ()))
+    seq = core.scheduler.get("r")
+    while core.has_work:
+        step = core.schedule()
+        core.complete(step, stepper.run(step.chunks, core.tables), 0.0)
+    plain = reference.generate([1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True))
+    assert seq.output_ids == plain.token_ids  # as if no grammar had been asked for
