@@ -195,36 +195,6 @@ static inline const int8_t *int8_panels(const job_t *j) {
 #ifdef HAVE_AVX512_BF16
 typedef int32_t __attribute__((may_alias, aligned(2))) pair_t; /* two bfloat16 inputs read as one word */
 
-/* The sums of `rows` (a constant after inlining) rows from m0 against panel p, in bfloat16 pairs. */
-static inline __attribute__((always_inline)) void tile_bf16(const job_t *j, int64_t m0, int64_t p, int64_t i0,
-                                                            int64_t i1, float *acc, const int rows) {
-    const int64_t kp = pairs_of(j->k), full = j->k / 2;
-    const uint16_t *panel = (const uint16_t *)j->packed + p * kp * COLS * 2;
-    const pair_t *x[ROWS];
-    for (int r = 0; r < rows; r++) x[r] = (const pair_t *)((const uint16_t *)j->x + (m0 + r) * j->x_stride);
-    __m512 sum[ROWS][4];
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < 4; c++) sum[r][c] = i0 ? _mm512_loadu_ps(acc + r * COLS + 16 * c) : _mm512_setzero_ps();
-    for (int64_t i = i0; i < i1; i++) {
-        const uint16_t *w = panel + i * COLS * 2;
-        __builtin_prefetch(w + PREFETCH_PAIRS * COLS * 2, 0, PREFETCH_HINT);
-        __builtin_prefetch(w + PREFETCH_PAIRS * COLS * 2 + 64, 0, PREFETCH_HINT);
-        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(w), b1 = (__m512bh)_mm512_loadu_si512(w + 32);
-        const __m512bh b2 = (__m512bh)_mm512_loadu_si512(w + 64), b3 = (__m512bh)_mm512_loadu_si512(w + 96);
-        for (int r = 0; r < rows; r++) {
-            /* an odd K's last input is paired with zero, not with what follows the row */
-            const int32_t pair = i < full ? x[r][i] : (int32_t)((const uint16_t *)x[r])[2 * i];
-            const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-            sum[r][0] = _mm512_dpbf16_ps(sum[r][0], a, b0);
-            sum[r][1] = _mm512_dpbf16_ps(sum[r][1], a, b1);
-            sum[r][2] = _mm512_dpbf16_ps(sum[r][2], a, b2);
-            sum[r][3] = _mm512_dpbf16_ps(sum[r][3], a, b3);
-        }
-    }
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + r * COLS + 16 * c, sum[r][c]);
-}
-
 /* 32 int8 weights (16 columns, a pair of inputs each) as 32 bfloat16, which hold them exactly. */
 static inline __m512bh widen_int8x32(const int8_t *p) {
     const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
@@ -232,29 +202,31 @@ static inline __m512bh widen_int8x32(const int8_t *p) {
     return _mm512_cvtne2ps_pbh(hi, lo);
 }
 
-/* tile_bf16 over int8 panels (dtype 2): the same products in the same order, the weights widened. */
-static inline __attribute__((always_inline)) void tile_q8_bf16(const job_t *j, int64_t m0, int64_t p, int64_t i0,
-                                                               int64_t i1, float *acc, const int rows) {
+/* The sums of `rows` (a constant after inlining) rows from m0 against panel p, in bfloat16 pairs. With
+ * `q8` (a constant too) the panel holds int8 weights (dtype 2), widened to bfloat16 as they are read:
+ * the same products in the same order. */
+static inline __attribute__((always_inline)) void tile_bf16(const job_t *j, int64_t m0, int64_t p, int64_t i0,
+                                                            int64_t i1, float *acc, const int rows, const int q8) {
     const int64_t kp = pairs_of(j->k), full = j->k / 2;
-    const int8_t *panel = int8_panels(j) + p * kp * COLS * 2;
+    const int64_t row_bytes = COLS * 2 * (q8 ? 1 : 2); /* one pair of inputs' weights for 64 columns */
+    const char *panel = (q8 ? (const char *)int8_panels(j) : (const char *)j->packed) + p * kp * row_bytes;
     const pair_t *x[ROWS];
     for (int r = 0; r < rows; r++) x[r] = (const pair_t *)((const uint16_t *)j->x + (m0 + r) * j->x_stride);
     __m512 sum[ROWS][4];
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < 4; c++) sum[r][c] = i0 ? _mm512_loadu_ps(acc + r * COLS + 16 * c) : _mm512_setzero_ps();
     for (int64_t i = i0; i < i1; i++) {
-        const int8_t *w = panel + i * COLS * 2;
-        __builtin_prefetch(w + 2 * PREFETCH_PAIRS * COLS, 0, PREFETCH_HINT);
-        __builtin_prefetch(w + 2 * PREFETCH_PAIRS * COLS + 64, 0, PREFETCH_HINT);
-        const __m512bh b0 = widen_int8x32(w), b1 = widen_int8x32(w + 32);
-        const __m512bh b2 = widen_int8x32(w + 64), b3 = widen_int8x32(w + 96);
+        const char *w = panel + i * row_bytes;
+        __builtin_prefetch(w + PREFETCH_PAIRS * row_bytes, 0, PREFETCH_HINT);
+        __builtin_prefetch(w + PREFETCH_PAIRS * row_bytes + row_bytes / 2, 0, PREFETCH_HINT);
+        __m512bh b[4];
+        for (int c = 0; c < 4; c++)
+            b[c] = q8 ? widen_int8x32((const int8_t *)w + 32 * c) : (__m512bh)_mm512_loadu_si512(w + 64 * c);
         for (int r = 0; r < rows; r++) {
+            /* an odd K's last input is paired with zero, not with what follows the row */
             const int32_t pair = i < full ? x[r][i] : (int32_t)((const uint16_t *)x[r])[2 * i];
             const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-            sum[r][0] = _mm512_dpbf16_ps(sum[r][0], a, b0);
-            sum[r][1] = _mm512_dpbf16_ps(sum[r][1], a, b1);
-            sum[r][2] = _mm512_dpbf16_ps(sum[r][2], a, b2);
-            sum[r][3] = _mm512_dpbf16_ps(sum[r][3], a, b3);
+            for (int c = 0; c < 4; c++) sum[r][c] = _mm512_dpbf16_ps(sum[r][c], a, b[c]);
         }
     }
     for (int r = 0; r < rows; r++)
@@ -351,11 +323,11 @@ static inline __attribute__((always_inline)) void tile_rows(const job_t *j, int6
                                                             int64_t i1, float *acc, const int rows) {
 #ifdef HAVE_AVX512_BF16
     if (j->dtype == 1) {
-        tile_bf16(j, m0, p, i0, i1, acc, rows);
+        tile_bf16(j, m0, p, i0, i1, acc, rows, 0);
         return;
     }
-    if (j->dtype == 2) {
-        tile_q8_bf16(j, m0, p, i0, i1, acc, rows);
+    if (j->dtype == 2) { /* the int8 twin, specialised apart */
+        tile_bf16(j, m0, p, i0, i1, acc, rows, 1);
         return;
     }
 #endif
