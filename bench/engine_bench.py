@@ -19,6 +19,8 @@ import sys
 import time
 from collections.abc import Callable
 
+from pdfabric.worker_config import QUANTIZATIONS
+
 LINEAR_KINDS = ("invariant", "onednn")  # kernels/linear_cpu.py's, named here so --help imports no torch
 
 
@@ -54,9 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--quantization",
-        choices=("none", "int8"),
+        choices=QUANTIZATIONS,
         default="none",
-        help="how the linear layers' weights are held: none (the model's dtype) or int8 (weight-only); the "
+        help="how the linear layers' weights are held: none (the model's dtype), int8, int4 or gguf "
+        "(weight-only, as a worker's setting); the "
         "decode floor counts the bytes actually read",
     )
     parser.add_argument(
@@ -171,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
     batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = load_model(resolve_model(args.model), args.dtype)
+    model = load_model(resolve_model(args.model), args.dtype, quantization=args.quantization)
     cfg = model.config
     dtype = model.model.norm.weight.dtype
     # Counted before the runner packs the linear layers (packed weights are buffers, not parameters).

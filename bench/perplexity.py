@@ -18,6 +18,8 @@ import math
 import sys
 import time
 
+from pdfabric.worker_config import QUANTIZATIONS
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -94,8 +96,8 @@ def run(args: argparse.Namespace) -> int:
     from pdfabric.engine.tokenizer import Tokenizer
 
     formats = [f.strip() for f in args.quantization.split(",") if f.strip()]
-    if not formats or any(f not in ("none", "int8") for f in formats):
-        error = f"--quantization takes none and/or int8, got {args.quantization!r}"
+    if not formats or any(f not in QUANTIZATIONS for f in formats):
+        error = f"--quantization takes a list of {', '.join(QUANTIZATIONS)}, got {args.quantization!r}"
         print(f"pdfabric bench perplexity: error: {error}", file=sys.stderr)
         return 2
     if args.context < 2 or args.tokens < args.context:
@@ -120,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     results = {"model": str(args.model), "text": source, "tokens": sum(len(w) for w in windows),
                "context": args.context, "windows": len(windows), "formats": []}  # fmt: skip
     for fmt in formats:
-        model = load_model(path, args.dtype)
+        model = load_model(path, args.dtype, quantization=fmt)
         blocks = -(-args.context // 16)
         runner = ModelRunner(model, num_blocks=blocks, block_size=16, quantization=fmt)
         started = time.perf_counter()

@@ -26,7 +26,7 @@ from pdfabric.cli import ray_launch
 from pdfabric.cli.supervisor import StartupError, Workers, local_starter
 from pdfabric.cluster_secret import ClusterSecret
 from pdfabric.config import ServeConfig, load_serve_config
-from pdfabric.worker_config import AUTO_KV_MIN_MB, AUTO_KV_TOKENS, worker_default
+from pdfabric.worker_config import AUTO_KV_MIN_MB, AUTO_KV_TOKENS, QUANTIZATIONS, worker_default
 
 log = logging.getLogger("pdfabric.serve")
 
@@ -66,9 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--quantization",
-        choices=("none", "int8"),
-        help="how workers hold the linear layers' weights: int8 (weight-only, a scale per output: half "
-        "the bytes of bfloat16 for a decode step to read; CPUs) or none (default: the model's dtype)",
+        choices=QUANTIZATIONS,
+        help="how workers hold the linear layers' weights: int8 (a scale per output), int4 (groups of 32 "
+        "inputs), gguf (a GGUF model's own Q4_0/Q4_1/Q4_K/Q8_0 blocks), all weight-only on CPUs, or none "
+        "(default: the model's dtype)",
     )
     parser.add_argument(
         "--speculative",

@@ -52,7 +52,7 @@ class PackagedModel:
 
 
 # Bump when the recipe below changes, so stale caches are never reused.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a converted GGUF keeps its quantized blocks (quantized.safetensors)
 
 PRESETS: dict[str, dict[str, Any]] = {
     # For tests: sub-second start-up.

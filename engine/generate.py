@@ -15,6 +15,7 @@ from pathlib import Path
 
 from pdfabric.engine.block_pool import BlockPool, BlockTables
 from pdfabric.sampling_params import SamplingParams
+from pdfabric.worker_config import QUANTIZATIONS
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class ReferenceEngine:
         from pdfabric.engine.runner import ModelRunner
 
         self.path = resolve_model(model)
-        self.model = load_model(self.path, dtype)
+        self.model = load_model(self.path, dtype, quantization=quantization)
         self.config = self.model.config
         self._tokenizer = None
         self._grammars = None
@@ -142,7 +143,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     parser.add_argument(
         "--quantization",
-        choices=("none", "int8"),
+        choices=QUANTIZATIONS,
         default="none",
         help="linear weights as a worker's setting",
     )

@@ -7,6 +7,11 @@ metadata becomes ``config.json``, ``tokenizer.json``, ``tokenizer_config.json`` 
 ``generation_config.json``. The directory then loads through the normal loader
 (:func:`pdfabric.engine.loader.load_model`) like any other checkpoint.
 
+The quantized blocks of the tensors whose type pdfabric multiplies as it is (Q4_0, Q4_1, Q4_K, Q8_0:
+``kernels/quantized.py``) are kept too, byte for byte, in ``quantized.safetensors`` (one uint8 row of
+blocks per output, under the tensor's Hugging Face name; their types in the file's metadata), so that
+a worker with ``quantization = "gguf"`` serves the file's own weights (``load_model``).
+
 Two things differ from a Hugging Face checkpoint:
 
 * llama.cpp's converter permutes the rows of ``q_proj`` and ``k_proj`` of each head so that its
@@ -49,6 +54,9 @@ _GLOBAL_TENSORS = {
 }
 
 
+QUANTIZED_FILE = "quantized.safetensors"  # a converted file's own blocks (module docstring)
+
+
 class GGUFError(ValueError):
     """The GGUF file is not one this converter can serve (architecture, tokenizer, tensor types)."""
 
@@ -67,6 +75,7 @@ def convert_gguf(gguf_path: str | Path, out: str | Path, torch_dtype: str = "bfl
     config = hf_config(meta, torch_dtype)
     config["tie_word_embeddings"] = not any(t.name == "output.weight" for t in reader.tensors)
     _write_weights(reader, config, out / "model.safetensors")
+    _write_blocks(reader, config, out / QUANTIZED_FILE)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     _write_tokenizer(meta, out)
 
@@ -152,6 +161,29 @@ def _write_weights(reader: Any, config: dict[str, Any], path: Path) -> None:
         # A copy: unquantized tensors are views of the read-only file mapping.
         tensors[_hf_name(t.name)] = torch.from_numpy(np.array(weight, dtype=np.float32, order="C"))
     save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _write_blocks(reader: Any, config: dict[str, Any], path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from pdfabric.kernels.quantized import GGUF_TYPES
+
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    tensors: dict[str, torch.Tensor] = {}
+    types: dict[str, str] = {}
+    for t in reader.tensors:
+        if t.tensor_type.name not in GGUF_TYPES:
+            continue
+        blocks = np.asarray(t.data)  # [outputs, bytes of one output's blocks]
+        if ".attn_q." in t.name:  # the rows as the dequantized weight's: blocks run along the inputs
+            blocks = unpermute_rotary_rows(blocks, heads)
+        elif ".attn_k." in t.name:
+            blocks = unpermute_rotary_rows(blocks, kv_heads)
+        name = _hf_name(t.name)
+        tensors[name] = torch.from_numpy(np.array(blocks, dtype=np.uint8, order="C"))
+        types[name] = t.tensor_type.name
+    save_file(tensors, str(path), metadata={"format": "pt", "gguf_types": json.dumps(types)})
 
 
 def _write_tokenizer(meta: dict[str, Any], out: Path) -> None:

@@ -5,6 +5,10 @@ weights exist in memory once; the parts of a stacked projection (``model.stacked
 into ``qkv_proj``, gate and up into ``gate_up_proj``) are copied into their rows of one tensor. Every
 expected tensor must be present with the expected shape; anything missing, misshapen or unknown is
 an error that names it.
+
+With ``quantization="gguf"`` the blocks a converted GGUF file kept (``gguf_checkpoint``) are handed
+to the layers they belong to (``gguf_blocks``, what ``kernels/linear_cpu.py`` packs; a tied head's on
+the model as ``tied_head_blocks``), a stacked projection's parts stacked when their formats agree.
 """
 
 from __future__ import annotations
@@ -70,12 +74,16 @@ def checkpoint_places(model: LlamaForCausalLM) -> dict[str, tuple[str, slice]]:
 
 
 def load_model(
-    path: str | Path, dtype: str | None = None, device: str | torch.device = "cpu"
+    path: str | Path,
+    dtype: str | None = None,
+    device: str | torch.device = "cpu",
+    quantization: str = "none",
 ) -> LlamaForCausalLM:
     """Builds the model described by ``path/config.json`` and loads its weights.
 
     ``dtype`` overrides the checkpoint's ``torch_dtype`` (float32, bfloat16 or float16). Without it, a
     half-precision checkpoint is computed in float32 on a CPU that lacks native half-precision math.
+    ``quantization``: a worker's setting of that name; ``gguf`` also reads the file's own blocks.
     """
     path = Path(path)
     cfg = ModelConfig.from_pretrained(path, dtype)
@@ -117,4 +125,40 @@ def load_model(
         raise CheckpointError(f"checkpoint in {path} lacks tensor(s): {shown}")
     model.load_state_dict(state, strict=True, assign=True)
     model.inv_freq = model.inv_freq.to(device)
+    if quantization == "gguf":
+        _attach_gguf_blocks(model, path, places)
     return model.eval().requires_grad_(False)
+
+
+def _attach_gguf_blocks(model: LlamaForCausalLM, path: Path, places: dict[str, tuple[str, slice]]) -> None:
+    from pdfabric.engine.gguf_checkpoint import QUANTIZED_FILE
+    from pdfabric.kernels.quantized import GroupedWeight, from_gguf
+
+    file = path / QUANTIZED_FILE
+    if not file.is_file():
+        raise CheckpointError(
+            f"quantization 'gguf' serves a model converted from a GGUF file; {path} has no {QUANTIZED_FILE}"
+        )
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    parts: dict[str, list[tuple[int, GroupedWeight]]] = {}
+    with safe_open(str(file), framework="np", device="cpu") as f:
+        types = json.loads((f.metadata() or {}).get("gguf_types", "{}"))
+        for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+            if name not in places or name not in types:
+                raise CheckpointError(f"{file.name}: unexpected tensor {name!r}")
+            param, rows = places[name]
+            shape = (rows.stop - rows.start, shapes[param][1])
+            blocks = from_gguf(types[name], f.get_tensor(name), shape)
+            parts.setdefault(param, []).append((rows.start, blocks))
+    wanted = {param: [rows.start for p, rows in places.values() if p == param] for param in parts}
+    for param, found in parts.items():
+        if sorted(start for start, _ in found) != sorted(wanted[param]):
+            continue  # a part in another format: the layer keeps the model's dtype
+        blocks = GroupedWeight.stack([g for _, g in sorted(found, key=lambda part: part[0])])
+        if blocks is None:
+            continue
+        module = param.rpartition(".")[0]
+        if module == "model.embed_tokens":  # the table itself stays for the lookup; a tied head multiplies
+            model.tied_head_blocks = blocks if model.lm_head is None else None
+        else:
+            model.get_submodule(module).gguf_blocks = blocks

@@ -168,5 +168,6 @@ def _pack_model(model: LlamaForCausalLM, kind: str, quantization: str = "none") 
         embed = model.model.embed_tokens.weight
         head = nn.Linear(embed.shape[1], embed.shape[0], bias=False, device="meta")
         head.weight = embed
+        head.gguf_blocks = model.__dict__.pop("tied_head_blocks", None)  # load_model's, under "gguf"
         if can_pack(head, kind, quantization):
             model.lm_head = packed(head, kind, quantization)

@@ -37,6 +37,7 @@ _SHAPE_INTS = ("hidden", "heads", "kv_heads", "head_dim", "inter", "block_size",
 _LAYER_PTRS = (
     "input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "down", "k_cache", "v_cache",
 )  # fmt: skip
+_LINEAR_DTYPES = ("qkv_dtype", "o_dtype", "gate_up_dtype", "down_dtype")  # each linear's pd_linear dtype
 _SCRATCH = ("normed", "qkv", "rot", "attn", "proj", "gate_up", "act")
 
 
@@ -46,12 +47,11 @@ class _Shape(ctypes.Structure):
         ("num_slots", ctypes.c_int64),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
-        ("linear_dtype", ctypes.c_int),
     ]
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [(name, _p) for name in _LAYER_PTRS]
+    _fields_ = [*((name, _p) for name in _LAYER_PTRS), *((name, ctypes.c_int) for name in _LINEAR_DTYPES)]
 
 
 class _Step(ctypes.Structure):
@@ -106,7 +106,7 @@ class Decoder:
         self._shape = _Shape(
             cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
             block_size, layer_ops_cpu.DTYPE_CODES[dtype], int(tiled), num_blocks * block_size,
-            cfg.rms_norm_eps, cfg.head_dim**-0.5, _linears(model.model.layers[0])[0].dtype_code,
+            cfg.rms_norm_eps, cfg.head_dim**-0.5,
         )  # fmt: skip
         self._keep: list[torch.Tensor] = []  # norm weights in the model dtype, alive as long as this is
         layers = []
@@ -116,6 +116,7 @@ class Decoder:
                 self._norm(layer.input_layernorm.weight), _ptr(qkv.packed_weight), _ptr(qkv.bias),
                 _ptr(o.packed_weight), _ptr(o.bias), self._norm(layer.post_attention_layernorm.weight),
                 _ptr(gate_up.packed_weight), _ptr(down.packed_weight), _ptr(cache[0]), _ptr(cache[1]),
+                qkv.dtype_code, o.dtype_code, gate_up.dtype_code, down.dtype_code,
             ))  # fmt: skip
         self._layers = (_Layer * len(layers))(*layers)
         self._widths = {
@@ -143,14 +144,10 @@ class Decoder:
             or not paged_attention_cpu.decodes_as_prefill(weight.dtype)
         ):
             return None
-        codes = set()
-        for layer in model.model.layers:
+        for layer in model.model.layers:  # each linear in a format of its own (quantized or not)
             for m in _linears(layer):
                 if not isinstance(m, InvariantLinear) or m._dtype != weight.dtype:
                     return None
-                codes.add(m.dtype_code)
-        if len(codes) != 1:  # one weight format for every layer (quantized or not)
-            return None
         cfg = model.config
         q = torch.empty(1, cfg.num_heads, cfg.head_dim, dtype=weight.dtype)
         for cache in kv_caches:

@@ -16,6 +16,13 @@ Two kernels, behind the seam ``kernels/linear.py`` (``pack_linears``) that also 
 Both take CPU tensors in float32, or in bfloat16 on a CPU that multiplies it natively (AVX512-BF16;
 elsewhere bfloat16 checkpoints are computed in float32, ``engine/loader.py``). Layers that neither
 can take stay ``nn.Linear``.
+
+The invariant kernel also holds weights quantized (a worker's ``quantization``), the inputs and
+outputs staying in the compute dtype: ``int8`` (a scale per output, ``quantize_int8``), ``int4``
+(groups of 32 inputs, ``quantized.quantize_int4``) and ``gguf`` (a GGUF checkpoint's own Q4_0, Q4_1,
+Q4_K and Q8_0 blocks, ``quantized.from_gguf``; a layer whose blocks are of another type stays in the
+compute dtype). Grouped weights need an input count that is a multiple of 32; other layers stay in
+the compute dtype too.
 """
 
 from __future__ import annotations
@@ -27,11 +34,15 @@ import torch
 from torch import nn
 
 from pdfabric.kernels import cpu_build
+from pdfabric.kernels.quantized import GROUP, GroupedWeight, quantize_int4
+from pdfabric.worker_config import QUANTIZATIONS
 
 LINEAR_KINDS = ("invariant", "onednn")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 INT8_CODES = {torch.bfloat16: 2, torch.float32: 3}  # int8 weights beside inputs and outputs of this dtype
-QUANTIZATIONS = ("none", "int8")
+# weights in groups of 32 inputs, by bits and the inputs' dtype
+GROUPED_CODES = {(4, torch.bfloat16): 4, (4, torch.float32): 5, (8, torch.bfloat16): 6, (8, torch.float32): 7}
+QUANTIZATIONS = QUANTIZATIONS  # the worker's setting (pdfabric/worker_config.py)
 
 
 @functools.cache
@@ -43,6 +54,8 @@ def _library() -> ctypes.CDLL | None:
         lib.pd_linear_pack.argtypes = [p, i64, i64, i64, i32, p]
         lib.pd_linear_pack_int8.argtypes = [p, i64, p, i64, i64, i32, p]
         lib.pd_linear_pack_int8.restype = ctypes.c_int
+        lib.pd_linear_pack_grouped.argtypes = [p, i64, p, p, i64, i64, i32, p]
+        lib.pd_linear_pack_grouped.restype = ctypes.c_int
         lib.pd_linear_packed_elems.argtypes = [i64, i64, i32]
         lib.pd_linear_packed_elems.restype = i64
         lib.pd_linear_supported.argtypes = [i32]
@@ -76,10 +89,29 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale.contiguous()
 
 
+def grouped_form(linear: nn.Linear, quantization: str) -> GroupedWeight | None:
+    """The grouped weight ``linear`` is held as under ``quantization``: its int4 quantization, the GGUF
+    blocks the loader gave it (``gguf_blocks``), or None where it keeps its own dtype (another
+    quantization, an input count that is not a multiple of 32, no blocks)."""
+    if linear.in_features % GROUP:
+        return None
+    if quantization == "int4":
+        return quantize_int4(linear.weight)
+    if quantization == "gguf":
+        return getattr(linear, "gguf_blocks", None)
+    return None
+
+
+def _dtype_code(dtype: torch.dtype, quantization: str, grouped: GroupedWeight | None) -> int:
+    if grouped is not None:
+        return GROUPED_CODES[grouped.bits, dtype]
+    return INT8_CODES[dtype] if quantization == "int8" else DTYPE_CODES[dtype]
+
+
 def can_pack(linear: nn.Linear, kind: str = "invariant", quantization: str = "none") -> bool:
     """Whether ``linear``'s weight can be packed for ``kind``: a CPU float32 weight, or a bfloat16 one
-    on a CPU that multiplies bfloat16 natively, and a kernel that built (or oneDNN) here; with
-    ``quantization`` ``int8``, the invariant kernel's int8 form for that dtype."""
+    on a CPU that multiplies bfloat16 natively, and a kernel that built (or oneDNN) here; quantized,
+    the invariant kernel's form of ``quantization`` for that dtype."""
     if kind not in LINEAR_KINDS:
         raise ValueError(f"unknown linear kernel {kind!r}; expected one of {', '.join(LINEAR_KINDS)}")
     if quantization not in QUANTIZATIONS:
@@ -92,27 +124,49 @@ def can_pack(linear: nn.Linear, kind: str = "invariant", quantization: str = "no
     if kind == "onednn":
         return quantization == "none" and _onednn_available()
     lib = _library()
-    code = INT8_CODES[w.dtype] if quantization == "int8" else DTYPE_CODES[w.dtype]
-    return lib is not None and bool(lib.pd_linear_supported(code))
+    if lib is None:
+        return False
+    blocks = getattr(linear, "gguf_blocks", None) if quantization == "gguf" else None
+    bits = 4 if quantization == "int4" and linear.in_features % GROUP == 0 else getattr(blocks, "bits", None)
+    code = GROUPED_CODES[bits, w.dtype] if bits else _dtype_code(w.dtype, quantization, None)
+    return bool(lib.pd_linear_supported(code))
 
 
 class InvariantLinear(nn.Module):
     """``y = x W^T + b`` by ``csrc/linear_cpu.c``: each output summed in one fixed order; inference only.
     With ``quantization="int8"`` the weight is held as int8 with a scale per output (``quantize_int8``):
-    half the bytes of bfloat16 to read, the inputs and outputs still in the compute dtype."""
+    half the bytes of bfloat16 to read. With ``grouped`` (``grouped_form``: int4, or a GGUF tensor's
+    blocks) it is held in groups of 32 inputs. The inputs and outputs stay in the compute dtype."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quantization: str = "none") -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        quantization: str = "none",
+        grouped: GroupedWeight | None = None,
+    ) -> None:
         super().__init__()
         # weight: [out_features, in_features]; bias: [out_features] or None, both in the compute dtype
         self.out_features, self.in_features = weight.shape
-        self.quantization = quantization
-        self.dtype_code = INT8_CODES[weight.dtype] if quantization == "int8" else DTYPE_CODES[weight.dtype]
+        if grouped is not None and grouped.shape != tuple(weight.shape):
+            raise ValueError(f"grouped weight {grouped.shape} does not fit a {tuple(weight.shape)} layer")
+        self.quantization = quantization if grouped is not None or quantization == "int8" else "none"
+        self.bits = grouped.bits if grouped is not None else 8 if quantization == "int8" else None
+        self.dtype_code = _dtype_code(weight.dtype, quantization, grouped)
         weight = weight.detach()
         if weight.stride(1) != 1:
             weight = weight.contiguous()
         lib = _library()
         size = lib.pd_linear_packed_elems(self.out_features, self.in_features, self.dtype_code)
-        if quantization == "int8":
+        if grouped is not None:
+            packed = torch.empty(size, dtype=torch.uint8)  # scales, offsets, then the panels (linear_cpu.c)
+            q, scales = grouped.q.contiguous(), grouped.scales.float().contiguous()
+            offsets = None if grouped.offsets is None else grouped.offsets.float().contiguous()
+            status = lib.pd_linear_pack_grouped(
+                q.data_ptr(), q.stride(0), scales.data_ptr(), None if offsets is None else offsets.data_ptr(),
+                self.out_features, self.in_features, grouped.bits, packed.data_ptr(),
+            )  # fmt: skip
+        elif quantization == "int8":
             q, scale = quantize_int8(weight)
             packed = torch.empty(size, dtype=torch.uint8)  # the scales, then int8 panels (linear_cpu.c)
             status = lib.pd_linear_pack_int8(
@@ -153,11 +207,13 @@ class InvariantLinear(nn.Module):
                 torch.get_num_threads(),
             )  # fmt: skip
         if status != 0:
-            raise RuntimeError(f"pd_linear failed with status {status} (1: bad arguments, 3: unsupported)")
+            raise RuntimeError(f"pd_linear failed with status {status} (1: bad arguments, 2: out of memory, 3: unsupported)")
         return out
 
     def extra_repr(self) -> str:
-        quantized = f", quantization={self.quantization}" if self.quantization != "none" else ""
+        quantized = ""
+        if self.quantization != "none":
+            quantized = f", quantization={self.quantization} ({self.bits} bits)"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
             + quantized
@@ -189,4 +245,4 @@ def packed(linear: nn.Linear, kind: str = "invariant", quantization: str = "none
     """``linear`` packed for ``kind`` (the caller checks ``can_pack`` first)."""
     if kind == "onednn":
         return PackedLinear(linear)
-    return InvariantLinear(linear.weight, linear.bias, quantization)
+    return InvariantLinear(linear.weight, linear.bias, quantization, grouped_form(linear, quantization))

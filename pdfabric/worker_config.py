@@ -29,7 +29,8 @@ AUTO_KV_MIN_MB = 256
 # bits in another batch, so greedy text is no longer the same in every deployment (docs/serving.md).
 LINEARS = ("invariant", "onednn", "cublas")
 SPECULATIVE = ("off", "ngram")  # speculative decoding's proposers
-QUANTIZATIONS = ("none", "int8")  # kernels/linear_cpu.py's, named here so configs import no torch
+# How linear weights may be held (kernels/linear_cpu.py), named here so that configs import no torch
+QUANTIZATIONS = ("none", "int8", "int4", "gguf")
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,10 @@ class WorkerConfig:
     )
     prefix_caching: bool = True  # keep computed full blocks for prompts that share their prefix
     linears: str = "invariant"  # the linear-layer kernel (LINEARS); a vendor one gives up batch invariance
-    # How the linear layers' weights are held (QUANTIZATIONS): "int8", weight-only with a scale per
-    # output, half of bfloat16's bytes to read a decode step; "none", the model's dtype (CPUs only)
+    # How the linear layers' weights are held (QUANTIZATIONS), weight-only on CPUs: "int8", a scale per
+    # output (half of bfloat16's bytes for a decode step to read); "int4", symmetric groups of 32 inputs;
+    # "gguf", a GGUF model's own blocks as they are (Q4_0, Q4_1, Q4_K, Q8_0; other tensors in the
+    # model's dtype); "none", the model's dtype (docs/quantization.md)
     quantization: str = "none"
     # KV channel encrypted (CURVE) or, on a network the operator trusts, authenticated in the clear
     # (PLAIN); the same for every worker of a deployment, or its transfers fail (docs/security.md)

@@ -114,3 +114,40 @@ def test_logits_and_greedy_tokens_match_transformers(converted: Path, reference:
             expected.append(int(hf_model(torch.tensor([expected])).logits[0, -1].argmax()))
     out = engine.generate(ids, SamplingParams(max_tokens=steps, ignore_eos=True))
     assert out.token_ids == expected[len(ids) :]
+
+
+@packaged
+def test_quantization_gguf_serves_the_files_own_blocks(converted: Path, reference: tuple) -> None:
+    """``quantization = "gguf"`` multiplies the file's Q4_1 layers and Q8_0 head as they are: every linear
+    held in its blocks, the bytes close to the file's, and (computing in float32) the logits and greedy
+    text of transformers reading the same file."""
+    from pdfabric.engine.generate import ReferenceEngine
+    from pdfabric.engine.runner import StepEntry
+    from pdfabric.kernels.linear_cpu import InvariantLinear
+    from pdfabric.sampling_params import SamplingParams
+
+    engine = ReferenceEngine(converted, dtype="float32", num_blocks=64, quantization="gguf")
+    linears = [m for m in engine.model.modules() if isinstance(m, InvariantLinear)]
+    assert len(linears) == 4 * 30 + 1  # qkv, o, gate_up, down a layer, and the tied head
+    assert {(m.quantization, m.bits) for m in linears[:-1]} == {("gguf", 4)}
+    assert (engine.model.lm_head.quantization, engine.model.lm_head.bits) == ("gguf", 8)
+    held = sum(m.packed_weight.numel() * m.packed_weight.element_size() for m in linears)
+    assert held < 1.25 * PACKAGED[PRESET].locate().stat().st_size  # an offset and scale in float32 a group
+
+    hf_model, hf_tokenizer = reference
+    prompt = hf_tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    ids = hf_tokenizer.encode(prompt, add_special_tokens=False)
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0].float()  # [L, vocab]
+    prepared = engine.runner.prepare([StepEntry(tuple(ids), 0, tuple(range(len(ids) // 16 + 1)))])
+    with torch.inference_mode():
+        hidden = engine.model(prepared.input_ids, prepared.positions, engine.runner.kv_caches, prepared.meta)
+        ours = engine.model.compute_logits(hidden)
+    rel = float((ours - ref).abs().max() / ref.abs().max())
+    assert rel < 1e-3, f"max relative logit error {rel:.2e}"
+    expected = list(ids)
+    with torch.no_grad():
+        for _ in range(12):
+            expected.append(int(hf_model(torch.tensor([expected])).logits[0, -1].argmax()))
+    out = engine.generate(ids, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert out.token_ids == expected[len(ids) :]

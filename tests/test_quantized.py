@@ -1,15 +1,19 @@
-"""Int8 weights (``[worker] quantization = "int8"``): the linear kernel against a torch reference that
-dequantizes and multiplies, a row's result the same in any batch, and a fabric serving them token-exact
-against the single-process reference with the same weights."""
+"""Quantized weights (``[worker] quantization``: int8, int4, gguf): the quantizers and the GGUF block
+readers (equal to the ``gguf`` package's dequantization to the bit), the linear kernels against a torch
+reference that dequantizes and multiplies, a row's result the same in any batch, and fabrics serving
+them token-exact against the single-process reference with the same weights. Greedy text is not
+expected to equal the unquantized model's; the tests check closeness of logits and first tokens."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from pdfabric.engine.generate import ReferenceEngine
 from pdfabric.kernels.cpu_build import cpu_has_half_math
 from pdfabric.kernels.linear_cpu import InvariantLinear, quantize_int8
+from pdfabric.kernels.quantized import GroupedWeight, dequantize, from_gguf, quantize_int4
 from pdfabric.sampling_params import SamplingParams
 from tests.fabric import post_json, running_fabric, wait_blocks_free
 
@@ -50,20 +54,104 @@ def test_int8_linear_equals_dequantized_weights_and_is_batch_invariant(
     assert lin.packed_weight.numel() * lin.packed_weight.element_size() == panels * 64 * (4 + width)
 
 
-def test_the_int8_reference_engine_answers_close_to_the_full_one() -> None:
-    full, int8 = ReferenceEngine("tiny"), ReferenceEngine("tiny", quantization="int8")
+def test_int4_groups_are_symmetric_within_half_a_step() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(37, 96) * torch.linspace(0.01, 3.0, 37)[:, None]
+    w[5, 32:64] = 0.0  # a group of zeros dequantizes to zeros
+    g = quantize_int4(w)
+    assert g.bits == 4 and g.q.dtype == torch.uint8 and int(g.q.max()) <= 15 and g.scales.shape == (37, 3)
+    assert torch.equal(g.offsets, -8 * g.scales)
+    step = g.scales.abs().repeat_interleave(32, dim=1)
+    error = (dequantize(g) - w).abs()
+    # within half a step, but for weights past +7 d (the extreme's sign opposite), clamped within a step
+    assert (error <= step / 2 + 1e-6)[g.q < 15].all() and (error <= step + 1e-6).all()
+    assert not dequantize(g)[5, 32:64].any()
+    at = w.reshape(37, 3, 32).abs().argmax(2, keepdim=True)  # each group's extreme is exact
+    assert torch.equal(dequantize(g).reshape(37, 3, 32).gather(2, at), w.reshape(37, 3, 32).gather(2, at))
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
+def test_gguf_blocks_unpack_to_the_gguf_packages_dequantization_to_the_bit(kind: str) -> None:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+    from gguf.quants import quantize as gguf_quantize
+
+    rng = np.random.default_rng(7)
+    qtype = GGMLQuantizationType[kind]
+    if kind == "Q4_K":  # no quantizer in the package: random blocks with finite half-precision scales
+        raw = rng.integers(0, 256, (24, 2, 144), dtype=np.uint8)
+        for lo, hi in ((0, 2), (2, 4)):
+            halves = (rng.random((24, 2)) * 0.01).astype(np.float16)
+            raw[..., lo:hi] = halves.view(np.uint8).reshape(24, 2, 2)
+        blocks = raw.reshape(24, 288)
+    else:
+        blocks = gguf_quantize((rng.standard_normal((24, 512)) * 0.05).astype(np.float32), qtype)
+    g = from_gguf(kind, blocks, (24, 512))
+    assert g.bits == (8 if kind == "Q8_0" else 4)
+    assert np.array_equal(dequantize(g).numpy(), gguf_dequantize(blocks, qtype).reshape(24, 512))
+    with pytest.raises(ValueError, match="no kernel"):
+        from_gguf("Q6_K", blocks, (24, 512))
+
+
+def _q8_groups(n: int, k: int) -> GroupedWeight:
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    return GroupedWeight(q.view(torch.uint8), torch.rand(n, k // 32) * 0.002, None, 8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("shape", [(64, 64), (100, 96), (1536, 576), (49, 1536)])
+def test_grouped_linear_equals_dequantized_weights_and_is_batch_invariant(
+    dtype: torch.dtype, bits: int, shape: tuple
+) -> None:
+    n, k = shape
+    torch.manual_seed(n + k + bits)
+    w, b = (torch.randn(n, k) * 0.05).to(dtype), (torch.randn(n) * 0.1).to(dtype)
+    g = quantize_int4(w) if bits == 4 else _q8_groups(n, k)
+    lin = InvariantLinear(w, b, "int4" if bits == 4 else "gguf", g)
+    x = torch.randn(200, k).to(dtype)  # more rows than a block of 96: widened panels, several blocks
+    y = lin(x)
+    reference = x.double() @ dequantize(g).double().t() + b.double()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(y.double(), reference, rtol=tol, atol=tol * reference.abs().max().item())
+    for rows in (1, 2, 4, 7, 33, 97):  # each row's bits alone and among others
+        assert torch.equal(lin(x[:rows]), y[:rows])
+    assert torch.equal(lin(x[5:6]), y[5:6])
+    header = -(-n // 64) * 64 * (k // 32) * 4 * (2 if bits == 4 else 1)  # scales (and offsets) a group
+    assert lin.packed_weight.numel() == header + -(-n // 64) * 64 * k * bits // 8
+
+
+def test_a_layer_whose_inputs_are_not_groups_of_32_keeps_the_model_dtype() -> None:
+    from torch import nn
+
+    from pdfabric.kernels.linear import pack_linears
+
+    model = nn.Sequential(nn.Linear(64, 40), nn.Linear(40, 64))
+    assert pack_linears(model, "invariant", "int4") == 2
+    assert (model[0].quantization, model[0].bits) == ("int4", 4)
+    assert (model[1].quantization, model[1].bits) == ("none", None)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_a_quantized_reference_engine_answers_close_to_the_full_one(quantization: str) -> None:
+    full, quantized = ReferenceEngine("tiny"), ReferenceEngine("tiny", quantization=quantization)
     prompt = list(range(10, 60))
     a = full.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True))
-    b = int8.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True))
-    assert a.token_ids[:2] == b.token_ids[:2]  # tiny random weights: the first tokens agree
-    assert b.logprobs[0] == pytest.approx(a.logprobs[0], abs=0.05)
+    b = quantized.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+    agree = 2 if quantization == "int8" else 1  # tiny random weights, the worst case for 4 bits
+    assert a.token_ids[:agree] == b.token_ids[:agree]
+    assert b.logprobs[0] == pytest.approx(a.logprobs[0], abs=0.05 if quantization == "int8" else 0.3)
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
 @pytest.mark.parametrize("flags", [("--colocated", "1"), ("--prefill", "1", "--decode", "1")])
-def test_a_fabric_with_int8_weights_serves_what_the_int8_reference_gives(flags: tuple[str, ...]) -> None:
-    reference = ReferenceEngine("tiny", quantization="int8")
+def test_a_fabric_with_quantized_weights_serves_what_the_quantized_reference_gives(
+    flags: tuple[str, ...], quantization: str
+) -> None:
+    reference = ReferenceEngine("tiny", quantization=quantization)
     prompts = [[5 + i] * (4 + 9 * i) for i in range(6)]
-    with running_fabric("--model", "tiny", "--num-blocks", "128", "--quantization", "int8", *flags) as url:
+    args = ("--model", "tiny", "--num-blocks", "128", "--quantization", quantization, *flags)
+    with running_fabric(*args) as url:
         for prompt in prompts:
             body = {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
                     "return_token_ids": True}  # fmt: skip
@@ -84,21 +172,22 @@ def test_bench_perplexity_scores_each_format_on_the_same_windows(tmp_path) -> No
     out = tmp_path / "ppl.json"
     done = subprocess.run(
         [sys.executable, "-m", "pdfabric.cli", "bench", "perplexity", "--model", "tiny", "--text", str(text),
-         "--tokens", "600", "--context", "128", "--quantization", "none,int8", "--json", str(out),
+         "--tokens", "600", "--context", "128", "--quantization", "none,int8,int4", "--json", str(out),
          "--no-progress"],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     r = json.loads(out.read_text())
     assert r["windows"] == 4 and r["tokens"] == 512
-    none, int8 = r["formats"]
-    assert (none["quantization"], int8["quantization"]) == ("none", "int8")
-    assert none["scored_tokens"] == int8["scored_tokens"] == 4 * 127
+    none, int8, int4 = r["formats"]
+    assert [f["quantization"] for f in r["formats"]] == ["none", "int8", "int4"]
+    assert none["scored_tokens"] == int8["scored_tokens"] == int4["scored_tokens"] == 4 * 127
     assert 1 < none["perplexity"] < 1000 and abs(int8["perplexity"] / none["perplexity"] - 1) < 0.05
-    assert "int8" in done.stdout
-    command = [sys.executable, "-m", "pdfabric.cli", "bench", "perplexity", "--quantization", "int4"]
+    assert abs(int4["perplexity"] / none["perplexity"] - 1) < 0.5
+    assert "int4" in done.stdout
+    command = [sys.executable, "-m", "pdfabric.cli", "bench", "perplexity", "--quantization", "int3"]
     bad = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
-    assert bad.returncode == 2 and "none and/or int8" in bad.stderr
+    assert bad.returncode == 2 and "none, int8, int4, gguf" in bad.stderr
 
 
 def test_a_config_asks_for_int8_only_with_the_kernel_that_holds_it() -> None:
@@ -107,5 +196,5 @@ def test_a_config_asks_for_int8_only_with_the_kernel_that_holds_it() -> None:
     with pytest.raises(ValueError, match="invariant linears"):
         WorkerConfig(kind="colocated", quantization="int8", linears="onednn")
     with pytest.raises(ValueError, match="quantization must be one of"):
-        WorkerConfig(kind="colocated", quantization="int4")
+        WorkerConfig(kind="colocated", quantization="int3")
     assert WorkerConfig(kind="colocated", quantization="int8").quantization == "int8"

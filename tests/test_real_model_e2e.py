@@ -77,6 +77,23 @@ def test_chat_answers_a_factual_question_like_the_reference(fabric: str, referen
     assert [e["logprob"] for e in content] == pytest.approx(expected.logprobs, abs=2e-2)  # bfloat16
 
 
+def test_a_fabric_serving_the_gguf_files_own_blocks_answers_as_their_reference() -> None:
+    """Prefill and decode workers with ``--quantization gguf`` (the file's Q4_1 layers and Q8_0 head
+    multiplied as they are): the answer of the single-process reference holding the same blocks."""
+    reference = ReferenceEngine(MODEL, quantization="gguf")
+    prompt = reference.tokenizer.encode(
+        reference.tokenizer.apply_chat_template(QUESTION), add_special_tokens=False
+    )
+    expected = reference.generate(prompt, SamplingParams(max_tokens=24))
+    args = ("--model", MODEL, "--num-blocks", "128", "--quantization", "gguf", *DEPLOYMENTS["disaggregated"])
+    with running_fabric(*args) as url:
+        body = {"model": MODEL, "messages": QUESTION, "max_tokens": 24, "temperature": 0,
+                "return_token_ids": True}  # fmt: skip
+        choice = _post(url + "/v1/chat/completions", body)["choices"][0]
+    assert "Paris" in choice["message"]["content"]
+    assert choice["token_ids"] == expected.token_ids
+
+
 def test_readme_run_command_streams_a_sensible_answer() -> None:
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     found = re.search(r"^pdfabric serve --model smollm2-135m --once .*$", readme, re.M)

@@ -235,7 +235,7 @@ def build_engine(cfg: WorkerConfig) -> Engine:
 
         torch.set_num_threads(cfg.threads)
     path = resolve_model(cfg.model)
-    model = load_model(path, cfg.dtype, _device(cfg.device))
+    model = load_model(path, cfg.dtype, _device(cfg.device), cfg.quantization)
     spec = CoreSpec.sized(
         cfg, worker_id=cfg.worker_id or f"{cfg.kind}-{os.getpid()}",
         model_max_len=model.config.max_position_embeddings,

@@ -50,12 +50,14 @@ typedef struct { /* the model's shape */
     int tiled; /* the cache is tiled (pd_store_kv_tiled): written by store_kv_tiled */
     int64_t num_slots; /* blocks x block size of each layer's cache */
     float eps, scale;
-    int linear_dtype; /* pd_linear's dtype for the layers' weights: dtype, or its int8 form (2, 3) */
 } shape_t;
 
 typedef struct { /* one layer's weights (linears packed by pd_linear_pack) and cache */
     const void *input_norm, *qkv, *qkv_bias, *o, *o_bias, *post_norm, *gate_up, *down;
     void *k_cache, *v_cache;
+    /* pd_linear's dtype for each linear's weights: the model dtype's, or a quantized form (2 to 7); a
+     * layer may hold its linears in several (a GGUF file's mix of types) */
+    int qkv_dtype, o_dtype, gate_up_dtype, down_dtype;
 } layer_t;
 
 typedef struct { /* one step: the residual stream, where each token's KV goes, the rows' context */
@@ -93,7 +95,7 @@ static int layer(const kernels_t *k, const shape_t *s, const layer_t *w, const s
     if ((status = k->rms_norm(t->x, s->hidden, w->input_norm, t->normed, rows, s->hidden, s->eps, dtype, t->threads)))
         return status;
     if ((status = k->linear(t->normed, s->hidden, w->qkv, w->qkv_bias, t->qkv, qkv_width, rows, qkv_width, s->hidden,
-                            s->linear_dtype, t->threads)))
+                            w->qkv_dtype, t->threads)))
         return status;
     if ((status = k->rope(t->qkv, qkv_width, t->cos, t->sin, t->rot, rows, s->heads + s->kv_heads, d, dtype,
                           t->threads)))
@@ -110,18 +112,18 @@ static int layer(const kernels_t *k, const shape_t *s, const layer_t *w, const s
                                  t->row_seq, t->ctx_lens, t->attn, rows, s->heads, s->kv_heads, d, s->block_size,
                                  s->scale, t->threads)))
         return status;
-    if ((status = k->linear(t->attn, q_width, w->o, w->o_bias, t->proj, s->hidden, rows, s->hidden, q_width, s->linear_dtype,
+    if ((status = k->linear(t->attn, q_width, w->o, w->o_bias, t->proj, s->hidden, rows, s->hidden, q_width, w->o_dtype,
                             t->threads)))
         return status;
     add_rows(t->x, t->proj, (int64_t)rows * s->hidden, dtype);
     if ((status = k->rms_norm(t->x, s->hidden, w->post_norm, t->normed, rows, s->hidden, s->eps, dtype, t->threads)))
         return status;
     if ((status = k->linear(t->normed, s->hidden, w->gate_up, NULL, t->gate_up, 2 * (int64_t)s->inter, rows,
-                            2 * (int64_t)s->inter, s->hidden, s->linear_dtype, t->threads)))
+                            2 * (int64_t)s->inter, s->hidden, w->gate_up_dtype, t->threads)))
         return status;
     if ((status = k->silu_mul(t->gate_up, 2 * (int64_t)s->inter, t->act, rows, s->inter, dtype, t->threads)))
         return status;
-    if ((status = k->linear(t->act, s->inter, w->down, NULL, t->proj, s->hidden, rows, s->hidden, s->inter, s->linear_dtype,
+    if ((status = k->linear(t->act, s->inter, w->down, NULL, t->proj, s->hidden, rows, s->hidden, s->inter, w->down_dtype,
                             t->threads)))
         return status;
     add_rows(t->x, t->proj, (int64_t)rows * s->hidden, dtype);
@@ -132,8 +134,7 @@ static int layer(const kernels_t *k, const shape_t *s, const layer_t *w, const s
  * after it are not run). */
 int pd_decoder_layers(const kernels_t *kernels, const shape_t *shape, const layer_t *layers, int count,
                       const step_t *step) {
-    if (step->rows <= 0 || count < 0 || (shape->dtype != 0 && shape->dtype != 1) || shape->linear_dtype < 0 ||
-        shape->linear_dtype > 3 ||
+    if (step->rows <= 0 || count < 0 || (shape->dtype != 0 && shape->dtype != 1) ||
         (shape->tiled && kernels->store_kv_tiled == NULL))
         return 1;
     for (int i = 0; i < count; i++) {

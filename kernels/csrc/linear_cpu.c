@@ -24,6 +24,19 @@
  * The packed buffer starts with the scales of every panel's 64 columns (float32), then the panels. The
  * sums keep the order of the other dtypes, so a row's result does not depend on the batch either.
  *
+ * Weights quantized in groups of 32 inputs (packed by pd_linear_pack_grouped; K a multiple of 32): each
+ * output column has a float32 scale d and, for 4 bits, a float32 offset m per group, the weight being
+ * d * q + m. This holds GGUF's Q4_0 (m = -8 d), Q4_1, Q4_K (d and m per 32-input sub-block, products
+ * that float32 holds exactly) and Q8_0 (8 bits, m = 0) as they are, and pdfabric's own int4:
+ *   dtype 4: bfloat16 x, 4-bit q in 0..15;  dtype 5: float32 x, the same packing;
+ *   dtype 6: bfloat16 x, 8-bit q (int8);    dtype 7: float32 x, the same packing.
+ *   y[m, n] = round(sum_g (d[n, g] * sum_{k in g} x[m, k] q[n, k] + m[n, g] * sum_{k in g} x[m, k]) + bias[n])
+ * Each group's sums run over its pairs of inputs from the first to the last (q widened to bfloat16,
+ * exactly, for bfloat16 x) and are added to the output's running sum group by group, in order. Layout:
+ * scales[panel][group][64], then (4 bits) offsets[panel][group][64], then the quantized panels, pairs
+ * of inputs as for bfloat16: 4 bits: panel[k / 2][64] bytes, the pair's first input in the low
+ * nibble; 8 bits: panel[k / 2][64][2].
+ *
  * Layouts (element strides): x row m starts at m * x_stride, out row m at m * out_stride, elements
  * contiguous. dtype: 0 float32, 1 bfloat16 (x, weight, bias and out alike). Rounding to bfloat16 is
  * to nearest even on the bits, as torch rounds.
@@ -32,6 +45,7 @@
  * takes AVX-512 where the CPU has it and plain C that the compiler vectorises elsewhere.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -53,16 +67,33 @@
 #ifndef PREFETCH_HINT
 #define PREFETCH_HINT 1 /* into the outer caches (prefetcht2): the stream outruns a first-level cache */
 #endif
+#define GROUP_ROWS 3 /* rows per register tile of grouped weights: 3 x 4 sums beside 3 x 4 group sums */
 #define SERIAL_MACS 32768 /* multiply-adds below which a call stays on one thread */
 
 static inline int64_t pairs_of(int64_t k) { return (k + 1) / 2; }
 
-static inline int quantized(int dtype) { return dtype == 2 || dtype == 3; }
+static inline int quantized(int dtype) { return dtype == 2 || dtype == 3; } /* int8, a scale per output */
+static inline int grouped(int dtype) { return dtype >= 4 && dtype <= 7; }  /* a scale per 32 inputs */
+static inline int group_bits(int dtype) { return dtype <= 5 ? 4 : 8; }
+static inline int x_is_bf16(int dtype) { return dtype == 1 || dtype == 2 || dtype == 4 || dtype == 6; }
+
+#define GROUP 32 /* inputs per quantization group: 16 pairs */
+
+/* Bytes of a grouped weight's quantized panels for one pair of inputs of 64 columns. */
+static inline int64_t grouped_row_bytes(int bits) { return bits == 4 ? COLS : 2 * COLS; }
+
+/* Bytes of the scales (and offsets) of a grouped [n, k] weight, before its panels. */
+static inline int64_t grouped_header_bytes(int64_t n, int64_t k, int bits) {
+    const int64_t panels = (n + COLS - 1) / COLS;
+    return panels * (k / GROUP) * COLS * (int64_t)sizeof(float) * (bits == 4 ? 2 : 1);
+}
 
 /* Elements of the packed weight of an [n, k] linear in `dtype` (bytes for the int8 dtypes: the scales'
  * too). */
 int64_t pd_linear_packed_elems(int64_t n, int64_t k, int dtype) {
     const int64_t panels = (n + COLS - 1) / COLS;
+    if (grouped(dtype))
+        return grouped_header_bytes(n, k, group_bits(dtype)) + panels * pairs_of(k) * grouped_row_bytes(group_bits(dtype));
     if (quantized(dtype))
         return panels * COLS * (int64_t)sizeof(float) + (dtype == 2 ? panels * pairs_of(k) * COLS * 2 : panels * k * COLS);
     return dtype == 1 ? panels * pairs_of(k) * COLS * 2 : panels * k * COLS;
@@ -84,6 +115,35 @@ int pd_linear_pack_int8(const int8_t *q, int64_t w_stride, const float *scales, 
                     const int64_t row = p * COLS + c, col = per * i + e;
                     dst[((p * steps + i) * COLS + c) * per + e] = row < n && col < k ? q[row * w_stride + col] : 0;
                 }
+    return 0;
+}
+
+/* Packs a weight quantized in groups of 32 inputs: q [n, k] one byte a weight (row stride q_stride;
+ * 4 bits: values 0..15; 8 bits: int8), scales [n, k / 32] and, for 4 bits, offsets [n, k / 32], both
+ * float32 and contiguous. Returns 0, or 1 on bad arguments (K not a multiple of 32 among them). */
+int pd_linear_pack_grouped(const uint8_t *q, int64_t q_stride, const float *scales, const float *offsets, int64_t n,
+                           int64_t k, int bits, void *packed) {
+    if (n <= 0 || k <= 0 || k % GROUP || q_stride < k || (bits != 4 && bits != 8) || (bits == 4 && !offsets)) return 1;
+    const int64_t panels = (n + COLS - 1) / COLS, groups = k / GROUP, kp = k / 2;
+    float *scale = (float *)packed, *offset = scale + panels * groups * COLS;
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t g = 0; g < groups; g++)
+            for (int c = 0; c < COLS; c++) {
+                const int64_t row = p * COLS + c, at = (p * groups + g) * COLS + c;
+                scale[at] = row < n ? scales[row * groups + g] : 0.0f;
+                if (bits == 4) offset[at] = row < n ? offsets[row * groups + g] : 0.0f;
+            }
+    uint8_t *dst = (uint8_t *)packed + grouped_header_bytes(n, k, bits);
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t i = 0; i < kp; i++)
+            for (int c = 0; c < COLS; c++) {
+                const int64_t row = p * COLS + c;
+                const uint8_t *src = q + row * q_stride + 2 * i;
+                if (bits == 4)
+                    dst[(p * kp + i) * COLS + c] = row < n ? (uint8_t)((src[0] & 15) | (src[1] & 15) << 4) : 0;
+                else
+                    for (int e = 0; e < 2; e++) dst[((p * kp + i) * COLS + c) * 2 + e] = row < n ? src[e] : 0;
+            }
     return 0;
 }
 
@@ -120,6 +180,7 @@ typedef struct {
     void *out;
     int64_t x_stride, out_stride, m, n, k;
     int dtype;
+    const float *xsums; /* 4-bit groups with bfloat16 x: each row's sum of each group's inputs, [m][k / 32] */
 } job_t;
 
 #ifdef HAVE_AVX512
@@ -159,7 +220,7 @@ static void store_tile_bf16(const job_t *j, int64_t m0, int rows, int64_t c0, in
 static void store_tile(const job_t *j, int64_t m0, int rows, int64_t p, const float *acc) {
     const int64_t c0 = p * COLS;
     const int cols = j->n - c0 < COLS ? (int)(j->n - c0) : COLS;
-    const int bf16 = j->dtype == 1 || j->dtype == 2;
+    const int bf16 = x_is_bf16(j->dtype);
 #ifdef HAVE_AVX512
     if (bf16) {
         store_tile_bf16(j, m0, rows, c0, cols, acc);
@@ -190,6 +251,47 @@ static void store_tile(const job_t *j, int64_t m0, int rows, int64_t p, const fl
 /* The int8 panels of a quantized weight start after the scales. */
 static inline const int8_t *int8_panels(const job_t *j) {
     return (const int8_t *)j->packed + (j->n + COLS - 1) / COLS * COLS * (int64_t)sizeof(float);
+}
+
+/* A grouped weight's scales, offsets (4 bits) and quantized panels, from panel p on. */
+static inline const float *group_scales(const job_t *j, int64_t p) {
+    return (const float *)j->packed + p * (j->k / GROUP) * COLS;
+}
+static inline const float *group_offsets(const job_t *j, int64_t p) {
+    return group_scales(j, (j->n + COLS - 1) / COLS + p);
+}
+static inline const uint8_t *group_panel(const job_t *j, int64_t p, int bits) {
+    return (const uint8_t *)j->packed + grouped_header_bytes(j->n, j->k, bits) + p * pairs_of(j->k) * grouped_row_bytes(bits);
+}
+
+/* Grouped weights with float32 x (dtypes 5 and 7), one row at a time in plain C that the compiler
+ * vectorises over the columns: pairs [i0, i1) of row m against panel p, continuing acc unless i0 is 0.
+ * Not inlined, so every row runs the same code whatever the rows beside it. */
+static __attribute__((noinline)) void tile_grouped_f32(const job_t *j, int64_t m, int64_t p, int64_t i0, int64_t i1,
+                                                       float *acc, const int bits) {
+    const float *x = (const float *)j->x + m * j->x_stride, *scale = group_scales(j, p), *offset = group_offsets(j, p);
+    const uint8_t *panel = group_panel(j, p, bits);
+    const int64_t row_bytes = grouped_row_bytes(bits);
+    if (!i0) memset(acc, 0, COLS * sizeof(float));
+    for (int64_t g = i0 / (GROUP / 2); g < i1 / (GROUP / 2); g++) {
+        float part[COLS] = {0}, xs = 0.0f;
+        for (int64_t i = g * (GROUP / 2); i < (g + 1) * (GROUP / 2); i++) {
+            const float x0 = x[2 * i], x1 = x[2 * i + 1];
+            const uint8_t *w = panel + i * row_bytes;
+            xs += x0;
+            xs += x1;
+            for (int c = 0; c < COLS; c++) {
+                const float w0 = bits == 4 ? (float)(w[c] & 15) : (float)(int8_t)w[2 * c];
+                const float w1 = bits == 4 ? (float)(w[c] >> 4) : (float)(int8_t)w[2 * c + 1];
+                part[c] += x0 * w0;
+                part[c] += x1 * w1;
+            }
+        }
+        for (int c = 0; c < COLS; c++) {
+            acc[c] += part[c] * scale[g * COLS + c];
+            if (bits == 4) acc[c] += offset[g * COLS + c] * xs;
+        }
+    }
 }
 
 #ifdef HAVE_AVX512_BF16
@@ -227,6 +329,87 @@ static inline __attribute__((always_inline)) void tile_bf16(const job_t *j, int6
             const int32_t pair = i < full ? x[r][i] : (int32_t)((const uint16_t *)x[r])[2 * i];
             const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
             for (int c = 0; c < 4; c++) sum[r][c] = _mm512_dpbf16_ps(sum[r][c], a, b[c]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + r * COLS + 16 * c, sum[r][c]);
+}
+
+/* 16 columns' 4-bit weights for a pair of inputs (16 bytes, the first input in the low nibble) as 32
+ * bfloat16, which hold 0..15 exactly: each 32-bit lane gets its byte's low nibble in its low half and
+ * its high nibble in its high half, and a table lookup turns each nibble into its bfloat16 bits. */
+static inline __m512bh widen_q4x32(const uint8_t *p) {
+    const __m512i table = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x4170, 0x4160, 0x4150,
+                                           0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080,
+                                           0x4040, 0x4000, 0x3f80, 0x0000);
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    const __m512i nibbles = _mm512_and_si512(_mm512_or_si512(b, _mm512_slli_epi32(b, 12)), _mm512_set1_epi32(0x000f000f));
+    return (__m512bh)_mm512_permutexvar_epi16(nibbles, table);
+}
+
+/* The sum of one group's 32 bfloat16 inputs (16 pairs from p), in float32 and in one fixed order. */
+static inline float group_sum_bf16(const pair_t *p) {
+    const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);
+    return _mm512_reduce_add_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(p), ones));
+}
+
+/* Pairs [i0, i1) of panel p's quantized weights widened to bfloat16, as tile_grouped_bf16 reads them,
+ * into wide[i - i0][64][2]: a block of many rows widens each chunk once instead of once a tile. */
+static void widen_grouped(const job_t *j, int64_t p, int64_t i0, int64_t i1, uint16_t *wide, const int bits) {
+    const uint8_t *panel = group_panel(j, p, bits);
+    const int64_t row_bytes = grouped_row_bytes(bits);
+    for (int64_t i = i0; i < i1; i++)
+        for (int c = 0; c < 4; c++) {
+            const uint8_t *w = panel + i * row_bytes;
+            const __m512bh b = bits == 4 ? widen_q4x32(w + 16 * c) : widen_int8x32((const int8_t *)w + 32 * c);
+            _mm512_storeu_si512(wide + ((i - i0) * COLS + 16 * c) * 2, (__m512i)b);
+        }
+}
+
+/* Grouped weights with bfloat16 x (dtypes 4 and 6): `rows` (at most GROUP_ROWS, a constant after
+ * inlining) rows from m0 against panel p over the pairs [i0, i1) (whole groups), the weights widened
+ * here or, when `wide` is not NULL, read from widen_grouped's copy of the chunk (the same values). A
+ * group's products go into registers of their own, in tile_bf16's order; then each output's running
+ * sum takes d times the group's sum and, for 4 bits, m times the sum of the group's inputs (j->xsums). */
+static inline __attribute__((always_inline)) void tile_grouped_bf16(const job_t *j, int64_t m0, int64_t p, int64_t i0,
+                                                                    int64_t i1, float *acc, const int rows,
+                                                                    const int bits, const uint16_t *wide) {
+    const int64_t groups = j->k / GROUP, row_bytes = grouped_row_bytes(bits);
+    const float *scale = group_scales(j, p), *offset = group_offsets(j, p);
+    const uint8_t *panel = group_panel(j, p, bits);
+    const pair_t *x[GROUP_ROWS];
+    for (int r = 0; r < rows; r++) x[r] = (const pair_t *)((const uint16_t *)j->x + (m0 + r) * j->x_stride);
+    __m512 sum[GROUP_ROWS][4];
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < 4; c++) sum[r][c] = i0 ? _mm512_loadu_ps(acc + r * COLS + 16 * c) : _mm512_setzero_ps();
+    for (int64_t g = i0 / (GROUP / 2); g < i1 / (GROUP / 2); g++) {
+        __m512 part[GROUP_ROWS][4];
+        for (int r = 0; r < rows; r++)
+            for (int c = 0; c < 4; c++) part[r][c] = _mm512_setzero_ps();
+        for (int64_t i = g * (GROUP / 2); i < (g + 1) * (GROUP / 2); i++) {
+            const uint8_t *w = panel + i * row_bytes;
+            __m512bh b[4];
+            if (wide) {
+                for (int c = 0; c < 4; c++) b[c] = (__m512bh)_mm512_loadu_si512(wide + ((i - i0) * COLS + 16 * c) * 2);
+            } else {
+                __builtin_prefetch(w + PREFETCH_PAIRS * row_bytes, 0, PREFETCH_HINT);
+                if (bits == 8) __builtin_prefetch(w + PREFETCH_PAIRS * row_bytes + COLS, 0, PREFETCH_HINT);
+                for (int c = 0; c < 4; c++)
+                    b[c] = bits == 4 ? widen_q4x32(w + 16 * c) : widen_int8x32((const int8_t *)w + 32 * c);
+            }
+            for (int r = 0; r < rows; r++) {
+                const __m512bh a = (__m512bh)_mm512_set1_epi32(x[r][i]);
+                for (int c = 0; c < 4; c++) part[r][c] = _mm512_dpbf16_ps(part[r][c], a, b[c]);
+            }
+        }
+        for (int c = 0; c < 4; c++) {
+            const __m512 d = _mm512_loadu_ps(scale + g * COLS + 16 * c);
+            for (int r = 0; r < rows; r++) sum[r][c] = _mm512_fmadd_ps(part[r][c], d, sum[r][c]);
+            if (bits == 4) {
+                const __m512 m = _mm512_loadu_ps(offset + g * COLS + 16 * c);
+                for (int r = 0; r < rows; r++)
+                    sum[r][c] = _mm512_fmadd_ps(m, _mm512_set1_ps(j->xsums[(m0 + r) * groups + g]), sum[r][c]);
+            }
         }
     }
     for (int r = 0; r < rows; r++)
@@ -320,7 +503,8 @@ static inline __attribute__((always_inline)) void tile_f32(const job_t *j, int64
 /* The register tile for `rows` (a constant after inlining) rows over the inputs (pairs, in bfloat16)
  * [i0, i1), continuing the sums in `acc` unless i0 is 0. */
 static inline __attribute__((always_inline)) void tile_rows(const job_t *j, int64_t m0, int64_t p, int64_t i0,
-                                                            int64_t i1, float *acc, const int rows) {
+                                                            int64_t i1, float *acc, const int rows,
+                                                            const uint16_t *wide) {
 #ifdef HAVE_AVX512_BF16
     if (j->dtype == 1) {
         tile_bf16(j, m0, p, i0, i1, acc, rows, 0);
@@ -330,7 +514,23 @@ static inline __attribute__((always_inline)) void tile_rows(const job_t *j, int6
         tile_bf16(j, m0, p, i0, i1, acc, rows, 1);
         return;
     }
+    if (j->dtype == 4 || j->dtype == 6) { /* each (bits, widened or not) specialised apart */
+        const int bits = group_bits(j->dtype);
+        for (int r0 = 0; r0 < rows; r0 += GROUP_ROWS) {
+            const int n = rows - r0 < GROUP_ROWS ? rows - r0 : GROUP_ROWS;
+            float *a = acc + r0 * COLS;
+            if (wide && bits == 4) tile_grouped_bf16(j, m0 + r0, p, i0, i1, a, n, 4, wide);
+            else if (wide) tile_grouped_bf16(j, m0 + r0, p, i0, i1, a, n, 8, wide);
+            else if (bits == 4) tile_grouped_bf16(j, m0 + r0, p, i0, i1, a, n, 4, NULL);
+            else tile_grouped_bf16(j, m0 + r0, p, i0, i1, a, n, 8, NULL);
+        }
+        return;
+    }
 #endif
+    if (j->dtype == 5 || j->dtype == 7) {
+        for (int r = 0; r < rows; r++) tile_grouped_f32(j, m0 + r, p, i0, i1, acc + r * COLS, group_bits(j->dtype));
+        return;
+    }
     if (j->dtype == 3) {
         tile_q8_f32(j, m0, p, i0, i1, acc, rows);
         return;
@@ -340,14 +540,15 @@ static inline __attribute__((always_inline)) void tile_rows(const job_t *j, int6
 
 /* tile_rows with the row count made a constant in each branch, so that the sums stay in registers;
  * every branch adds each output's products in the same order. */
-static void tile(const job_t *j, int64_t m0, int rows, int64_t p, int64_t i0, int64_t i1, float *acc) {
+static void tile(const job_t *j, int64_t m0, int rows, int64_t p, int64_t i0, int64_t i1, float *acc,
+                 const uint16_t *wide) {
     switch (rows) {
-    case 1: tile_rows(j, m0, p, i0, i1, acc, 1); break;
-    case 2: tile_rows(j, m0, p, i0, i1, acc, 2); break;
-    case 3: tile_rows(j, m0, p, i0, i1, acc, 3); break;
-    case 4: tile_rows(j, m0, p, i0, i1, acc, 4); break;
-    case 5: tile_rows(j, m0, p, i0, i1, acc, 5); break;
-    default: tile_rows(j, m0, p, i0, i1, acc, 6); break;
+    case 1: tile_rows(j, m0, p, i0, i1, acc, 1, wide); break;
+    case 2: tile_rows(j, m0, p, i0, i1, acc, 2, wide); break;
+    case 3: tile_rows(j, m0, p, i0, i1, acc, 3, wide); break;
+    case 4: tile_rows(j, m0, p, i0, i1, acc, 4, wide); break;
+    case 5: tile_rows(j, m0, p, i0, i1, acc, 5, wide); break;
+    default: tile_rows(j, m0, p, i0, i1, acc, 6, wide); break;
     }
 }
 
@@ -357,12 +558,20 @@ static void tile(const job_t *j, int64_t m0, int rows, int64_t p, int64_t i0, in
 static void run_item(const job_t *j, int64_t block, int64_t p) {
     float acc[ROW_BLOCK * COLS];
     const int64_t start = block * ROW_BLOCK, end = start + ROW_BLOCK < j->m ? start + ROW_BLOCK : j->m;
-    const int pairs = j->dtype == 1 || j->dtype == 2;
+    const int pairs = x_is_bf16(j->dtype) || grouped(j->dtype);
     const int64_t steps = pairs ? pairs_of(j->k) : j->k, chunk = pairs ? K_CHUNK : 2 * K_CHUNK;
+    uint16_t *wide = NULL; /* grouped bfloat16 weights widened once a chunk when several tiles read it */
+#ifdef HAVE_AVX512_BF16
+    uint16_t widened[K_CHUNK * COLS * 2] __attribute__((aligned(64)));
+    if ((j->dtype == 4 || j->dtype == 6) && end - start > ROWS) wide = widened;
+#endif
     for (int64_t i0 = 0; i0 < steps; i0 += chunk) {
         const int64_t i1 = i0 + chunk < steps ? i0 + chunk : steps;
+#ifdef HAVE_AVX512_BF16
+        if (wide) widen_grouped(j, p, i0, i1, wide, group_bits(j->dtype));
+#endif
         for (int64_t m0 = start; m0 < end; m0 += ROWS)
-            tile(j, m0, end - m0 < ROWS ? (int)(end - m0) : ROWS, p, i0, i1, acc + (m0 - start) * COLS);
+            tile(j, m0, end - m0 < ROWS ? (int)(end - m0) : ROWS, p, i0, i1, acc + (m0 - start) * COLS, wide);
     }
     for (int64_t m0 = start; m0 < end; m0 += ROWS)
         store_tile(j, m0, end - m0 < ROWS ? (int)(end - m0) : ROWS, p, acc + (m0 - start) * COLS);
@@ -371,18 +580,29 @@ static void run_item(const job_t *j, int64_t block, int64_t p) {
 /* Whether this build can run `dtype`: 1 or 0. */
 int pd_linear_supported(int dtype) {
 #ifdef HAVE_AVX512_BF16
-    return dtype >= 0 && dtype <= 3;
+    return dtype >= 0 && dtype <= 7;
 #else
-    return dtype == 0 || dtype == 3;
+    return dtype == 0 || dtype == 3 || dtype == 5 || dtype == 7;
 #endif
 }
 
-/* Returns 0 on success, 1 on bad arguments, 3 when this build cannot run the dtype. */
+/* Returns 0 on success, 1 on bad arguments, 2 when out of memory, 3 when this build cannot run the dtype. */
 int pd_linear(const void *x, int64_t x_stride, const void *packed, const void *bias, void *out,
               int64_t out_stride, int64_t m, int64_t n, int64_t k, int dtype, int threads) {
-    if (m < 0 || n <= 0 || k <= 0 || x_stride < k || out_stride < n || dtype < 0 || dtype > 3) return 1;
+    if (m < 0 || n <= 0 || k <= 0 || x_stride < k || out_stride < n || dtype < 0 || dtype > 7) return 1;
+    if (grouped(dtype) && k % GROUP) return 1;
     if (!pd_linear_supported(dtype)) return 3;
-    const job_t job = {x, packed, bias, out, x_stride, out_stride, m, n, k, dtype};
+    float *xsums = NULL;
+#ifdef HAVE_AVX512_BF16
+    if (dtype == 4 && m > 0) { /* once a call, not once a panel: the same sums either way */
+        const int64_t groups = k / GROUP;
+        if (!(xsums = malloc((size_t)(m * groups) * sizeof(float)))) return 2;
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t g = 0; g < groups; g++)
+                xsums[r * groups + g] = group_sum_bf16((const pair_t *)((const uint16_t *)x + r * x_stride) + g * (GROUP / 2));
+    }
+#endif
+    const job_t job = {x, packed, bias, out, x_stride, out_stride, m, n, k, dtype, xsums};
     const int64_t panels = (n + COLS - 1) / COLS, blocks = (m + ROW_BLOCK - 1) / ROW_BLOCK;
     const int64_t items = panels * blocks;
     if (threads < 1 || m * n * k < SERIAL_MACS) threads = 1;
@@ -401,5 +621,6 @@ int pd_linear(const void *x, int64_t x_stride, const void *packed, const void *b
 #endif
         for (int64_t i = 0; i < items; i++) run_item(&job, i / panels, i % panels);
     }
+    free(xsums);
     return 0;
 }

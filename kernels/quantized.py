@@ -1,0 +1,140 @@
+"""Weights quantized in groups of 32 inputs: pdfabric's int4, and GGUF's Q4_0, Q4_1, Q4_K and Q8_0 as
+they are.
+
+A ``GroupedWeight`` holds an ``[n, k]`` weight as one small integer ``q`` a weight and, for each output
+and each run of 32 inputs (a group), a float32 scale ``d`` and (4 bits) a float32 offset ``m``:
+
+    w[n, j] = d[n, j // 32] * q[n, j] + m[n, j // 32]
+
+- ``quantize_int4`` (``[worker] quantization = "int4"``): symmetric, 4 bits a weight, a scale per
+  group chosen so that the group's weight of largest magnitude is ``-8 d`` exactly and every other
+  rounds to the nearest of ``d * (-8 .. 7)``: ``q`` in 0..15 with ``m = -8 d``.
+- ``from_gguf`` (``quantization = "gguf"``): a GGUF tensor's blocks, unpacked without dequantizing.
+  Q4_0 (``m = -8 d``), Q4_1 (``d``, ``m`` half precision), Q8_0 (8 bits, no offset) and Q4_K (a scale
+  and an offset per 32-input sub-block: products of a half-precision number and a 6-bit integer,
+  which float32 holds exactly). ``dequantize`` of the result equals the ``gguf`` package's own
+  dequantization to the bit (``tests/test_quantized.py``).
+
+``csrc/linear_cpu.c`` multiplies them as they are (``pd_linear_pack_grouped``); ``dequantize`` is the
+reference its tests multiply with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+GROUP = 32  # inputs per quantization group
+GGUF_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")  # served as they are; other GGUF types are dequantized
+
+
+@dataclass(frozen=True)
+class GroupedWeight:
+    """An ``[n, k]`` weight in groups of 32 inputs: ``q`` ``[n, k]`` (4 bits: uint8 in 0..15; 8 bits:
+    int8), ``scales`` ``[n, k / 32]`` float32, ``offsets`` like ``scales`` for 4 bits (None for 8)."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor | None
+    bits: int
+
+    def __post_init__(self) -> None:
+        n, k = self.q.shape
+        if k % GROUP or self.scales.shape != (n, k // GROUP):
+            raise ValueError(f"a {tuple(self.q.shape)} grouped weight needs [n, k / {GROUP}] scales")
+        if (self.bits == 4) != (self.offsets is not None) or self.bits not in (4, 8):
+            raise ValueError("4-bit groups have offsets, 8-bit groups none")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def rows(self, keep: slice | torch.Tensor) -> GroupedWeight:
+        """The weight of some outputs (a slice or an index of rows)."""
+        offsets = None if self.offsets is None else self.offsets[keep]
+        return GroupedWeight(self.q[keep], self.scales[keep], offsets, self.bits)
+
+    @staticmethod
+    def stack(parts: list[GroupedWeight]) -> GroupedWeight | None:
+        """The parts' outputs one after another (a stacked projection), or None where their formats
+        differ (each part then has to be held in the compute dtype)."""
+        if len({(p.bits, p.shape[1]) for p in parts}) != 1:
+            return None
+        offsets = None if parts[0].offsets is None else torch.cat([p.offsets for p in parts])
+        return GroupedWeight(
+            torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]), offsets, parts[0].bits
+        )
+
+
+def dequantize(weight: GroupedWeight) -> torch.Tensor:
+    """The float32 ``[n, k]`` weight: ``d * q + m`` group by group (the kernels' reference)."""
+    n, k = weight.shape
+    q = (weight.q.to(torch.int8) if weight.bits == 8 else weight.q).float().reshape(n, k // GROUP, GROUP)
+    w = q * weight.scales[..., None]
+    if weight.offsets is not None:
+        w = w + weight.offsets[..., None]
+    return w.reshape(n, k)
+
+
+def quantize_int4(weight: torch.Tensor) -> GroupedWeight:
+    """``weight`` ``[n, k]`` (k a multiple of 32) in symmetric 4-bit groups (module docstring); a group
+    of zeros gets a scale of 0 and dequantizes to zeros."""
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // GROUP, GROUP)
+    # the signed weight of largest magnitude in each group becomes -8 d
+    extreme = torch.gather(w, 2, w.abs().argmax(dim=2, keepdim=True)).squeeze(2)
+    d = extreme / -8.0
+    inverse = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(w * inverse[..., None]).clamp_(-8, 7) + 8
+    return GroupedWeight(
+        q.to(torch.uint8).reshape(n, k).contiguous(), d.contiguous(), (-8.0 * d).contiguous(), 4
+    )
+
+
+def from_gguf(type_name: str, blocks: np.ndarray, shape: tuple[int, int]) -> GroupedWeight:
+    """The weight ``[n, k]`` whose GGUF blocks of ``type_name`` (one of ``GGUF_TYPES``) are ``blocks``
+    (uint8, one row of bytes per output), unpacked as they are."""
+    n, k = shape
+    if type_name not in GGUF_TYPES:
+        raise ValueError(f"GGUF type {type_name} has no kernel; served are {', '.join(GGUF_TYPES)}")
+    blocks = np.ascontiguousarray(blocks, dtype=np.uint8)
+    if type_name == "Q4_K":
+        return _from_q4_k(blocks, n, k)
+    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[type_name]
+    b = blocks.reshape(n, k // GROUP, size)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if type_name == "Q8_0":
+        q = b[..., 2:].copy().view(np.int8).reshape(n, k)
+        return GroupedWeight(torch.from_numpy(q).view(torch.uint8), torch.from_numpy(d), None, 8)
+    body = b[..., 4:] if type_name == "Q4_1" else b[..., 2:]
+    q = _nibbles(body).reshape(n, k)
+    m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if type_name == "Q4_1" else d * -8.0
+    return GroupedWeight(
+        torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(np.ascontiguousarray(m)), 4
+    )
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """A GGUF 4-bit block's 16 bytes as its 32 values: the low nibbles first, then the high ones."""
+    return np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
+
+
+def _from_q4_k(blocks: np.ndarray, n: int, k: int) -> GroupedWeight:
+    # A super-block of 256 inputs: d, dmin (half), 12 bytes of 6-bit scales and offsets for its eight
+    # sub-blocks of 32, then 128 bytes of 4-bit values (each 32 bytes: sub-block 2i low, 2i+1 high).
+    b = blocks.reshape(n, k // 256, 144)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    dmin = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    s = b[..., 4:16].astype(np.uint8)
+    lo, hi, mixed = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = np.concatenate([lo & 0x3F, (mixed & 0x0F) | ((lo >> 2) & 0x30)], axis=-1).astype(np.float32)
+    mn = np.concatenate([hi & 0x3F, (mixed >> 4) | ((hi >> 2) & 0x30)], axis=-1).astype(np.float32)
+    qs = b[..., 16:].reshape(n, k // 256, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+    q = (qs & 0x0F).reshape(n, k)
+    scales = (d[..., None] * sc).reshape(n, k // GROUP)
+    offsets = -(dmin[..., None] * mn).reshape(n, k // GROUP)
+    return GroupedWeight(
+        torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(scales), torch.from_numpy(offsets), 4
+    )
