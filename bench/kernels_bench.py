@@ -7,8 +7,10 @@ tensors (the gather not timed), the torch reference (gather included), and the d
 bandwidth measured in the same run (bytes read + written / time). Prompt attention (fresh prompts,
 causal) is reported in TFLOP/s (the causal half counted) against SDPA on dense tensors. The linear
 layers compare the batch-invariant Triton matmul with cuBLAS (``F.linear``) at decode and prompt row
-counts, in TFLOP/s and GB/s (input, weight and output bytes / time). Block gather/scatter are reported
-as bytes read + written / time beside the same copy.
+counts, in TFLOP/s and GB/s (input, weight and output bytes / time). Quantized linears (weights in
+groups of 32 inputs, ``quantized_triton``: 4 bits with offsets as int4/Q4_1, 8 bits as Q8_0) are timed
+beside the same bfloat16 layer by both, with the weight bytes each reads. Block gather/scatter are
+reported as bytes read + written / time beside the same copy.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import argparse
 import json
 from typing import Any
 
-PARTS = ("decode", "prefill", "linear", "pack")
+PARTS = ("decode", "prefill", "linear", "quantized", "pack")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -133,6 +135,38 @@ def _linear_rows(torch: Any, args: argparse.Namespace, k: int, n: int) -> list[d
     return rows
 
 
+def _quantized_rows(torch: Any, args: argparse.Namespace, k: int, n: int) -> list[dict[str, Any]]:
+    import torch.nn.functional as F
+
+    from pdfabric.kernels.linear_triton import linear_triton
+    from pdfabric.kernels.quantized import GroupedWeight, quantize_int4
+    from pdfabric.kernels.quantized_triton import TritonGroupedLinear
+
+    dtype = getattr(torch, args.dtype)
+    w = (torch.randn(n, k) / k**0.5).to(dtype)  # [out, in]
+    int4 = quantize_int4(w)
+    q8 = GroupedWeight(torch.randint(-128, 128, (n, k), dtype=torch.int8).view(torch.uint8),
+                       torch.rand(n, k // 32) / (64 * k**0.5), None, 8)  # fmt: skip
+    layers = {4: TritonGroupedLinear(int4, None, torch.device("cuda")),
+              8: TritonGroupedLinear(q8, None, torch.device("cuda"))}  # fmt: skip
+    held = {b: sum(t.numel() * t.element_size() for t in (m.q, m.scales) + ((m.offsets,) if b == 4 else ()))
+            for b, m in layers.items()}  # fmt: skip
+    w = w.cuda()
+    rows = []
+    for m in (int(r) for r in args.linear_rows.split(",")):
+        x = torch.randn(m, k, device="cuda").to(dtype)
+        times = {"bf16_triton": _time_ms(lambda x=x: linear_triton(x, w)),
+                 "bf16_cublas": _time_ms(lambda x=x: F.linear(x, w)),
+                 "int4": _time_ms(lambda x=x: layers[4](x)),
+                 "q8": _time_ms(lambda x=x: layers[8](x))}  # fmt: skip
+        row = {"in": k, "out": n, "rows": m, **{f"{name}_us": t * 1e3 for name, t in times.items()}}
+        row["bf16_weight_mb"] = w.numel() * w.element_size() / 1e6
+        row["int4_weight_mb"], row["q8_weight_mb"] = held[4] / 1e6, held[8] / 1e6
+        row["int4_gbs"], row["q8_gbs"] = held[4] / times["int4"] / 1e6, held[8] / times["q8"] / 1e6
+        rows.append(row)
+    return rows
+
+
 def _pack_rows(torch: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     from pdfabric.kernels.kv_pack_ref import gather_blocks_ref, scatter_blocks_ref
     from pdfabric.kernels.kv_pack_triton import gather_blocks_triton, scatter_blocks_triton
@@ -172,13 +206,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"--parts takes {', '.join(PARTS)}; got {args.parts}")
         return 2
     copy_gbs = _copy_bandwidth(torch)
-    decode, prefill, linear, pack = [], [], [], []
+    decode, prefill, linear, quantized, pack = [], [], [], [], []
     if "decode" in parts:
         decode = [_decode_row(torch, args, b, c) for b, c in _pairs(args.shapes)]
     if "prefill" in parts:
         prefill = [_prefill_row(torch, args, s, n) for s, n in _pairs(args.prefill_shapes)]
     if "linear" in parts:
         linear = [r for k, n in _pairs(args.linear_shapes) for r in _linear_rows(torch, args, k, n)]
+    if "quantized" in parts:
+        shapes = [(k, n) for k, n in _pairs(args.linear_shapes) if k % 32 == 0]
+        quantized = [r for k, n in shapes for r in _quantized_rows(torch, args, k, n)]
     if "pack" in parts:
         pack = _pack_rows(torch, args)
 
@@ -208,6 +245,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"{r['in']:>5} {r['out']:>6} {r['rows']:>5} {r['triton_us']:>10.1f} {r['triton_tflops']:>8.1f} "
               f"{r['triton_gbs']:>6.0f} {r['cublas_us']:>10.1f} {r['cublas_tflops']:>8.1f} "
               f"{r['cublas_gbs']:>6.0f} {r['triton_us'] / r['cublas_us']:>6.2f}")
+    if quantized:
+        print(f"quantized linear (groups of 32 inputs, triton) beside the {args.dtype} layer: us, and GB/s "
+              "of the weight bytes each reads")
+        print(f"{'in':>5} {'out':>6} {'rows':>5} {'bf16 tri':>9} {'cublas':>8} {'int4':>8} {'GB/s':>6} "
+              f"{'q8':>8} {'GB/s':>6} {'cublas/int4':>11}")
+    for r in quantized:
+        print(f"{r['in']:>5} {r['out']:>6} {r['rows']:>5} {r['bf16_triton_us']:>9.1f} "
+              f"{r['bf16_cublas_us']:>8.1f} "
+              f"{r['int4_us']:>8.1f} {r['int4_gbs']:>6.0f} {r['q8_us']:>8.1f} {r['q8_gbs']:>6.0f} "
+              f"{r['bf16_cublas_us'] / r['int4_us']:>11.2f}")
     if pack:
         print(f"{'op':<15} {'blocks':>6} {'MB':>7} {'us':>8} {'GB/s':>6} {'%copy':>6}")
     for r in pack:
@@ -216,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                   "copy_gbs": copy_gbs, "args": vars(args), "decode": decode, "prefill": prefill,
-                  "linear": linear, "pack": pack}
+                  "linear": linear, "quantized": quantized, "pack": pack}
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     return 0

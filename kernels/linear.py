@@ -14,8 +14,10 @@ layer's device; the model calls it like ``nn.Linear`` and never learns which it 
 A layer that no kernel of the kind takes (a dtype the CPU cannot multiply natively, no C compiler, no
 Triton) stays ``nn.Linear``.
 
-``quantization="int8"`` (a worker's ``quantization`` setting) holds the invariant kernel's weights as
-int8 with a scale per output (CPUs only: ``linear_cpu.quantize_int8``); elsewhere it is an error.
+A worker's ``quantization`` setting holds the invariant kernel's weights quantized, weight-only:
+``int8`` with a scale per output (CPUs only: ``linear_cpu.quantize_int8``), ``int4`` and ``gguf`` in
+groups of 32 inputs (``quantized.py``; on CPUs ``linear_cpu``, on CUDA ``quantized_triton``). A layer
+the format cannot hold (inputs not a multiple of 32, a GGUF tensor of another type) keeps its dtype.
 """
 
 from __future__ import annotations
@@ -45,8 +47,11 @@ def check_quantization(quantization: str, kind: str, device: str) -> None:
         raise ValueError(
             f"unknown quantization {quantization!r}; expected one of {', '.join(linear_cpu.QUANTIZATIONS)}"
         )
-    if quantization != "none" and (device != "cpu" or kind != "invariant"):
-        raise ValueError(f"quantization {quantization!r} runs on CPUs with the invariant linears only")
+    if quantization == "none":
+        return
+    if kind != "invariant" or device not in ("cpu", "cuda") or (quantization == "int8" and device != "cpu"):
+        where = "CPUs" if quantization == "int8" else "CPUs and CUDA"
+        raise ValueError(f"quantization {quantization!r} runs on {where} with the invariant linears only")
 
 
 def can_pack(linear: nn.Linear, kind: str = "invariant", quantization: str = "none") -> bool:
@@ -65,6 +70,12 @@ def packed(linear: nn.Linear, kind: str = "invariant", quantization: str = "none
     """``linear`` as a module of ``kind`` (the caller checks ``can_pack`` first)."""
     if linear.weight.device.type == "cpu":
         return linear_cpu.packed(linear, kind, quantization)
+    grouped = linear_cpu.grouped_form(linear, quantization)
+    if grouped is not None:
+        from pdfabric.kernels.quantized_triton import TritonGroupedLinear  # imports Triton
+
+        bias = None if linear.bias is None else linear.bias.detach().to(linear.weight.dtype)
+        return TritonGroupedLinear(grouped, bias, linear.weight.device)
     from pdfabric.kernels.linear_triton import TritonLinear  # imports Triton: only for CUDA layers
 
     return TritonLinear(linear.weight, linear.bias)

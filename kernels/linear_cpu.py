@@ -207,7 +207,9 @@ class InvariantLinear(nn.Module):
                 torch.get_num_threads(),
             )  # fmt: skip
         if status != 0:
-            raise RuntimeError(f"pd_linear failed with status {status} (1: bad arguments, 2: out of memory, 3: unsupported)")
+            raise RuntimeError(
+                f"pd_linear failed with status {status} (1: bad arguments, 2: out of memory, 3: unsupported)"
+            )
         return out
 
     def extra_repr(self) -> str:

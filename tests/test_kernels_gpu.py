@@ -123,6 +123,27 @@ def test_linear_matches_reference_and_gives_a_row_the_same_bits_in_any_batch(
     _rows_alone_and_batched(lambda rows: linear_triton(rows, w, b), x, ROW_COUNTS)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize(("k", "n"), [*SMOL_SHAPES, (4096, 14336)])
+def test_grouped_linear_matches_reference_and_gives_a_row_the_same_bits_in_any_batch(
+    bits: int, k: int, n: int
+) -> None:
+    from pdfabric.kernels.quantized import GroupedWeight, quantize_int4
+    from pdfabric.kernels.quantized_triton import TritonGroupedLinear, grouped_linear_ref
+
+    gen = torch.Generator().manual_seed(k + n + bits)
+    if bits == 4:
+        g = quantize_int4(torch.randn(n, k, generator=gen) / k**0.5)
+    else:
+        q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8).view(torch.uint8)
+        g = GroupedWeight(q, torch.rand(n, k // 32, generator=gen) / (64 * k**0.5), None, 8)
+    layer = TritonGroupedLinear(g, None, torch.device("cuda"))
+    x = torch.randn(2048, k, generator=gen).to(device="cuda", dtype=torch.bfloat16)
+    tol = {"atol": 3e-2, "rtol": 2e-2}
+    torch.testing.assert_close(layer(x).float(), grouped_linear_ref(x, g, None).float(), **tol)
+    _rows_alone_and_batched(layer, x, ROW_COUNTS)
+
+
 def test_linear_adds_the_bias_before_its_one_rounding() -> None:
     """Integer inputs make every sum exact in any order; a bias of a fraction then shows the rounding:
     ``round(sum + b)`` (``nn.Linear``'s, one rounding) and not ``round(round(sum) + b)``."""

@@ -36,6 +36,7 @@ if INTERPRETING:
     from pdfabric.kernels import kv_pack_triton as pack
     from pdfabric.kernels import linear_triton as lin
     from pdfabric.kernels import paged_attention_triton as pa
+    from pdfabric.kernels import quantized_triton as qt
     from pdfabric.kernels import rms_norm_triton as norm
     from pdfabric.kernels import store_kv_triton as store
 
@@ -242,6 +243,37 @@ def test_linear_gives_a_row_the_same_bits_in_any_batch(dtype: torch.dtype) -> No
         for r in rows:
             if start <= r < start + n:
                 assert torch.equal(got[r - start], alone[r]), (start, n, r)
+
+
+def _grouped(n: int, k: int, bits: int, gen: torch.Generator):  # noqa: ANN202 - GroupedWeight
+    from pdfabric.kernels.quantized import GroupedWeight, quantize_int4
+
+    if bits == 4:  # int4, with offsets of their own (as Q4_1's) so that the offset term is checked
+        g = quantize_int4(torch.randn(n, k, generator=gen) / k**0.5)
+        return GroupedWeight(g.q, g.scales, torch.randn(n, k // 32, generator=gen) * 0.01, 4)
+    q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8).view(torch.uint8)
+    return GroupedWeight(q, torch.rand(n, k // 32, generator=gen) * 0.002, None, 8)
+
+
+@in_child
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_grouped_linear_matches_reference_and_gives_a_row_the_same_bits_in_any_batch(
+    dtype: torch.dtype, bits: int
+) -> None:
+    """96 inputs (three groups), 200 outputs (a full and a part tile of 128), rows alone and in batches."""
+    gen = torch.Generator().manual_seed(bits)
+    g = _grouped(200, 96, bits, gen)
+    b = torch.randn(200, generator=gen).to(dtype)
+    layer = qt.TritonGroupedLinear(g, b, torch.device("cpu"))
+    x = torch.randn(70, 96, generator=gen).to(dtype)
+    got = layer(x)
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 2e-2}
+    torch.testing.assert_close(got.float(), qt.grouped_linear_ref(x, g, b).float(), **tol)
+    for start, n in ((0, 1), (3, 2), (5, 64), (60, 10)):
+        assert torch.equal(layer(x[start : start + n]), got[start : start + n]), (start, n)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        qt.grouped_linear_triton(torch.randn(3, 40).to(dtype), layer.q, layer.scales, layer.offsets, bits)
 
 
 @in_child
