@@ -2,18 +2,23 @@
 that reads the quantized weights as they are (``kernels/quantized.py``: int4, and a GGUF file's Q4_0,
 Q4_1, Q4_K and Q8_0 blocks) and whose sums do not depend on the batch.
 
-A program walks the inputs one group (32) at a time from the first: it loads the group's 4-bit
-values (16 bytes an output, the first input of each pair in the low nibble) or 8-bit ones, widens
-them to ``x``'s dtype (exactly: 0..15 and -128..127 are integers every float dtype holds), multiplies
-them with the group's inputs into a fresh float32 sum, and adds ``d`` times that sum and, for 4 bits,
-``m`` times the sum of the group's inputs to the output's running sum: the CPU kernel's order
-(``csrc/linear_cpu.c``), group by group. As in ``linear_triton``, one tile configuration serves every
-row count, so a row's result is the same to the bit alone or in any batch, decoded or prefilled; an
-output is rounded once, to ``x``'s dtype, after the bias is added in float32.
+A program walks the inputs 64 at a time (two groups) from the first. It loads the two groups' 4-bit
+values (32 bytes an output: input j of the first group in byte j's low nibble, of the second in its
+high one) or 8-bit ones, dequantizes them in float32 (``d * q + m``, the group's scale and offset),
+rounds them to ``x``'s dtype and multiplies them on the tensor cores into the float32 running sum,
+as ``linear_triton`` does with plain weights. Scaling the weights rather than each group's partial
+sum keeps the per-group work off the CUDA cores (scaling partial sums, the CPU kernel's way, made
+prompts 8x slower than cuBLAS on an H100); the price is that each weight is rounded to ``x``'s dtype
+before it is multiplied (for bfloat16, 2^-9 of the weight: far below the 4-bit step), so results are
+close to, not bit-equal with, the CPU kernel's. As in ``linear_triton``, one tile configuration
+serves every row count, so a row's result is the same to the bit alone or in any batch, decoded or
+prefilled; an output is rounded once, to ``x``'s dtype, after the bias is added in float32.
 
-Layout on the device: 4 bits: ``q`` ``[n, k / 2]`` uint8; 8 bits: ``[n, k]`` int8; scales and offsets
-``[n, k / 32]`` float32. The reference is ``grouped_linear_ref``: the dequantized weight
-(``quantized.dequantize``) multiplied in float32, rounded to ``x``'s dtype.
+Layout on the device (``device_form``): 4 bits: ``q`` ``[n, k64 / 2]`` uint8 with ``k64`` the inputs
+rounded up to 64 (a missing last group is zeros); 8 bits: ``q`` ``[n, k]`` int8; scales and offsets
+``[k64 / 32, n]`` float32, a group's row read whole by a tile. The reference is
+``grouped_linear_ref``: the dequantized weight (``quantized.dequantize``) multiplied in float32,
+rounded to ``x``'s dtype.
 """
 
 from __future__ import annotations
@@ -25,20 +30,20 @@ from torch import nn
 from triton.runtime.interpreter import InterpretedFunction
 
 from pdfabric.kernels.launch_checks import FLOAT_DTYPES, require
-from pdfabric.kernels.linear_triton import TileConfig
+from pdfabric.kernels.linear_triton import CONFIG as PLAIN_CONFIG
 from pdfabric.kernels.quantized import GROUP, GroupedWeight, dequantize
 
-# One configuration whatever the number of rows (as linear_triton's): 64-row tiles keep Hopper's wgmma
-# for prompts; a group a step is what one pair of scale and offset covers.
-CONFIG = TileConfig(64, 128, GROUP, num_warps=4, num_stages=4)
+# One configuration whatever the number of rows: linear_triton's tile (64 x 128, 4 warps, 4 stages),
+# two groups (64 inputs) a step.
+CONFIG = PLAIN_CONFIG[torch.bfloat16]
 _GROUP_M = 8
 
 
 @triton.jit(do_not_specialize=["rows"])
 def _grouped_kernel(
-    x_ptr, q_ptr, s_ptr, m_ptr, b_ptr, y_ptr, rows, cols, depth, stride_xm, stride_qn, stride_sn, stride_ym,
+    x_ptr, q_ptr, s_ptr, m_ptr, b_ptr, y_ptr, rows, cols, depth, stride_xm, stride_qn, stride_sg, stride_ym,
     BITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    GROUP_SIZE: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)  # launch order only, as in linear_triton
     tiles_m = tl.cdiv(rows, BLOCK_M)
@@ -51,35 +56,42 @@ def _grouped_kernel(
 
     m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows of x and y
     n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] outputs
-    k = tl.arange(0, GROUP_SIZE)
+    kk = tl.arange(0, 32)  # the inputs of a group
     m_ok = m < rows
     n_ok = n < cols
-    x_ptrs = x_ptr + m.to(tl.int64)[:, None] * stride_xm + k[None, :]  # [BLOCK_M, GROUP]
-    if BITS == 4:
-        q_ptrs = q_ptr + n.to(tl.int64)[None, :] * stride_qn + tl.arange(0, GROUP_SIZE // 2)[:, None]
-    else:
-        q_ptrs = q_ptr + n.to(tl.int64)[None, :] * stride_qn + k[:, None]  # [GROUP, BLOCK_N]
-    s_ptrs = s_ptr + n.to(tl.int64) * stride_sn
-    m_ptrs = m_ptr + n.to(tl.int64) * stride_sn
+    x_ptrs = x_ptr + m.to(tl.int64)[:, None] * stride_xm + kk[None, :]  # [BLOCK_M, 32]
+    q_ptrs = q_ptr + n.to(tl.int64)[None, :] * stride_qn + kk[:, None]  # [32, BLOCK_N]
+    s_ptrs = s_ptr + n  # [BLOCK_N]: a group's scales, one row of [groups, n]
+    o_ptrs = m_ptr + n
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for g in range(0, depth // GROUP_SIZE):  # from the first group, whatever the row count
-        a = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+    for k0 in range(0, depth, 64):  # from input 0 in steps of two groups, whatever the row count
+        ok_lo = (k0 + kk) < depth  # inputs past the end load as zeros and add nothing
+        ok_hi = (k0 + 32 + kk) < depth
+        a_lo = tl.load(x_ptrs, mask=m_ok[:, None] & ok_lo[None, :], other=0.0)
+        a_hi = tl.load(x_ptrs + 32, mask=m_ok[:, None] & ok_hi[None, :], other=0.0)
         if BITS == 4:
-            byte = tl.load(q_ptrs, mask=n_ok[None, :], other=0)  # [GROUP / 2, BLOCK_N]
-            pairs = tl.join(byte & 0xF, byte >> 4)  # [GROUP / 2, BLOCK_N, 2]: inputs 2i, 2i + 1
-            w = tl.reshape(tl.permute(pairs, (0, 2, 1)), (GROUP_SIZE, BLOCK_N))
+            byte = tl.load(q_ptrs, mask=n_ok[None, :], other=0)  # the padded last step is in range
+            q_lo, q_hi = byte & 0xF, byte >> 4
+            q_ptrs += 32
         else:
-            w = tl.load(q_ptrs, mask=n_ok[None, :], other=0)
-        if INTERPRET:  # as linear_triton: numpy's matmul is not row-independent (and has no bfloat16)
-            part = tl.sum(a.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], 1)
-        else:
-            part = tl.dot(a, w.to(x_ptr.dtype.element_ty), input_precision=DOT_PRECISION)
-        acc += part * tl.load(s_ptrs + g, mask=n_ok, other=0.0)[None, :]
+            q_lo = tl.load(q_ptrs, mask=n_ok[None, :] & ok_lo[:, None], other=0)
+            q_hi = tl.load(q_ptrs + 32, mask=n_ok[None, :] & ok_hi[:, None], other=0)
+            q_ptrs += 64
+        g = k0 // 32
+        w_lo = q_lo.to(tl.float32) * tl.load(s_ptrs + g * stride_sg, mask=n_ok, other=0.0)[None, :]
+        w_hi = q_hi.to(tl.float32) * tl.load(s_ptrs + (g + 1) * stride_sg, mask=n_ok, other=0.0)[None, :]
         if BITS == 4:
-            sums = tl.sum(a.to(tl.float32), 1)  # [BLOCK_M]: the group's inputs
-            acc += sums[:, None] * tl.load(m_ptrs + g, mask=n_ok, other=0.0)[None, :]
-        x_ptrs += GROUP_SIZE
-        q_ptrs += GROUP_SIZE // 2 if BITS == 4 else GROUP_SIZE
+            w_lo += tl.load(o_ptrs + g * stride_sg, mask=n_ok, other=0.0)[None, :]
+            w_hi += tl.load(o_ptrs + (g + 1) * stride_sg, mask=n_ok, other=0.0)[None, :]
+        w_lo = w_lo.to(x_ptr.dtype.element_ty)
+        w_hi = w_hi.to(x_ptr.dtype.element_ty)
+        if INTERPRET:  # as linear_triton: numpy's matmul is not row-independent
+            acc += tl.sum(a_lo.to(tl.float32)[:, :, None] * w_lo.to(tl.float32)[None, :, :], 1)
+            acc += tl.sum(a_hi.to(tl.float32)[:, :, None] * w_hi.to(tl.float32)[None, :, :], 1)
+        else:
+            acc = tl.dot(a_lo, w_lo, acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(a_hi, w_hi, acc, input_precision=DOT_PRECISION)
+        x_ptrs += 64
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :]
@@ -91,14 +103,21 @@ INTERPRETED = isinstance(_grouped_kernel, InterpretedFunction)
 
 def device_form(weight: GroupedWeight, device: torch.device | str) -> tuple[torch.Tensor, ...]:
     """``weight`` laid out for the kernel on ``device``: ``(q, scales, offsets)`` (module docstring;
-    offsets are the scales for 8 bits, never read)."""
-    q = weight.q
-    if weight.bits == 4:
-        q = q[:, 0::2] | (q[:, 1::2] << 4)  # the pair's first input in the low nibble
+    for 8 bits the offsets are zeros, never read)."""
+    n, k = weight.shape
+    groups = -(-k // 64) * 2  # rounded up to whole steps of two groups
+    scales = torch.zeros(groups, n)
+    scales[: k // GROUP] = weight.scales.float().t()
+    offsets = torch.zeros(groups, n)
+    if weight.offsets is not None:
+        offsets[: k // GROUP] = weight.offsets.float().t()
+    if weight.bits == 4:  # byte j of a step: input j in the low nibble, input 32 + j in the high one
+        q = torch.zeros(n, groups * GROUP, dtype=torch.uint8)
+        q[:, :k] = weight.q
+        halves = q.reshape(n, -1, 2, GROUP)
+        q = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, -1)
     else:
-        q = q.view(torch.int8)
-    scales = weight.scales.float()
-    offsets = scales if weight.offsets is None else weight.offsets.float()
+        q = weight.q.view(torch.int8)
     return tuple(t.contiguous().to(device) for t in (q, scales, offsets))
 
 
@@ -124,8 +143,10 @@ def grouped_linear_triton(
     rows, depth = x.shape
     cols = q.shape[0]
     require(depth % GROUP == 0, f"in_features {depth} is not a multiple of {GROUP}")
-    require(tuple(q.shape) == (cols, depth * bits // 8), f"q {tuple(q.shape)} does not fit {depth} inputs")
-    require(tuple(scales.shape) == tuple(offsets.shape) == (cols, depth // GROUP), "scales/offsets misshapen")
+    groups = -(-depth // 64) * 2
+    width = groups * GROUP // 2 if bits == 4 else depth
+    require(tuple(q.shape) == (cols, width), f"q {tuple(q.shape)} does not fit {depth} inputs in {bits} bits")
+    require(tuple(scales.shape) == tuple(offsets.shape) == (groups, cols), "scales/offsets misshapen")
     require(q.device == x.device == scales.device == offsets.device, "x and the weight on different devices")
     if bias is not None:
         require(tuple(bias.shape) == (cols,) and bias.dtype == x.dtype, "bias must be [out] in x's dtype")
@@ -137,7 +158,7 @@ def grouped_linear_triton(
         x, q, scales, offsets, scales if bias is None else bias, y, rows, cols, depth,
         x.stride(0), q.stride(0), scales.stride(0), y.stride(0),
         BITS=bits, HAS_BIAS=bias is not None, BLOCK_M=CONFIG.block_m, BLOCK_N=CONFIG.block_n,
-        GROUP_SIZE=GROUP, GROUP_M=_GROUP_M, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        GROUP_M=_GROUP_M, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         INTERPRET=INTERPRETED, num_warps=CONFIG.num_warps, num_stages=CONFIG.num_stages,
     )  # fmt: skip
     return y
