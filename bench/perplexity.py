@@ -4,10 +4,12 @@ The text is the Python standard library's sources on this machine by default (it
 name order, read until ``--tokens`` tokens), or a file. It is cut into windows of ``--context`` tokens
 that do not overlap; each window is one prefill through the engine's own runner (so the kernels, the
 weight format and the dtype are those a worker serves with), and every token after a window's first
-is scored given the tokens before it in the window. Perplexity is exp of the mean negative
-log-likelihood over all scored tokens. Comparing formats (``--quantization none`` against ``int8``) on
-the same text and windows tells what a format costs in accuracy; greedy text is not expected to stay
-the same.
+(or from ``--score-from`` on) is scored given the tokens before it in the window. Perplexity is exp of
+the mean negative log-likelihood over all scored tokens. Comparing formats (``--quantization
+none,int8,int4,gguf``) on the same text and windows tells what a format costs in accuracy; greedy
+text is not expected to stay the same. ``--text FILE --score-from 257`` (for 512-token windows)
+scores what llama.cpp's ``llama-perplexity -f FILE -c 512`` scores, so the two can be set side by
+side on one GGUF file (docs/engine.md).
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantization",
         default="none",
-        help="comma-separated weight formats to score, each on the same windows: none (the model's dtype) "
-        "and/or int8 (default none)",
+        help="comma-separated weight formats to score, each on the same windows: none (the model's dtype), "
+        "int8, int4, gguf (default none)",
     )
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="compute dtype")
     parser.add_argument(
@@ -39,6 +41,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tokens", type=int, default=32768, help="tokens of text to score at most (default 32768)"
     )
     parser.add_argument("--context", type=int, default=512, help="tokens per window (default 512)")
+    parser.add_argument(
+        "--score-from",
+        type=int,
+        default=1,
+        metavar="N",
+        help="score each window's tokens from its N-th on, the ones before only context (default 1: all "
+        "but the first; llama.cpp's llama-perplexity scores from context / 2 + 1)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
@@ -64,8 +74,11 @@ def held_text(path: str | None, limit_chars: int) -> tuple[str, str]:
     return "".join(parts)[:limit_chars], f"{root}/*.py (name order)"
 
 
-def score(runner: object, windows: list[list[int]], progress: bool, label: str) -> tuple[float, int]:
-    """The summed negative log-likelihood of every window's tokens after its first, and their count."""
+def score(
+    runner: object, windows: list[list[int]], progress: bool, label: str, score_from: int = 1
+) -> tuple[float, int]:
+    """The summed negative log-likelihood of every window's tokens from its ``score_from``-th on (each
+    predicted from the tokens before it), and their count."""
     import torch
 
     from pdfabric.engine.runner import StepEntry
@@ -75,10 +88,10 @@ def score(runner: object, windows: list[list[int]], progress: bool, label: str) 
     for i, window in enumerate(windows):
         entry = StepEntry(tuple(window), 0, tuple(range(blocks)), needs_logits=True, all_logits=True)
         logits = runner.step([entry])  # type: ignore[attr-defined]
-        logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)
-        targets = torch.tensor(window[1:], dtype=torch.long)
+        logprobs = torch.log_softmax(logits[score_from - 1 : -1].float(), dim=-1)
+        targets = torch.tensor(window[score_from:], dtype=torch.long)
         nll -= float(logprobs.gather(1, targets[:, None]).sum())
-        count += len(window) - 1
+        count += len(window) - score_from
         if progress:
             print(f"\r{label}: window {i + 1}/{len(windows)}, perplexity so far {math.exp(nll / count):.3f}",
                   end="", file=sys.stderr, flush=True)  # fmt: skip
@@ -100,9 +113,10 @@ def run(args: argparse.Namespace) -> int:
         error = f"--quantization takes a list of {', '.join(QUANTIZATIONS)}, got {args.quantization!r}"
         print(f"pdfabric bench perplexity: error: {error}", file=sys.stderr)
         return 2
-    if args.context < 2 or args.tokens < args.context:
+    if args.context < 2 or args.tokens < args.context or not 1 <= args.score_from < args.context:
         print(
-            "pdfabric bench perplexity: error: --context must be >= 2 and --tokens >= --context",
+            "pdfabric bench perplexity: error: --context must be >= 2, --tokens >= --context and "
+            "--score-from in 1 .. context - 1",
             file=sys.stderr,
         )
         return 2
@@ -120,13 +134,14 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     results = {"model": str(args.model), "text": source, "tokens": sum(len(w) for w in windows),
-               "context": args.context, "windows": len(windows), "formats": []}  # fmt: skip
+               "context": args.context, "score_from": args.score_from, "windows": len(windows),
+               "formats": []}  # fmt: skip
     for fmt in formats:
         model = load_model(path, args.dtype, quantization=fmt)
         blocks = -(-args.context // 16)
         runner = ModelRunner(model, num_blocks=blocks, block_size=16, quantization=fmt)
         started = time.perf_counter()
-        nll, count = score(runner, windows, not args.no_progress, fmt)
+        nll, count = score(runner, windows, not args.no_progress, fmt, args.score_from)
         results["formats"].append({
             "quantization": fmt, "dtype": model.config.dtype, "perplexity": math.exp(nll / count),
             "mean_nll": nll / count, "scored_tokens": count, "seconds": time.perf_counter() - started,
