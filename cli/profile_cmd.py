@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdfabric.control import KINDS
 from pdfabric.profile_file import ANY
-from pdfabric.worker_config import worker_default
+from pdfabric.worker_config import QUANTIZATIONS, worker_default
 
 if TYPE_CHECKING:
     from pdfabric.engine.profiler import ProfilingRun
@@ -63,6 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "worker will get (0: torch's default, all cores)",
     )
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default="none",
+        help="how the linear weights are held, as a worker's setting (recorded in the profile)",
+    )
     parser.add_argument("--device", default=w("device"), help="auto (cuda when present), cpu, cuda or cuda:N")
     parser.add_argument(
         "--max-batch-tokens",
@@ -185,7 +191,7 @@ def profile(args: argparse.Namespace, transports: list[str]) -> tuple[ProfileFil
         join="",  # joins no router
         model=args.model, dtype=args.dtype, block_size=args.block_size, kv_memory_mb=args.kv_memory_mb,
         max_batch_tokens=args.max_batch_tokens, max_running=args.max_running, device=args.device,
-        threads=args.threads, profile_seconds=args.seconds,
+        threads=args.threads, profile_seconds=args.seconds, quantization=args.quantization,
     )  # fmt: skip
     started = time.perf_counter()
     engine = build_engine(cfg)
@@ -235,6 +241,7 @@ def profile(args: argparse.Namespace, transports: list[str]) -> tuple[ProfileFil
         device_name=_device_name(device),
         threads=torch.get_num_threads() if runner.device.type == "cpu" else 0,
         dtype=mcfg.dtype,
+        weights=cfg.quantization,
         kv_bytes_per_s=rates,
         seconds=round(time.perf_counter() - started, 3),
         steps=measured.steps,

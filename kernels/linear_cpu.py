@@ -35,14 +35,13 @@ from torch import nn
 
 from pdfabric.kernels import cpu_build
 from pdfabric.kernels.quantized import GROUP, GroupedWeight, quantize_int4
-from pdfabric.worker_config import QUANTIZATIONS
+from pdfabric.worker_config import QUANTIZATIONS  # the worker's setting, named there so configs need no torch
 
 LINEAR_KINDS = ("invariant", "onednn")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 INT8_CODES = {torch.bfloat16: 2, torch.float32: 3}  # int8 weights beside inputs and outputs of this dtype
 # weights in groups of 32 inputs, by bits and the inputs' dtype
 GROUPED_CODES = {(4, torch.bfloat16): 4, (4, torch.float32): 5, (8, torch.bfloat16): 6, (8, torch.float32): 7}
-QUANTIZATIONS = QUANTIZATIONS  # the worker's setting (pdfabric/worker_config.py)
 
 
 @functools.cache

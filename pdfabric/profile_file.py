@@ -42,6 +42,7 @@ class ProfileFile:
     device_name: str = ""  # e.g. the CPU or GPU model
     threads: int = 0  # compute threads the worker used (CPU), 0: not applicable
     dtype: str = ""
+    weights: str = "none"  # how the linear weights were held (a worker's quantization setting)
     kv_bytes_per_s: dict[str, float] = field(default_factory=dict)  # transport name -> measured rate
     seconds: float = 0.0  # how long profiling took
     steps: int = 0  # timed steps behind the fit
@@ -65,7 +66,8 @@ class ProfileFile:
         ad, bd, cd = p.decode
         hw = pf.device_name or pf.device
         threads = f", {pf.threads} threads" if pf.threads else ""
-        dtype = f" ({pf.dtype})" if pf.dtype else ""
+        held = [d for d in (pf.dtype, "" if pf.weights == "none" else f"{pf.weights} weights") if d]
+        dtype = f" ({', '.join(held)})" if held else ""
         lines = [
             f"profile of {pf.model}{dtype} on {pf.device} ({hw}{threads}), role {pf.role}: "
             f"{pf.steps} steps in {pf.seconds:.1f}s",
@@ -165,7 +167,7 @@ def live_profiles(health: dict[str, Any]) -> dict[str, ProfileFile]:
                 kv_bytes_per_token=w["kv_bytes_per_token"], block_size=w["block_size"],
                 max_batch_tokens=w["max_batch_tokens"], max_running=w["max_running"],
                 max_model_len=w["max_model_len"], role=w["kind"], device="live",
-                device_name=f"worker {w['id']}, from /health",
+                device_name=f"worker {w['id']}, from /health", weights=w.get("weights", "none"),
                 kv_bytes_per_s={k: v for k, v in rates.items() if v > 0},
                 steps=w["profile"]["prefill_samples"] + w["profile"]["decode_samples"],
             )  # fmt: skip

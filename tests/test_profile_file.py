@@ -37,6 +37,17 @@ def test_round_trip(tmp_path: Path) -> None:
     assert ProfileFile.load(path) == pf
 
 
+def test_the_weight_format_is_kept_and_shown(tmp_path: Path) -> None:
+    pf = make(dtype="bfloat16", weights="int4")
+    pf.save(tmp_path / "p.json")
+    assert ProfileFile.load(tmp_path / "p.json").weights == "int4"
+    assert "(bfloat16, int4 weights)" in pf.describe()
+    assert "weights" not in make(dtype="bfloat16").describe().splitlines()[0]  # none: not shown
+    older = make().to_json()
+    del older["weights"]  # a file written before the field: the model's dtype
+    assert ProfileFile.from_json(older).weights == "none"
+
+
 def test_unknown_key_and_wrong_format_are_errors(tmp_path: Path) -> None:
     data = make().to_json()
     with pytest.raises(ValueError, match="unknown key.*colour"):

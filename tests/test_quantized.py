@@ -15,7 +15,7 @@ from pdfabric.kernels.cpu_build import cpu_has_half_math
 from pdfabric.kernels.linear_cpu import InvariantLinear, quantize_int8
 from pdfabric.kernels.quantized import GroupedWeight, dequantize, from_gguf, quantize_int4
 from pdfabric.sampling_params import SamplingParams
-from tests.fabric import post_json, running_fabric, wait_blocks_free
+from tests.fabric import get_json, post_json, running_fabric, wait_blocks_free
 
 DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
     not cpu_has_half_math(), reason="bfloat16 needs a CPU that multiplies it natively"))]  # fmt: skip
@@ -158,6 +158,8 @@ def test_a_fabric_with_quantized_weights_serves_what_the_quantized_reference_giv
             want = reference.generate(prompt, SamplingParams(max_tokens=24, ignore_eos=True)).token_ids
             assert data["choices"][0]["token_ids"] == want
         wait_blocks_free(url)
+        _, health = get_json(url + "/health")  # each worker says how it holds its weights
+        assert {w["weights"] for w in health["workers"]} == {quantization}
 
 
 def test_bench_perplexity_scores_each_format_on_the_same_windows(tmp_path) -> None:  # noqa: ANN001

@@ -64,7 +64,7 @@ class CoreSpec:
             max_model_len=self.max_model_len, block_size=c.block_size, num_blocks=self.num_blocks,
             kv_endpoint=kv_endpoint, pid=self.pid, max_running=c.max_running,
             max_batch_tokens=c.max_batch_tokens, kv_bytes_per_token=self.kv_bytes_per_token,
-            profile=profile, host=self.host, served=c.served,
+            profile=profile, host=self.host, served=c.served, weights=c.quantization,
         )  # fmt: skip
 
 

@@ -126,6 +126,7 @@ async def health(request: web.Request) -> web.Response:
             "free_blocks": w.free_blocks,
             "total_blocks": w.reg.num_blocks,
             "model": w.reg.model,
+            "weights": w.reg.weights,
             "block_size": w.reg.block_size,
             "max_model_len": w.reg.max_model_len,
             "max_running": w.reg.max_running,
