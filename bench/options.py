@@ -58,12 +58,12 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--prompt-format",
-        choices=("ids", "text", "edit"),
+        choices=("ids", "text", "edit", "chat"),
         default="ids",
-        help="send prompts as token id lists (default), as text of the exact token count, or "
-        "as edit: chat prompts asking to copy standard-library code with its mistakes "
-        "fixed (the editing workload of speculative decoding); text and edit need "
-        "--tokenizer",
+        help="send prompts as token id lists (default), as text of the exact token count, as "
+        "edit: chat prompts asking to copy standard-library code with its mistakes fixed (the "
+        "editing workload of speculative decoding), or as chat: chat prompts asking to explain "
+        "such code (answers in the model's own words); text, edit and chat need --tokenizer",
     )
     g.add_argument(
         "--tokenizer",

@@ -11,7 +11,9 @@ A third, ``edit``, is an editing workload for chat models (what speculative deco
 prompt is the model's chat template around a request to copy an excerpt of the Python standard
 library's sources on this machine with its mistakes fixed, the excerpt cut so that the whole prompt
 is exactly the asked number of tokens. The file and the excerpt's first line come from the seed and
-the request's index.
+the request's index. A fourth, ``chat``, wraps the same excerpts in a request to explain what the
+code does: an answer in the model's own words, which prompt lookup rarely guesses (a workload for a
+draft model).
 
 Ids are drawn uniformly from ``[0, vocab_size)`` with a seeded generator, so the same workload and seed
 give the same prompts against every deployment. A request with Mooncake ``hash_ids`` is built block by
@@ -32,8 +34,10 @@ from pdfabric.bench.workload import PREFIX_BLOCK_TOKENS, Request
 if TYPE_CHECKING:
     from pdfabric.engine.tokenizer import Tokenizer
 
-FORMATS = ("ids", "text", "edit")
+FORMATS = ("ids", "text", "edit", "chat")
 EDIT_ASK = "Copy the following Python code, fixing any mistakes you find:\n\n```python\n{code}\n```"
+CHAT_ASK = "Explain in plain words what the following Python code does and why:\n\n```python\n{code}\n```"
+ASKS = {"edit": EDIT_ASK, "chat": CHAT_ASK}  # the formats that wrap standard library code in a request
 _FIX_ROUNDS = 64  # trim/extend rounds before giving up on an exact text length
 
 _BLOCK_STREAM = 1  # keeps hash-block ids and per-request ids in separate random streams
@@ -57,7 +61,7 @@ class PromptConfig:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
         if self.format not in FORMATS:
             raise ValueError(f"prompt format must be one of {', '.join(FORMATS)}, got {self.format!r}")
-        if self.format in ("text", "edit") and not self.tokenizer:
+        if self.format != "ids" and not self.tokenizer:
             raise ValueError(
                 f"{self.format} prompts need the served model's tokenizer (--tokenizer DIR or preset)"
             )
@@ -65,7 +69,7 @@ class PromptConfig:
     def describe(self) -> dict[str, Any]:
         """What the report says about the prompts."""
         out: dict[str, Any] = {"vocab_size": self.vocab_size, "seed": self.seed, "format": self.format}
-        if self.format in ("text", "edit"):
+        if self.format != "ids":
             out["tokenizer"] = self.tokenizer
         return out
 
@@ -89,15 +93,15 @@ class PromptBuilder:
         """Loads what the format needs now (the tokenizer for text), so a bad setting fails before a run."""
         if self.cfg.format == "text":
             _ = self._text_ids
-        if self.cfg.format == "edit":
+        if self.cfg.format in ASKS:
             _ = self._sources, self._tokenizer.apply_chat_template([{"role": "user", "content": "x"}])
 
     def prompt(self, req: Request) -> list[int] | str:
         """What the client sends as ``prompt``: token ids, or text of exactly ``req.input_len`` tokens."""
         if self.cfg.format == "ids":
             return self.tokens(req)
-        if self.cfg.format == "edit":
-            return self.edit(req)
+        if self.cfg.format in ASKS:
+            return self.edit(req, ASKS[self.cfg.format])
         return self.text(req)
 
     @cached_property
@@ -111,14 +115,14 @@ class PromptBuilder:
             raise ValueError("no Python standard library sources found for edit prompts")
         return files
 
-    def edit(self, req: Request) -> str:
+    def edit(self, req: Request, ask: str = EDIT_ASK) -> str:
         """A chat prompt of exactly ``req.input_len`` tokens asking to copy a stretch of standard
-        library code with its mistakes fixed (``EDIT_ASK``)."""
+        library code with its mistakes fixed (``EDIT_ASK``), or what ``ask`` asks of it."""
         from pathlib import Path
 
         tok = self._tokenizer
         rng = np.random.default_rng([self.cfg.seed, _REQUEST_STREAM, req.index, 2])
-        empty = tok.apply_chat_template([{"role": "user", "content": EDIT_ASK.format(code="")}])
+        empty = tok.apply_chat_template([{"role": "user", "content": ask.format(code="")}])
         room = req.input_len - len(tok.encode(empty, add_special_tokens=True))
         if room < 1:
             raise ValueError(f"request {req.index}: {req.input_len} tokens leave no room for code")
@@ -130,7 +134,7 @@ class PromptBuilder:
                 continue
             code = tok.decode(ids[:room])
             for _ in range(_FIX_ROUNDS):  # the chat wrapper's tokens can merge with the code's ends
-                text = tok.apply_chat_template([{"role": "user", "content": EDIT_ASK.format(code=code)}])
+                text = tok.apply_chat_template([{"role": "user", "content": ask.format(code=code)}])
                 have = len(tok.encode(text, add_special_tokens=True))
                 if have == req.input_len:
                     return text

@@ -26,7 +26,7 @@ from pdfabric.cli import ray_launch
 from pdfabric.cli.supervisor import StartupError, Workers, local_starter
 from pdfabric.cluster_secret import ClusterSecret
 from pdfabric.config import ServeConfig, load_serve_config
-from pdfabric.worker_config import AUTO_KV_MIN_MB, AUTO_KV_TOKENS, QUANTIZATIONS, worker_default
+from pdfabric.worker_config import AUTO_KV_MIN_MB, AUTO_KV_TOKENS, QUANTIZATIONS, SPECULATIVE, worker_default
 
 log = logging.getLogger("pdfabric.serve")
 
@@ -73,10 +73,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--speculative",
-        choices=("off", "ngram"),
+        choices=SPECULATIVE,
         help="speculative decoding on decode and colocated workers: ngram proposes tokens from each "
-        "sequence's own history, checked in one step (default off; [worker] speculative_k, "
+        "sequence's own history, draft drafts them with a cheaper model (--draft-model, default the "
+        "model itself in int4), checked in one step (default off; [worker] speculative_k, "
         "speculative_below tune it)",
+    )
+    parser.add_argument(
+        "--draft-model",
+        help="the draft model's directory or preset for --speculative draft (default: the model itself)",
+    )
+    parser.add_argument(
+        "--draft-quantization",
+        choices=QUANTIZATIONS,
+        help="how the draft model holds its weights (default int4)",
     )
     parser.add_argument("--served-model-name", help="the model name clients use (default: --model)")
     parser.add_argument(
@@ -128,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
             "profile_seconds",
             "quantization",
             "speculative",
+            "draft_model",
+            "draft_quantization",
             "routing_policy",
             "ray_address",
         )

@@ -68,15 +68,18 @@ OVERRIDES: tuple[tuple[str, type, str], ...] = (
     (
         "speculative",
         str,
-        "speculative decoding on decode and colocated workers: off or ngram (prompt lookup)",
+        "speculative decoding on decode and colocated workers: off, ngram (prompt lookup) or draft "
+        "(a draft model)",
     ),
+    ("draft_model", str, "the draft model's directory or preset (default: the model itself)"),
+    ("draft_quantization", str, "how the draft model holds its weights (default int4)"),
     ("speculative_k", int, "tokens proposed at most per sequence and step"),
     ("speculative_below", int, "speculate only while at most this many sequences decode"),
 )
 _QUOTED = ("model", "pool", "block_size", "kv_memory_mb", "max_batch_tokens", "max_running", "kv_host",
            "heartbeat_s", "drain_timeout_s", "device", "profile_seconds", "kv_transport",
            "prefix_caching", "linears", "kv_encryption", "quantization", "speculative", "speculative_k",
-           "speculative_below")  # fmt: skip
+           "speculative_below", "draft_quantization")  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,7 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default = f" (default {worker_default(name)})" if name in _QUOTED else ""
         flag = "--" + name.replace("_", "-")
         choices = {"kind": KINDS, "dtype": DTYPES, "kv_transport": KV_TRANSPORTS, "linears": LINEARS,
-                   "speculative": SPECULATIVE, "quantization": QUANTIZATIONS}  # fmt: skip
+                   "speculative": SPECULATIVE, "quantization": QUANTIZATIONS,
+                   "draft_quantization": QUANTIZATIONS}  # fmt: skip
         choices = choices.get(name)
         parse = _on_off if type_ is bool else type_
         o.add_argument(flag, type=parse, choices=choices, help=text + default)

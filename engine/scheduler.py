@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from pdfabric.engine.block_pool import BlockTables, blocks_for, cacheable_blocks, chain_hashes
 from pdfabric.engine.sequence import SeqState, Sequence, TopLogprobs, branch_id, branch_params
-from pdfabric.engine.speculate import propose
+from pdfabric.engine.speculate import PromptLookup, Proposer, Wanted
 from pdfabric.profile import StepShape
 
 # One sampled token: (token, logprob) or (token, logprob, top log-probabilities).
@@ -37,8 +37,8 @@ class SchedulerConfig:
     max_model_len: int  # tokens one sequence may hold
     on_prefilled: str = "decode"  # or "handoff"
     prefix_salt: bytes | None = None  # prefix caching on, hashes salted by the model (None: off)
-    # Prompt-lookup speculation (engine/speculate.py): up to this many proposed tokens per decode
-    # (0: off), while at most speculate_below sequences decode (beyond, a step is compute-bound).
+    # Speculation (engine/speculate.py): up to this many proposed tokens per decode (0: off), while at
+    # most speculate_below sequences decode (beyond, a step is compute-bound).
     speculate_k: int = 0
     speculate_below: int = 0
 
@@ -68,9 +68,14 @@ class Chunk:
 
 
 class Scheduler:
-    def __init__(self, tables: BlockTables, config: SchedulerConfig) -> None:
+    def __init__(
+        self, tables: BlockTables, config: SchedulerConfig, proposer: Proposer | None = None
+    ) -> None:
+        """``proposer`` guesses decoding sequences' next tokens when ``config.speculate_k`` is on
+        (default: prompt lookup)."""
         self.tables = tables
         self.config = config
+        self.proposer = proposer or PromptLookup()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.awaiting_kv: dict[str, Sequence] = {}
@@ -80,6 +85,7 @@ class Scheduler:
         self.prompt_tokens = 0  # prompt tokens scheduled for the first time (prefix cache queries)
         self.prefix_hit_tokens = 0  # of those, found in the prefix cache
         self.proposed_tokens = 0  # tokens speculation proposed (engine/speculate.py)
+        self.preemptions = 0  # running sequences sent back to wait, their blocks freed
         self.accepted_tokens = 0  # of those, kept
 
     # --- admission ------------------------------------------------------------------------------
@@ -135,6 +141,7 @@ class Scheduler:
 
     def schedule(self) -> list[Chunk]:
         chunks: list[Chunk] = []
+        wanted: list[Wanted] = []  # decoding sequences to propose tokens for, with room for k of them
         budget = self.config.max_batch_tokens
         for seq in list(self.running):
             if budget == 0:
@@ -150,9 +157,13 @@ class Scheduler:
                     break
             if seq.state is SeqState.RUNNING:
                 self.tables.grow(seq.request_id, seq.num_tokens)
-                proposal = self._proposal(seq, budget - 1)
-                chunks.append(Chunk(seq, seq.num_cached, seq.num_tokens, proposal))
-                budget -= 1 + len(proposal)
+                k = self._proposal_room(seq, budget - 1)
+                if k:
+                    wanted.append((seq, tuple(self.tables.table(seq.request_id)), k))
+                chunks.append(Chunk(seq, seq.num_cached, seq.num_tokens))
+                budget -= 1 + k
+        if wanted:
+            budget += self._propose(wanted, chunks)
         prefills = 0
         for seq in list(self.waiting):
             if budget == 0 or len(self.running) + prefills >= self.config.max_running:
@@ -173,26 +184,41 @@ class Scheduler:
                 break  # a partly prefilled prompt stays at the head of the queue
         return chunks
 
-    def _proposal(self, seq: Sequence, budget: int) -> tuple[int, ...]:
-        """Tokens to check after ``seq``'s next one this step (``engine/speculate.py``), while few
-        sequences decode; () otherwise. Its blocks grow to hold them (a proposal is cut to what the
-        pool, the budget and the sequence's own limits leave)."""
+    def _proposal_room(self, seq: Sequence, budget: int) -> int:
+        """How many tokens to ask the proposer for after ``seq``'s next one this step, while few
+        sequences decode (0 otherwise); its blocks grow to hold them (cut to what the pool, the budget
+        and the sequence's own limits leave)."""
         c, p = self.config, seq.params
         most = c.speculate_k if p.speculative_k < 0 else min(c.speculate_k, p.speculative_k)
         if not most or len(self.running) > c.speculate_below:
-            return ()
+            return 0
         left = min(most, budget, p.max_tokens - len(seq.output_ids) - 1, c.max_model_len - seq.num_tokens - 1)
-        proposal = propose(seq.token_slice(0, seq.num_tokens), min(left, seq.speculate_k or c.speculate_k))
+        k = max(0, min(left, seq.speculate_k or c.speculate_k))
         # New blocks for a guess only while a free one stays for each decoding sequence: a proposal
         # never makes another sequence give up its blocks.
         spare = max(0, self.tables.pool.num_free - len(self.running))
-        while proposal and self.tables.extra_blocks(seq.request_id, seq.num_tokens + len(proposal)) > spare:
-            proposal = proposal[:-1]
-        if proposal and self.tables.grow(seq.request_id, seq.num_tokens + len(proposal)) is None:
-            proposal = ()
-        seq.proposed += len(proposal)
-        self.proposed_tokens += len(proposal)
-        return proposal
+        while k and self.tables.extra_blocks(seq.request_id, seq.num_tokens + k) > spare:
+            k -= 1
+        if k and self.tables.grow(seq.request_id, seq.num_tokens + k) is None:
+            k = 0
+        return k
+
+    def _propose(self, wanted: list[Wanted], chunks: list[Chunk]) -> int:
+        """Asks the proposer for ``wanted``'s tokens and puts each proposal on its sequence's decode
+        chunk; blocks grown for tokens not proposed go back. Returns the budget they leave unused."""
+        proposals = self.proposer.propose(wanted)
+        at = {id(c.seq): i for i, c in enumerate(chunks)}
+        unused = 0
+        for (seq, _, k), proposal in zip(wanted, proposals, strict=True):
+            proposal = tuple(proposal[:k])
+            if len(proposal) < k:
+                self.tables.shrink(seq.request_id, seq.num_tokens + len(proposal))
+                unused += k - len(proposal)
+            i = at[id(seq)]
+            chunks[i] = Chunk(seq, chunks[i].start, chunks[i].stop, proposal)
+            seq.proposed += len(proposal)
+            self.proposed_tokens += len(proposal)
+        return unused
 
     def _attach_prefix(self, seq: Sequence) -> None:
         """A waiting sequence without blocks starts from the cached blocks of its longest cached
@@ -250,6 +276,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         """Frees a running sequence's blocks; it will be recomputed from its tokens later."""
+        self.preemptions += 1
         self.running.remove(seq)
         self.tables.release(seq.request_id)
         seq.num_cached = seq.recorded = 0

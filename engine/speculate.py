@@ -7,15 +7,38 @@ tokens that followed there. One model step then checks every proposed token at o
 scheduler's chunk holds the last token and the proposal; ``engine/stepper.py`` keeps the proposed
 tokens the model itself picks, and the one after them). Greedy output is unchanged by this: a token
 is kept only where it is the model's own choice, and each position's logits are the same in a chunk
-as in a decode step (``docs/engine.md``, batch invariance).
+as in a decode step (``docs/engine.md``, batch invariance). A ``Proposer`` is what the scheduler
+asks: ``PromptLookup`` here, or a draft model (``engine/draft.py``).
 """
 
 from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from pdfabric.engine.sequence import Sequence as Seq
 
 MAX_NGRAM, MIN_NGRAM = 4, 2
+
+# What the scheduler asks a proposer for: a decoding sequence, its block table (grown to hold its
+# next token and k more) and k, the most tokens to propose after its next one.
+Wanted = tuple["Seq", tuple[int, ...], int]
+
+
+class Proposer(Protocol):
+    """Guesses the next tokens of the sequences about to decode, all at once; each guess at most k
+    tokens long (shorter, or empty, where it has none)."""
+
+    def propose(self, wanted: list[Wanted]) -> list[tuple[int, ...]]: ...
+
+
+class PromptLookup:
+    """The ``ngram`` proposer: ``propose`` over each sequence's own tokens."""
+
+    def propose(self, wanted: list[Wanted]) -> list[tuple[int, ...]]:
+        return [propose(seq.token_slice(0, seq.num_tokens), k) for seq, _, k in wanted]
 
 
 def propose(tokens: Sequence[int], k: int) -> tuple[int, ...]:

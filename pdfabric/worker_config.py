@@ -28,7 +28,7 @@ AUTO_KV_MIN_MB = 256
 # "onednn" on CPUs and "cublas" on CUDA, are faster on long prompts on a GPU but give a token other
 # bits in another batch, so greedy text is no longer the same in every deployment (docs/serving.md).
 LINEARS = ("invariant", "onednn", "cublas")
-SPECULATIVE = ("off", "ngram")  # speculative decoding's proposers
+SPECULATIVE = ("off", "ngram", "draft")  # speculative decoding's proposers
 # How linear weights may be held (kernels/linear_cpu.py), named here so that configs import no torch
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")
 
@@ -69,11 +69,14 @@ class WorkerConfig:
     kv_encryption: bool = True
     served: str = ""  # the model version it serves, "name@version" ("": the deployment's one model)
     # Speculative decoding on decode and colocated workers (docs/engine.md#speculative-decoding):
-    # "ngram" proposes up to speculative_k tokens per sequence from its own history, while at
-    # most speculative_below sequences decode; "off": none.
+    # "ngram" proposes up to speculative_k tokens per sequence from its own history, "draft" drafts
+    # them with draft_model (a checkpoint with the model's tokenizer; "": the model itself) held as
+    # draft_quantization, while at most speculative_below sequences decode; "off": none.
     speculative: str = "off"
     speculative_k: int = 10
     speculative_below: int = 4
+    draft_model: str = ""
+    draft_quantization: str = "int4"
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -106,6 +109,9 @@ class WorkerConfig:
             )
         if self.speculative not in SPECULATIVE:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE)}, got {self.speculative!r}")
+        if self.draft_quantization not in QUANTIZATIONS:
+            formats = ", ".join(QUANTIZATIONS)
+            raise ValueError(f"draft_quantization must be one of {formats}, got {self.draft_quantization!r}")
         if not 1 <= self.speculative_k <= 32 or self.speculative_below < 1:
             raise ValueError(
                 f"speculative_k must be in [1, 32] and speculative_below at least 1, got "

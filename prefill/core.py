@@ -20,6 +20,7 @@ from dataclasses import replace
 
 from pdfabric.control import HandedOff, Prefill, TokenDelta
 from pdfabric.engine.sequence import SeqState, Sequence
+from pdfabric.engine.speculate import Proposer
 from pdfabric.kvtransfer.state import TransferResult
 from pdfabric.worker.core import Out, Step, WorkerCore, WrongMessage, delta_of
 from pdfabric.worker.kv import CancelKV, OpenPush, PushKV
@@ -29,8 +30,10 @@ from pdfabric.worker.spec import CoreSpec, ProfileSource
 class PrefillCore(WorkerCore):
     on_prefilled = "handoff"
 
-    def __init__(self, spec: CoreSpec, profile: ProfileSource, kv_endpoint: str = "") -> None:
-        super().__init__(spec, profile, kv_endpoint)
+    def __init__(
+        self, spec: CoreSpec, profile: ProfileSource, kv_endpoint: str = "", proposer: Proposer | None = None
+    ) -> None:
+        super().__init__(spec, profile, kv_endpoint)  # a prefill worker never speculates
         # request -> (endpoint, remote blocks, leading local blocks the decode worker has cached)
         self._targets: dict[str, tuple[str, tuple[int, ...], int]] = {}
 

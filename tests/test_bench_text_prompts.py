@@ -78,19 +78,23 @@ def test_text_prompt_errors_are_clear(bpe_dir: Path, tmp_path: Path) -> None:
     assert isinstance(ids, list) and len(ids) == 9
 
 
+@pytest.mark.parametrize("fmt, asks", [("edit", "Copy the following Python code"),
+                                        ("chat", "Explain in plain words what the following")])  # fmt: skip
 @pytest.mark.parametrize("tokenizer", ["tiny", pytest.param("smollm2-135m", marks=packaged)])
-def test_edit_prompts_are_chat_requests_to_copy_stdlib_code_of_the_exact_length(tokenizer: str) -> None:
+def test_code_prompts_are_chat_requests_about_stdlib_code_of_the_exact_length(
+    tokenizer: str, fmt: str, asks: str
+) -> None:
     from pdfabric.engine.default_model import resolve_model
 
     tok = Tokenizer.from_pretrained(resolve_model(tokenizer))
-    builder = PromptBuilder(PromptConfig(format="edit", tokenizer=tokenizer, seed=3))
+    builder = PromptBuilder(PromptConfig(format=fmt, tokenizer=tokenizer, seed=3))
     builder.check()
     prompts = [builder.prompt(Request(i, 0.0, 120 + 40 * i, 16)) for i in range(4)]
     for i, text in enumerate(prompts):
-        assert isinstance(text, str) and "Copy the following Python code" in text and "```python" in text
+        assert isinstance(text, str) and asks in text and "```python" in text
         assert len(tok.encode(text, add_special_tokens=True)) == 120 + 40 * i
     assert len(set(prompts)) == 4  # each request its own excerpt
-    again = PromptBuilder(PromptConfig(format="edit", tokenizer=tokenizer, seed=3))
+    again = PromptBuilder(PromptConfig(format=fmt, tokenizer=tokenizer, seed=3))
     assert again.prompt(Request(2, 0.0, 200, 16)) == prompts[2]  # the seed and the index decide it
     with pytest.raises(ValueError, match="tokenizer"):
-        PromptConfig(format="edit")
+        PromptConfig(format=fmt)

@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import signal
+from collections.abc import Callable
 
 import aiohttp
 import pytest
@@ -17,7 +18,7 @@ from pdfabric.control import Generate, StepOutputs
 from pdfabric.decode.core import ColocatedCore
 from pdfabric.engine.generate import ReferenceEngine
 from pdfabric.engine.runner import ModelRunner
-from pdfabric.engine.speculate import propose
+from pdfabric.engine.speculate import Proposer, Wanted, propose
 from pdfabric.engine.stepper import Stepper
 from pdfabric.profile import WorkerProfile
 from pdfabric.sampling_params import SamplingParams
@@ -41,12 +42,23 @@ def reference() -> ReferenceEngine:
     return ReferenceEngine("tiny")
 
 
-def run(reference: ReferenceEngine, prompts: list[list[int]], params: SamplingParams, **config: object):
-    """Serves the prompts on a colocated core with the real model; returns each request's output, the
-    core and its deltas."""
-    spec = core_spec("colocated", 128, worker_id="c", max_model_len=2048, **config)
-    core = ColocatedCore(spec, FixedProfile(WorkerProfile()))
-    stepper = Stepper(ModelRunner(reference.model, 128, 16), reference.grammars)
+def run(
+    reference: ReferenceEngine,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    proposer: Proposer | Callable[[ModelRunner], Proposer] | None = None,
+    blocks: int = 128,
+    **config: object,
+):
+    """Serves the prompts on a colocated core with the real model (``blocks`` KV blocks of 16 tokens;
+    ``proposer``: one, or what makes one of the served model's runner, as a draft model is made);
+    returns each request's output, the core and its deltas."""
+    spec = core_spec("colocated", blocks, worker_id="c", max_model_len=2048, **config)
+    served = ModelRunner(reference.model, blocks, 16)
+    if proposer is not None and not hasattr(proposer, "propose"):
+        proposer = proposer(served)
+    core = ColocatedCore(spec, FixedProfile(WorkerProfile()), "", proposer)
+    stepper = Stepper(served, reference.grammars)
     eos = tuple(sorted(reference.tokenizer.eos_token_ids))
     for i, prompt in enumerate(prompts):
         core.handle(Generate(f"r{i}", tuple(prompt), params, eos))
@@ -129,12 +141,10 @@ def test_every_kind_of_request_speculates_and_gives_what_plain_decoding_gives(
     SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.7, repetition_penalty=1.3, seed=5),
 ], ids=["greedy", "seeded", "penalties"])  # fmt: skip
 def test_a_proposal_of_the_right_tokens_is_kept_whole_and_a_wrong_token_ends_it(
-    reference: ReferenceEngine, params: SamplingParams, monkeypatch: pytest.MonkeyPatch
+    reference: ReferenceEngine, params: SamplingParams
 ) -> None:
     """Proposals made to order: the very tokens plain decoding gives (each kept: a seeded row draws
     the same token at the same index), or those with one wrong (kept up to it, then the right one)."""
-    import pdfabric.engine.scheduler as scheduler
-
     prompt = list(range(20, 60))
     want = reference.generate(prompt, params).token_ids
 
@@ -148,9 +158,17 @@ def test_a_proposal_of_the_right_tokens_is_kept_whole_and_a_wrong_token_ends_it(
             good[2] = (good[2] + 1) % 260
         return tuple(good)
 
-    for proposer, kept in ((right, "all"), (wrong, "some")):
-        monkeypatch.setattr(scheduler, "propose", proposer)
-        got, (seq,), core, deltas = run(reference, [prompt], params, speculative="ngram", speculative_k=4)
+    class Made:  # a Proposer of tokens made to order
+        def __init__(self, guess: Callable[[list[int], int], tuple[int, ...]]) -> None:
+            self.guess = guess
+
+        def propose(self, wanted: list[Wanted]) -> list[tuple[int, ...]]:
+            return [self.guess(list(seq.token_slice(0, seq.num_tokens)), k) for seq, _, k in wanted]
+
+    for guess, kept in ((right, "all"), (wrong, "some")):
+        got, (seq,), core, deltas = run(
+            reference, [prompt], params, Made(guess), speculative="ngram", speculative_k=4
+        )
         assert got == [want]
         assert seq.accepted > 0 and (seq.accepted == seq.proposed) == (kept == "all")
         assert len(deltas) < len(want)  # several tokens a step
@@ -177,21 +195,24 @@ def test_busy_workers_do_not_speculate(reference: ReferenceEngine) -> None:
     assert seqs[0].proposed == 0
 
 
-@pytest.mark.parametrize("flags", [("--colocated", "2"), ("--prefill", "1", "--decode", "2")])
+@pytest.mark.parametrize(("flags", "method"), [
+    (("--colocated", "2"), "ngram"), (("--prefill", "1", "--decode", "2"), "ngram"),
+    (("--prefill", "1", "--decode", "2"), "draft"),  # the new worker's draft catches up on the prompt
+])  # fmt: skip
 def test_a_fabric_that_speculates_survives_a_kill_token_exact(
-    flags: tuple[str, ...], reference: ReferenceEngine
+    flags: tuple[str, ...], method: str, reference: ReferenceEngine
 ) -> None:
     """kill -9 of the worker decoding the most streams while 6 greedy streams run with speculation
     on: every stream moves and ends exactly as the single-process reference (proposals never leave
     the worker, so the new one simply goes on), and kept proposals arrive several tokens a delta."""
     prompts = [([5 + i, 6, 7, 8, 9, 10] * 10)[: 30 + 5 * i] for i in range(6)]
     kind = "colocated" if "--colocated" in flags else "decode"
-    with running_fabric("--model", "tiny", "--num-blocks", "256", "--speculative", "ngram", *flags) as url:
+    with running_fabric("--model", "tiny", "--num-blocks", "256", "--speculative", method, *flags) as url:
         started = [asyncio.Event() for _ in prompts]
 
         async def one(i: int) -> tuple[list[int], int]:
             ids, biggest = [], 0
-            body = {"model": "tiny", "prompt": prompts[i], "max_tokens": 150, "temperature": 0,
+            body = {"model": "tiny", "prompt": prompts[i], "max_tokens": 400, "temperature": 0,
                     "ignore_eos": True, "stream": True, "return_token_ids": True}  # fmt: skip
             async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json=body) as r:
                 assert r.status == 200, await r.text()
@@ -214,7 +235,7 @@ def test_a_fabric_that_speculates_survives_a_kill_token_exact(
             return await asyncio.wait_for(asyncio.gather(*tasks), 120)
 
         results = asyncio.run(run_all())
-        params = SamplingParams(max_tokens=150, ignore_eos=True)
+        params = SamplingParams(max_tokens=400, ignore_eos=True)
         for prompt, (ids, _) in zip(prompts, results, strict=True):
             assert ids == reference.generate(prompt, params).token_ids
         assert max(biggest for _, biggest in results) > 1  # kept proposals: several tokens a chunk

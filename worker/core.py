@@ -43,6 +43,7 @@ from pdfabric.control import (
 from pdfabric.engine.block_pool import BlockPool, BlockTables, prefix_salt
 from pdfabric.engine.scheduler import Chunk, Pick, Scheduler, SchedulerConfig, step_shape
 from pdfabric.engine.sequence import Sequence
+from pdfabric.engine.speculate import Proposer
 from pdfabric.kvtransfer.state import TransferResult
 from pdfabric.profile import StepShape
 from pdfabric.worker.kv import OpenPush
@@ -110,7 +111,11 @@ class WorkerCore:
 
     on_prefilled = "decode"
 
-    def __init__(self, spec: CoreSpec, profile: ProfileSource, kv_endpoint: str = "") -> None:
+    def __init__(
+        self, spec: CoreSpec, profile: ProfileSource, kv_endpoint: str = "", proposer: Proposer | None = None
+    ) -> None:
+        """``proposer``: what guesses tokens for speculation with ``speculative = "draft"`` (the draft
+        model, ``engine/draft.py``); with ``"ngram"``, prompt lookup."""
         self.spec = spec
         self.worker_id = spec.worker_id
         self.kv_endpoint = kv_endpoint
@@ -120,15 +125,22 @@ class WorkerCore:
         sched = SchedulerConfig(
             max_batch_tokens=c.max_batch_tokens, max_running=c.max_running, max_model_len=spec.max_model_len,
             on_prefilled=self.on_prefilled, prefix_salt=prefix_salt(c.model) if c.prefix_caching else None,
-            speculate_k=c.speculative_k if c.speculative == "ngram" and self.on_prefilled == "decode" else 0,
+            speculate_k=c.speculative_k if self._speculates(c.speculative, proposer) else 0,
             speculate_below=c.speculative_below,
         )  # fmt: skip
-        self.scheduler = Scheduler(self.tables, sched)
+        self.scheduler = Scheduler(self.tables, sched, proposer)
         self.kv_rates = KVRates()
         self._recent_ms: deque[float] = deque(maxlen=32)
         self.next_heartbeat = 0.0
         self.draining = False  # ``drain()``: no new requests; the loop exits once ``idle``
         self.received = 0  # work messages taken in since it registered: what its load counts
+
+    def _speculates(self, speculative: str, proposer: Proposer | None) -> bool:
+        """Whether this core proposes tokens: a decoding kind with prompt lookup, or with a draft
+        model when it was given one."""
+        if self.on_prefilled != "decode":
+            return False
+        return speculative == "ngram" or (speculative == "draft" and proposer is not None)
 
     # --- inputs ---------------------------------------------------------------------------------
 

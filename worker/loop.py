@@ -43,6 +43,9 @@ from pdfabric.worker.spec import CoreSpec
 from pdfabric.worker_config import WorkerConfig
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
+    from pdfabric.engine.draft import DraftModel
     from pdfabric.engine.grammar import Grammars
     from pdfabric.engine.runner import ModelRunner
 
@@ -78,7 +81,9 @@ class Worker:
         self._running = True
         self._drain_until = float("inf")
         self.kv = None if kind.open_kv is None else kind.open_kv(cfg, self.worker_id, engine.runner, secret)
-        self.core = kind.core(engine.spec, self.profile, self.kv.endpoint if self.kv is not None else "")
+        self.core = kind.core(
+            engine.spec, self.profile, self.kv.endpoint if self.kv is not None else "", engine.proposer
+        )
 
     # --- loop -----------------------------------------------------------------------------------
 
@@ -219,6 +224,7 @@ class Engine:
     spec: CoreSpec
     profile: ProfileBuilder
     grammars: Grammars | None = None  # None: the model directory has no tokenizer.json
+    proposer: DraftModel | None = None  # speculative = "draft": the draft model (engine/draft.py)
 
 
 def build_engine(cfg: WorkerConfig) -> Engine:
@@ -246,7 +252,34 @@ def build_engine(cfg: WorkerConfig) -> Engine:
     )
     has_tokenizer = (path / "tokenizer.json").exists()
     grammars = Grammars.for_model(path, model.config.vocab_size) if has_tokenizer else None
-    return Engine(runner, spec, ProfileBuilder(), grammars)
+    proposer = None
+    if cfg.speculative == "draft" and cfg.kind != "prefill":  # prefill workers never speculate
+        proposer = build_draft(cfg, path, runner)
+    return Engine(runner, spec, ProfileBuilder(), grammars, proposer)
+
+
+def build_draft(cfg: WorkerConfig, target: Path, served: ModelRunner) -> DraftModel:
+    """The draft model of ``cfg`` (``draft_model``, default the served model itself, held as
+    ``draft_quantization``) over ``served``'s KV cache. A draft whose tokenizer is not the served
+    model's is refused (its token ids would mean other text), as is one of another KV layout."""
+    from pdfabric.engine.default_model import resolve_model
+    from pdfabric.engine.draft import DraftModel
+    from pdfabric.engine.loader import load_model
+    from pdfabric.engine.runner import ModelRunner
+
+    path = resolve_model(cfg.draft_model or cfg.model)
+    draft = load_model(path, cfg.dtype, _device(cfg.device), cfg.draft_quantization)
+    ours, theirs = (p / "tokenizer.json" for p in (target, path))
+    same = (
+        ours.read_bytes() == theirs.read_bytes()
+        if ours.exists() and theirs.exists()
+        else ours.exists() == theirs.exists()
+    )
+    if draft.config.vocab_size != served.config.vocab_size or not same:
+        raise ValueError(f"draft model {path} does not share the served model's tokenizer ({target})")
+    # one block of its own, until it drafts over the served model's cache
+    runner = ModelRunner(draft, 1, cfg.block_size, linears=cfg.linears, quantization=cfg.draft_quantization)
+    return DraftModel(runner, served)
 
 
 def run_worker(

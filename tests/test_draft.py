@@ -1,0 +1,117 @@
+"""Speculation with a draft model (engine/draft.py): the draft's KV lives in the served model's blocks,
+catches up on what it lacks, and its proposals change speed, never tokens; preemption, rejected
+proposals and requests of every kind give what plain decoding gives, with no block leaked."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from pdfabric import structure
+from pdfabric.engine.draft import DraftModel
+from pdfabric.engine.generate import ReferenceEngine
+from pdfabric.engine.loader import load_model
+from pdfabric.engine.runner import ModelRunner
+from pdfabric.sampling_params import SamplingParams
+from tests.test_speculate import run
+
+BLOCKS = 128
+
+
+@pytest.fixture(scope="module")
+def reference() -> ReferenceEngine:
+    return ReferenceEngine("tiny")
+
+
+def draft_of(reference: ReferenceEngine, quantization: str = "none") -> Callable[[ModelRunner], DraftModel]:
+    """What makes the served model itself, held as ``quantization``, the draft of a served runner."""
+    model = load_model(reference.path, quantization=quantization)
+    return lambda served: DraftModel(ModelRunner(model, 1, 16, quantization=quantization), served)
+
+
+def test_the_model_itself_as_draft_proposes_what_it_decodes(reference: ReferenceEngine) -> None:
+    """A draft with the served weights drafts the served model's own greedy tokens: every proposal is
+    kept whole, and the output is the reference's."""
+    prompts = [list(range(10, 40)), [7, 8, 9] * 9]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    got, seqs, core, _ = run(
+        reference, prompts, params, draft_of(reference), speculative="draft", speculative_k=4
+    )
+    assert got == [reference.generate(p, params).token_ids for p in prompts]
+    assert all(s.proposed > 0 and s.accepted == s.proposed for s in seqs)
+    assert core.scheduler.proposer.steps < sum(len(out) for out in got)  # several tokens a round
+    assert core.tables.pool.num_free == core.tables.pool.num_blocks
+
+
+def test_an_int4_draft_changes_speed_never_tokens(reference: ReferenceEngine) -> None:
+    prompts = [list(range(10, 40)), [3, 4, 5, 6] * 8, list(range(100, 180, 3))]
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    got, seqs, core, deltas = run(
+        reference, prompts, params, draft_of(reference, "int4"), speculative="draft", speculative_k=6
+    )
+    assert got == [reference.generate(p, params).token_ids for p in prompts]
+    proposed, accepted = sum(s.proposed for s in seqs), sum(s.accepted for s in seqs)
+    assert proposed > accepted > 0, (proposed, accepted)  # tiny random weights: some kept, some not
+    assert max(len(d.token_ids) for d in deltas) > 1
+    assert core.tables.pool.num_free == core.tables.pool.num_blocks
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.3, seed=11),
+        SamplingParams(max_tokens=30, ignore_eos=True, repetition_penalty=1.4, logprobs=2),
+        SamplingParams(
+            max_tokens=40, grammar=structure.response_format_grammar({"type": "regex", "regex": "(ab){15}!"})
+        ),
+    ],
+    ids=["seeded", "penalties-logprobs", "grammar"],
+)
+def test_every_kind_of_request_gives_what_plain_decoding_gives(
+    reference: ReferenceEngine, params: SamplingParams
+) -> None:
+    prompts = [[3, 4, 5, 6] * 10, [97, 98, 99] * 8]
+    plain, *_ = run(reference, prompts, params)
+    got, seqs, core, _ = run(reference, prompts, params, draft_of(reference), speculative="draft")
+    assert got == plain
+    assert sum(s.proposed for s in seqs) > 0
+    if params.logprobs:
+        want = [reference.generate(p, params).logprobs for p in prompts]
+        assert [s.output_logprobs for s in seqs] == [pytest.approx(w, abs=1e-5) for w in want]
+    assert core.tables.pool.num_free == core.tables.pool.num_blocks
+
+
+def test_preempted_sequences_draft_again_from_their_new_blocks(reference: ReferenceEngine) -> None:
+    """A pool too small for every sequence at once: sequences are preempted and their KV recomputed,
+    in other blocks, by the served model; the draft drafts over it there and the output stays exact."""
+    prompts = [list(range(20 + 7 * i, 60 + 7 * i)) for i in range(5)]  # 7 blocks each at the end
+    params = SamplingParams(max_tokens=70, ignore_eos=True)
+    got, seqs, core, _ = run(
+        reference, prompts, params, draft_of(reference, "int4"), blocks=16, speculative="draft",
+        speculative_below=5,
+    )  # fmt: skip
+    assert got == [reference.generate(p, params).token_ids for p in prompts]
+    assert core.scheduler.preemptions > 0, "nothing was preempted: the test checks nothing"
+    assert sum(s.accepted for s in seqs) > 0
+    assert core.tables.pool.num_free == core.tables.pool.num_blocks
+
+
+def test_a_draft_of_another_tokenizer_or_kv_layout_is_refused(
+    reference: ReferenceEngine, hf_llama_dir: Path
+) -> None:
+    from pdfabric.worker.loop import build_draft
+    from pdfabric.worker_config import WorkerConfig
+
+    def draft(model: str) -> DraftModel:
+        cfg = WorkerConfig(kind="decode", model="tiny", speculative="draft", draft_model=model)
+        return build_draft(cfg, reference.path, reference.runner)
+
+    assert draft("tiny").served is reference.runner
+    with pytest.raises(ValueError, match="does not share the served model's tokenizer"):
+        draft(str(hf_llama_dir))
+    with pytest.raises(ValueError, match="KV layout"):
+        draft("cpu-small")  # the same byte tokenizer, wider layers
+    with pytest.raises(ValueError, match="draft_quantization"):
+        WorkerConfig(kind="decode", speculative="draft", draft_quantization="int3")
