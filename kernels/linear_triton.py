@@ -65,22 +65,26 @@ CONFIG = {
 _GROUP_M = 8  # row tiles launched together, so that they share each weight tile in L2
 
 
-@triton.jit(do_not_specialize=["rows"])  # no separate build for one row: every row count runs one binary
-def _linear_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, rows, cols, depth, stride_xm, stride_wn, stride_ym,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    # Launch order only (which program takes which tile); it never changes a sum.
+@triton.jit
+def tile_of(rows, cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """The (row tile, column tile) this program computes: ``GROUP_M`` row tiles launched together, so
+    that they share each weight tile in L2. Launch order only: it never changes a sum."""
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(rows, BLOCK_M)
     tiles_n = tl.cdiv(cols, BLOCK_N)
     per_group = GROUP_M * tiles_n
     first_m = (pid // per_group) * GROUP_M
     group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
-    tile_m = first_m + (pid % per_group) % group_rows
-    tile_n = (pid % per_group) // group_rows
+    return first_m + (pid % per_group) % group_rows, (pid % per_group) // group_rows
 
+
+@triton.jit(do_not_specialize=["rows"])  # no separate build for one row: every row count runs one binary
+def _linear_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, rows, cols, depth, stride_xm, stride_wn, stride_ym,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    tile_m, tile_n = tile_of(rows, cols, BLOCK_M, BLOCK_N, GROUP_M)
     m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows of x and y
     n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] outputs: rows of W, columns of y
     k = tl.arange(0, BLOCK_K)

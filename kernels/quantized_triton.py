@@ -31,6 +31,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from pdfabric.kernels.launch_checks import FLOAT_DTYPES, require
 from pdfabric.kernels.linear_triton import CONFIG as PLAIN_CONFIG
+from pdfabric.kernels.linear_triton import tile_of
 from pdfabric.kernels.quantized import GROUP, GroupedWeight, dequantize
 
 # One configuration whatever the number of rows: linear_triton's tile (64 x 128, 4 warps, 4 stages),
@@ -45,15 +46,7 @@ def _grouped_kernel(
     BITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)  # launch order only, as in linear_triton
-    tiles_m = tl.cdiv(rows, BLOCK_M)
-    tiles_n = tl.cdiv(cols, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
-    tile_m = first_m + (pid % per_group) % group_rows
-    tile_n = (pid % per_group) // group_rows
-
+    tile_m, tile_n = tile_of(rows, cols, BLOCK_M, BLOCK_N, GROUP_M)
     m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows of x and y
     n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] outputs
     kk = tl.arange(0, 32)  # the inputs of a group

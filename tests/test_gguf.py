@@ -91,13 +91,19 @@ def test_tokenizer_and_chat_template_match_transformers(converted: Path, referen
 @packaged
 def test_logits_and_greedy_tokens_match_transformers(converted: Path, reference: tuple) -> None:
     from pdfabric.engine.generate import ReferenceEngine
+
+    _answers_as_transformers(ReferenceEngine(converted, dtype="float32", num_blocks=64), reference, 24)
+
+
+def _answers_as_transformers(engine: object, reference: tuple, steps: int) -> None:
+    """``engine``'s logits over the chat prompt within 1e-3 (relative) of transformers' reading the
+    GGUF file, and its first ``steps`` greedy tokens the same."""
     from pdfabric.engine.runner import StepEntry
     from pdfabric.sampling_params import SamplingParams
 
     hf_model, hf_tokenizer = reference
     prompt = hf_tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     ids = hf_tokenizer.encode(prompt, add_special_tokens=False)
-    engine = ReferenceEngine(converted, dtype="float32", num_blocks=64)
     with torch.no_grad():
         ref = hf_model(torch.tensor([ids])).logits[0].float()  # [L, vocab]
     prepared = engine.runner.prepare([StepEntry(tuple(ids), 0, tuple(range(len(ids) // 16 + 1)))])
@@ -106,8 +112,6 @@ def test_logits_and_greedy_tokens_match_transformers(converted: Path, reference:
         ours = engine.model.compute_logits(hidden)
     rel = float((ours - ref).abs().max() / ref.abs().max())
     assert rel < 1e-3, f"max relative logit error {rel:.2e}"
-
-    steps = 24
     expected = list(ids)
     with torch.no_grad():
         for _ in range(steps):
@@ -122,9 +126,7 @@ def test_quantization_gguf_serves_the_files_own_blocks(converted: Path, referenc
     held in its blocks, the bytes close to the file's, and (computing in float32) the logits and greedy
     text of transformers reading the same file."""
     from pdfabric.engine.generate import ReferenceEngine
-    from pdfabric.engine.runner import StepEntry
     from pdfabric.kernels.linear_cpu import InvariantLinear
-    from pdfabric.sampling_params import SamplingParams
 
     engine = ReferenceEngine(converted, dtype="float32", num_blocks=64, quantization="gguf")
     linears = [m for m in engine.model.modules() if isinstance(m, InvariantLinear)]
@@ -133,21 +135,4 @@ def test_quantization_gguf_serves_the_files_own_blocks(converted: Path, referenc
     assert (engine.model.lm_head.quantization, engine.model.lm_head.bits) == ("gguf", 8)
     held = sum(m.packed_weight.numel() * m.packed_weight.element_size() for m in linears)
     assert held < 1.25 * PACKAGED[PRESET].locate().stat().st_size  # an offset and scale in float32 a group
-
-    hf_model, hf_tokenizer = reference
-    prompt = hf_tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
-    ids = hf_tokenizer.encode(prompt, add_special_tokens=False)
-    with torch.no_grad():
-        ref = hf_model(torch.tensor([ids])).logits[0].float()  # [L, vocab]
-    prepared = engine.runner.prepare([StepEntry(tuple(ids), 0, tuple(range(len(ids) // 16 + 1)))])
-    with torch.inference_mode():
-        hidden = engine.model(prepared.input_ids, prepared.positions, engine.runner.kv_caches, prepared.meta)
-        ours = engine.model.compute_logits(hidden)
-    rel = float((ours - ref).abs().max() / ref.abs().max())
-    assert rel < 1e-3, f"max relative logit error {rel:.2e}"
-    expected = list(ids)
-    with torch.no_grad():
-        for _ in range(12):
-            expected.append(int(hf_model(torch.tensor([expected])).logits[0, -1].argmax()))
-    out = engine.generate(ids, SamplingParams(max_tokens=12, ignore_eos=True))
-    assert out.token_ids == expected[len(ids) :]
+    _answers_as_transformers(engine, reference, 12)
