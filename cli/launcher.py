@@ -67,8 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantization",
         choices=QUANTIZATIONS,
-        help="how workers hold the linear layers' weights: int8 (a scale per output), int4 (groups of 32 "
-        "inputs), gguf (a GGUF model's own Q4_0/Q4_1/Q4_K/Q8_0 blocks), all weight-only on CPUs, or none "
+        help="how workers hold the linear layers' weights, weight-only: int8 (a scale per output; CPUs), "
+        "int4 (groups of 32 inputs), gguf (a GGUF model's own Q4_0/Q4_1/Q4_K/Q8_0 blocks), or none "
         "(default: the model's dtype)",
     )
     parser.add_argument(
