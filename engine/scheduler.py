@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from pdfabric.engine.block_pool import BlockTables, blocks_for, cacheable_blocks, chain_hashes
+from pdfabric.engine.block_pool import BlockTables, blocks_for, cacheable_blocks
+from pdfabric.engine.prefix_cache import PrefixCache
 from pdfabric.engine.sequence import SeqState, Sequence, TopLogprobs, branch_id, branch_params
 from pdfabric.engine.speculate import PromptLookup, Proposer, Wanted
 from pdfabric.profile import StepShape
@@ -82,8 +83,7 @@ class Scheduler:
         self.handoff: dict[str, Sequence] = {}
         self._by_id: dict[str, Sequence] = {}
         self._groups: dict[str, set[str]] = {}  # a request with branches -> its live sequences' ids
-        self.prompt_tokens = 0  # prompt tokens scheduled for the first time (prefix cache queries)
-        self.prefix_hit_tokens = 0  # of those, found in the prefix cache
+        self.prefix = PrefixCache(tables, config.prefix_salt)
         self.proposed_tokens = 0  # tokens speculation proposed (engine/speculate.py)
         self.preemptions = 0  # running sequences sent back to wait, their blocks freed
         self.accepted_tokens = 0  # of those, kept
@@ -101,7 +101,7 @@ class Scheduler:
         many leading blocks came from the prefix cache and need no KV sent); ``None`` when short."""
         if seq.request_id in self._by_id or seq.request_id in self.tables:
             return None
-        self._attach_prefix(seq)
+        self.prefix.attach(seq)
         cached = seq.recorded
         table = self.tables.grow(seq.request_id, len(seq.prompt_ids))
         if table is None:
@@ -124,7 +124,7 @@ class Scheduler:
         if seq is None:
             return None
         seq.num_cached = len(seq.prompt_ids)
-        self._record(seq)
+        self.prefix.record(seq)
         self._branch(seq)
         self._append(seq, first_token, logprob, top)
         if seq.state is not SeqState.FINISHED:
@@ -169,7 +169,7 @@ class Scheduler:
             if budget == 0 or len(self.running) + prefills >= self.config.max_running:
                 break
             if seq.request_id not in self.tables:
-                self._attach_prefix(seq)
+                self.prefix.attach(seq)
             stop = min(seq.num_tokens, seq.num_cached + budget)
             if not self.tables.can_grow(seq.request_id, stop):
                 self._reclaim_partial(keep={c.seq for c in chunks} | {seq})
@@ -220,44 +220,6 @@ class Scheduler:
             self.proposed_tokens += len(proposal)
         return unused
 
-    def _attach_prefix(self, seq: Sequence) -> None:
-        """A waiting sequence without blocks starts from the cached blocks of its longest cached
-        prefix; never its last token, which the step that computes it samples from."""
-        if seq.prefix_hit is None:
-            self.prompt_tokens += len(seq.prompt_ids)
-        if self.config.prefix_salt is None or seq.params.prompt_logprobs:  # scored prompts run whole
-            seq.prefix_hit = 0
-            return
-        pool = self.tables.pool
-        blocks = pool.lookup(self._hashes(seq, cacheable_blocks(seq.num_tokens, pool.block_size)))
-        if seq.prefix_hit is None:
-            seq.prefix_hit = min(len(blocks) * pool.block_size, len(seq.prompt_ids))
-            self.prefix_hit_tokens += seq.prefix_hit
-        if blocks:
-            pool.acquire(blocks)
-            self.tables.attach(seq.request_id, blocks)
-        seq.num_cached, seq.recorded = len(blocks) * pool.block_size, len(blocks)
-
-    def _hashes(self, seq: Sequence, n: int) -> list[bytes]:
-        """The prefix hashes of the sequence's first ``n`` full blocks."""
-        have, bs = len(seq.block_hashes), self.tables.pool.block_size
-        if n > have:
-            assert self.config.prefix_salt is not None
-            more = seq.token_slice(have * bs, n * bs)
-            seq.block_hashes = chain_hashes(more, bs, self.config.prefix_salt, seq.block_hashes)
-        return seq.block_hashes[:n]
-
-    def _record(self, seq: Sequence) -> None:
-        """Puts the sequence's newly completed blocks into the prefix cache."""
-        bs = self.tables.pool.block_size
-        full = seq.num_cached // bs
-        if self.config.prefix_salt is None or full <= seq.recorded:
-            return
-        table, hashes = self.tables.table(seq.request_id), self._hashes(seq, full)
-        for i in range(seq.recorded, full):
-            self.tables.pool.cache(table[i], hashes[i])
-        seq.recorded = full
-
     def _room(self, seq: Sequence) -> int:
         """Tokens the sequence could hold with its own blocks plus every free one."""
         held = len(self.tables.table(seq.request_id)) if seq.request_id in self.tables else 0
@@ -297,7 +259,7 @@ class Scheduler:
                 changed.append(seq)
                 continue
             seq.num_cached = chunk.stop
-            self._record(seq)
+            self.prefix.record(seq)
             if not chunk.sample:
                 continue
             token, logprob, *top = next(got)  # type: ignore[misc]
@@ -332,7 +294,7 @@ class Scheduler:
             if seq.state is SeqState.FINISHED:
                 return
         seq.num_cached = chunk.stop + kept
-        self._record(seq)
+        self.prefix.record(seq)
         self.tables.shrink(seq.request_id, seq.num_tokens)
 
     def _branch(self, seq: Sequence) -> None:
@@ -406,6 +368,16 @@ class Scheduler:
     def request_ids(self) -> list[str]:
         """Every request held here, in any state."""
         return list(self._by_id)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens scheduled for the first time (prefix cache queries)."""
+        return self.prefix.prompt_tokens
+
+    @property
+    def prefix_hit_tokens(self) -> int:
+        """Of those, found in the prefix cache."""
+        return self.prefix.hit_tokens
 
     @property
     def has_work(self) -> bool:
