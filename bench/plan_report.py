@@ -80,7 +80,7 @@ def deployment_toml(serve: ServeConfig, header: str = "") -> str:
 
     w = serve.worker
     keys = ("block_size", "num_blocks", "kv_memory_mb", "max_batch_tokens", "max_running", "threads",
-            "device", "profile_seconds")  # fmt: skip
+            "device", "profile_seconds", "quantization")  # fmt: skip
     defaults = {f.name: f.default for f in fields(WorkerConfig)}
     lines = [f"# {line}" if line else "#" for line in header.splitlines()]
     lines += ["[serve]", f"model = {value(serve.model)}"]
@@ -129,6 +129,7 @@ def write_outputs(
                 "device": p.device,
                 "device_name": p.device_name,
                 "threads": p.threads,
+                "weights": p.weights,
             }
             for path, p in zip(args.profile, profiles, strict=True)
         ],  # fmt: skip

@@ -117,22 +117,28 @@ def candidates(workers: int, profiles: Sequence[ProfileFile], settings: PlanSett
 
 def deployment(candidate: Candidate, profiles: Sequence[ProfileFile], settings: PlanSettings) -> ServeConfig:
     """The candidate as a launchable deployment: the profiles' model, dtype and block size; per-worker
-    caps; the SLO as the router's default budgets; each kind's measured thread count."""
+    caps; the SLO as the router's default budgets; each kind's measured thread count and weight
+    format (a prefill profile in bfloat16 and a decode one in int4 make pools of each)."""
     ref = profiles[0]
     dtypes = {p.dtype for p in profiles}
     kinds = [k for k in ("prefill", "decode", "colocated") if getattr(candidate, k)]
     threads = {k: profile_for(profiles, k).threads for k in kinds}  # type: ignore[union-attr]
+    weights = {k: profile_for(profiles, k).weights for k in kinds}  # type: ignore[union-attr]
     base = WorkerConfig(
         kind="colocated", model=ref.model, dtype=dtypes.pop() if len(dtypes) == 1 and ref.dtype else None,
         block_size=ref.block_size, kv_memory_mb=settings.kv_memory_mb,
         max_batch_tokens=candidate.chunk_tokens, max_running=candidate.max_running,
         threads=threads[kinds[0]] if len(set(threads.values())) == 1 else 0,
+        quantization=weights[kinds[0]] if len(set(weights.values())) == 1 else "none",
     )  # fmt: skip
     routing = AdmissionConfig(ttft_ms=settings.slo.ttft_ms, itl_ms=settings.slo.itl_ms)
     counts = {k: getattr(candidate, k) for k in ("prefill", "decode", "colocated")}
-    if base.threads or not any(threads.values()):
+    if (base.threads or not any(threads.values())) and len(set(weights.values())) == 1:
         return ServeConfig(model=ref.model, dtype=base.dtype, worker=base, routing=routing, **counts)
-    groups = tuple(WorkerGroup(replace(base, kind=k, threads=threads[k]), counts[k]) for k in kinds)
+    groups = tuple(
+        WorkerGroup(replace(base, kind=k, threads=threads[k], quantization=weights[k]), counts[k])
+        for k in kinds
+    )
     return ServeConfig(
         model=ref.model,
         dtype=base.dtype,

@@ -212,6 +212,19 @@ def test_heterogeneous_threads_become_worker_groups(tmp_path: Path) -> None:
     ]  # fmt: skip
 
 
+def test_each_kind_runs_the_weight_format_it_was_profiled_in(tmp_path: Path) -> None:
+    same = deployment(Candidate(1, 2, 0, 16, 512), [profile(weights="int4")], settings())
+    assert same.worker.quantization == "int4" and not same.groups
+    profiles = [profile("prefill", threads=1), profile("decode", threads=1, weights="int4")]
+    serve = deployment(Candidate(1, 2, 0, 16, 512), profiles, settings())
+    path = tmp_path / "plan.toml"
+    path.write_text(deployment_toml(serve))
+    back = load_serve_config(path, {})
+    assert [(w.kind, w.quantization) for _, w in back.launch_plan()] == [
+        ("prefill", "none"), ("decode", "int4"), ("decode", "int4")
+    ]  # fmt: skip
+
+
 # --- the command -----------------------------------------------------------------------------
 
 
