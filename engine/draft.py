@@ -56,8 +56,10 @@ class DraftModel:
         proposals = [[token] for token in self._greedy(first)]
         for i in range(1, max(k for _, _, k in wanted)):  # the i-th proposed token goes in at L + i - 1
             live = [j for j, (_, _, k) in enumerate(wanted) if k > i]
-            step = [StepEntry((proposals[j][-1],), seq.num_tokens + i - 1, table)
-                    for j, (seq, table, _) in ((j, wanted[j]) for j in live)]  # fmt: skip
+            step = []
+            for j in live:
+                seq, table, _ = wanted[j]
+                step.append(StepEntry((proposals[j][-1],), seq.num_tokens + i - 1, table))
             for j, token in zip(live, self._greedy(step), strict=True):
                 proposals[j].append(token)
         return [tuple(p) for p in proposals]

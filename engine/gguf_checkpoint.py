@@ -139,12 +139,20 @@ def _hf_name(gguf_name: str) -> str:
     raise GGUFError(f"unexpected GGUF tensor {gguf_name!r} in a llama file")
 
 
+def _hf_rows(gguf_name: str, rows: np.ndarray, config: dict[str, Any]) -> np.ndarray:
+    """A tensor's rows (one per output) in Hugging Face's order: q and k rows unpermuted."""
+    if ".attn_q." in gguf_name:
+        return unpermute_rotary_rows(rows, config["num_attention_heads"])
+    if ".attn_k." in gguf_name:
+        return unpermute_rotary_rows(rows, config["num_key_value_heads"])
+    return rows
+
+
 def _write_weights(reader: Any, config: dict[str, Any], path: Path) -> None:
     import torch
     from gguf.quants import dequantize
     from safetensors.torch import save_file
 
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         if t.name.endswith("rope_freqs.weight"):  # llama-3 rope factors; derived from the config here
@@ -153,11 +161,7 @@ def _write_weights(reader: Any, config: dict[str, Any], path: Path) -> None:
             weight = dequantize(t.data, t.tensor_type)
         except NotImplementedError as exc:
             raise GGUFError(f"tensor {t.name}: {exc}") from None
-        weight = weight.reshape(tuple(reversed(t.shape.tolist())))
-        if ".attn_q." in t.name:
-            weight = unpermute_rotary_rows(weight, heads)
-        elif ".attn_k." in t.name:
-            weight = unpermute_rotary_rows(weight, kv_heads)
+        weight = _hf_rows(t.name, weight.reshape(tuple(reversed(t.shape.tolist()))), config)
         # A copy: unquantized tensors are views of the read-only file mapping.
         tensors[_hf_name(t.name)] = torch.from_numpy(np.array(weight, dtype=np.float32, order="C"))
     save_file(tensors, str(path), metadata={"format": "pt"})
@@ -169,17 +173,13 @@ def _write_blocks(reader: Any, config: dict[str, Any], path: Path) -> None:
 
     from pdfabric.kernels.quantized import GGUF_TYPES
 
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     tensors: dict[str, torch.Tensor] = {}
     types: dict[str, str] = {}
     for t in reader.tensors:
         if t.tensor_type.name not in GGUF_TYPES:
             continue
-        blocks = np.asarray(t.data)  # [outputs, bytes of one output's blocks]
-        if ".attn_q." in t.name:  # the rows as the dequantized weight's: blocks run along the inputs
-            blocks = unpermute_rotary_rows(blocks, heads)
-        elif ".attn_k." in t.name:
-            blocks = unpermute_rotary_rows(blocks, kv_heads)
+        # [outputs, bytes of one output's blocks]: the blocks run along the inputs, so rows move whole
+        blocks = _hf_rows(t.name, np.asarray(t.data), config)
         name = _hf_name(t.name)
         tensors[name] = torch.from_numpy(np.array(blocks, dtype=np.uint8, order="C"))
         types[name] = t.tensor_type.name
