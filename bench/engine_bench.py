@@ -58,9 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         choices=QUANTIZATIONS,
         default="none",
-        help="how the linear layers' weights are held: none (the model's dtype), int8, int4 or gguf "
-        "(weight-only, as a worker's setting); the "
-        "decode floor counts the bytes actually read",
+        help="how the linear layers' weights are held, as a worker's setting: none (the model's dtype), "
+        "int8, int4, gguf (weight-only) or w8a8 (activations too); the decode floor counts the bytes "
+        "actually read",
     )
     parser.add_argument(
         "--decoder",

@@ -64,7 +64,7 @@ OVERRIDES: tuple[tuple[str, type, str], ...] = (
         "trusted network; the same on every worker)",
     ),
     ("served", str, "the model version it serves, NAME@VERSION, for a router with [[models]]"),
-    ("quantization", str, "linear weights: none (the model's dtype), int8 (CPUs), int4 or gguf"),
+    ("quantization", str, "linear weights: none (the model's dtype), int8 (CPUs), int4, gguf or w8a8 (CPUs)"),
     (
         "speculative",
         str,

@@ -15,7 +15,8 @@ A layer that no kernel of the kind takes (a dtype the CPU cannot multiply native
 Triton) stays ``nn.Linear``.
 
 A worker's ``quantization`` setting holds the invariant kernel's weights quantized, weight-only:
-``int8`` with a scale per output (CPUs only: ``linear_cpu.quantize_int8``), ``int4`` and ``gguf`` in
+``int8`` with a scale per output (CPUs only: ``linear_cpu.quantize_int8``; ``w8a8`` the same weights
+times activations quantized per row, CPUs only), ``int4`` and ``gguf`` in
 groups of 32 inputs (``quantized.py``; on CPUs ``linear_cpu``, on CUDA ``quantized_triton``). A layer
 the format cannot hold (inputs not a multiple of 32, a GGUF tensor of another type) keeps its dtype.
 """
@@ -49,8 +50,9 @@ def check_quantization(quantization: str, kind: str, device: str) -> None:
         )
     if quantization == "none":
         return
-    if kind != "invariant" or device not in ("cpu", "cuda") or (quantization == "int8" and device != "cpu"):
-        where = "CPUs" if quantization == "int8" else "CPUs and CUDA"
+    cpu_only = quantization in ("int8", "w8a8")
+    if kind != "invariant" or device not in ("cpu", "cuda") or (cpu_only and device != "cpu"):
+        where = "CPUs" if cpu_only else "CPUs and CUDA"
         raise ValueError(f"quantization {quantization!r} runs on {where} with the invariant linears only")
 
 

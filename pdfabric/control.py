@@ -39,7 +39,7 @@ class Register:
     profile: WorkerProfile  # fitted from the start-up profiling run
     host: str = ""  # host name and boot id: workers on one host move KV over shared memory ("": unknown)
     served: str = ""  # the model version it serves, "name@version" ("": the deployment's one model)
-    weights: str = "none"  # how it holds its linear weights: its quantization (none, int8, int4, gguf)
+    weights: str = "none"  # how it holds its linear weights: its quantization (none, int8, int4, gguf, w8a8)
 
     def __post_init__(self) -> None:  # a registration the router could not serve with is refused
         if not self.worker_id or self.kind not in KINDS:

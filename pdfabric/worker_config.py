@@ -30,7 +30,7 @@ AUTO_KV_MIN_MB = 256
 LINEARS = ("invariant", "onednn", "cublas")
 SPECULATIVE = ("off", "ngram", "draft")  # speculative decoding's proposers
 # How linear weights may be held (kernels/linear_cpu.py), named here so that configs import no torch
-QUANTIZATIONS = ("none", "int8", "int4", "gguf")
+QUANTIZATIONS = ("none", "int8", "int4", "gguf", "w8a8")
 
 
 @dataclass(frozen=True)
@@ -60,9 +60,10 @@ class WorkerConfig:
     prefix_caching: bool = True  # keep computed full blocks for prompts that share their prefix
     linears: str = "invariant"  # the linear-layer kernel (LINEARS); a vendor one gives up batch invariance
     # How the linear layers' weights are held (QUANTIZATIONS), weight-only on CPUs: "int8", a scale per
-    # output (half of bfloat16's bytes for a decode step to read); "int4", symmetric groups of 32 inputs;
+    # output (half of bfloat16's bytes for a decode step to read); "int4", groups of 32 inputs;
     # "gguf", a GGUF model's own blocks as they are (Q4_0, Q4_1, Q4_K, Q8_0; other tensors in the
-    # model's dtype); "none", the model's dtype (docs/quantization.md)
+    # model's dtype); "none", the model's dtype. "w8a8" (CPUs): int8's weights times activations
+    # quantized to int8 per row, integer products at twice bfloat16's rate (docs/engine.md#quantized-weights)
     quantization: str = "none"
     # KV channel encrypted (CURVE) or, on a network the operator trusts, authenticated in the clear
     # (PLAIN); the same for every worker of a deployment, or its transfers fail (docs/security.md)

@@ -114,7 +114,7 @@ def test_c_decoder_calls_after_layer_for_each_layer_in_order(checkpoint: Path) -
 
 
 @packaged
-@pytest.mark.parametrize("quantization", ["none", "int8", "int4", "gguf"])
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4", "gguf", "w8a8"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_c_decoder_on_smollm2(dtype: str, quantization: str) -> None:
     _need(dtype)

@@ -76,6 +76,13 @@ static inline int quantized(int dtype) { return dtype == 2 || dtype == 3; } /* i
 static inline int grouped(int dtype) { return dtype >= 4 && dtype <= 7; }  /* a scale per 32 inputs */
 static inline int group_bits(int dtype) { return dtype <= 5 ? 4 : 8; }
 static inline int x_is_bf16(int dtype) { return dtype == 1 || dtype == 2 || dtype == 4 || dtype == 6; }
+static inline int w8a8(int dtype) { return dtype == 8 || dtype == 9; } /* linear_w8a8.h */
+
+/* Bytes of a W8A8 [n, k] weight: a scale per output, then a byte per weight. */
+static inline int64_t w8a8_packed_bytes(int64_t n, int64_t k) {
+    const int64_t panels = (n + COLS - 1) / COLS;
+    return panels * COLS * (int64_t)sizeof(float) + panels * COLS * k;
+}
 
 #define GROUP 32 /* inputs per quantization group: 16 pairs */
 
@@ -92,6 +99,7 @@ static inline int64_t grouped_header_bytes(int64_t n, int64_t k, int bits) {
  * too). */
 int64_t pd_linear_packed_elems(int64_t n, int64_t k, int dtype) {
     const int64_t panels = (n + COLS - 1) / COLS;
+    if (w8a8(dtype)) return w8a8_packed_bytes(n, k);
     if (grouped(dtype))
         return grouped_header_bytes(n, k, group_bits(dtype)) + panels * pairs_of(k) * grouped_row_bytes(group_bits(dtype));
     if (quantized(dtype))
@@ -215,6 +223,8 @@ static void store_tile_bf16(const job_t *j, int64_t m0, int rows, int64_t c0, in
     }
 }
 #endif
+
+#include "linear_w8a8.h" /* dtypes 8 and 9: int8 weights times int8 activations */
 
 /* Writes the `rows` x 64 float32 sums `acc` (row stride COLS) of panel p to the output rows from m0. */
 static void store_tile(const job_t *j, int64_t m0, int rows, int64_t p, const float *acc) {
@@ -577,18 +587,19 @@ static void run_item(const job_t *j, int64_t block, int64_t p) {
 /* Whether this build can run `dtype`: 1 or 0. */
 int pd_linear_supported(int dtype) {
 #ifdef HAVE_AVX512_BF16
-    return dtype >= 0 && dtype <= 7;
+    return dtype >= 0 && dtype <= 9;
 #else
-    return dtype == 0 || dtype == 3 || dtype == 5 || dtype == 7;
+    return dtype == 0 || dtype == 3 || dtype == 5 || dtype == 7 || dtype == 9;
 #endif
 }
 
 /* Returns 0 on success, 1 on bad arguments, 2 when out of memory, 3 when this build cannot run the dtype. */
 int pd_linear(const void *x, int64_t x_stride, const void *packed, const void *bias, void *out,
               int64_t out_stride, int64_t m, int64_t n, int64_t k, int dtype, int threads) {
-    if (m < 0 || n <= 0 || k <= 0 || x_stride < k || out_stride < n || dtype < 0 || dtype > 7) return 1;
-    if (grouped(dtype) && k % GROUP) return 1;
+    if (m < 0 || n <= 0 || k <= 0 || x_stride < k || out_stride < n || dtype < 0 || dtype > 9) return 1;
+    if ((grouped(dtype) || w8a8(dtype)) && k % GROUP) return 1;
     if (!pd_linear_supported(dtype)) return 3;
+    if (w8a8(dtype)) return linear_w8a8(x, x_stride, packed, bias, out, out_stride, m, n, k, dtype, threads);
     float *xsums = NULL;
 #ifdef HAVE_AVX512_BF16
     if (dtype == 4 && m > 0) { /* once a call, not once a panel: the same sums either way */
