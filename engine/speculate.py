@@ -1,4 +1,5 @@
-"""Prompt-lookup speculation: guessing a sequence's next tokens from its own history. No torch here.
+"""Prompt-lookup speculation: guessing a sequence's next tokens from its own history, and what
+speculation gains (``SpeculationGain``). No torch here.
 
 A sequence that ends with tokens it has seen before (a text being edited, quoted, summarised, code
 being rewritten) often goes on as it did then. ``propose`` finds the latest earlier place where the
@@ -14,7 +15,8 @@ asks: ``PromptLookup`` here, or a draft model (``engine/draft.py``).
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -57,3 +59,31 @@ def propose(tokens: Sequence[int], k: int) -> tuple[int, ...]:
                 return tuple(tokens[start : start + k])
             limit = at + 4 * n - 1  # the next match to look at starts before this one
     return ()
+
+
+class SpeculationGain:
+    """How much faster a decoding sequence gets its tokens while a worker speculates, measured.
+
+    ``record`` takes each step whose every chunk decoded a running sequence and at least one carried a
+    proposal: how many sequences decoded, their context, the tokens they got, and the step's seconds
+    (drafting included). ``gain(plain)`` compares the recent ones with what plain decode steps of the
+    same shapes would have taken (``plain(batch, context)``, the worker's fitted profile): tokens a
+    sequence gets per second speculating over tokens per second decoding plainly. The router divides
+    its predicted inter-token latency by it while the worker speculates (``docs/routing.md``).
+    """
+
+    def __init__(self, window: int = 64) -> None:
+        self._steps: deque[tuple[int, int, int, float]] = deque(maxlen=window)
+
+    def record(self, batch: int, context_tokens: int, tokens: int, seconds: float) -> None:
+        if batch > 0 and seconds > 0:
+            self._steps.append((batch, context_tokens, tokens, seconds))
+
+    def gain(self, plain: Callable[[int, int], float]) -> float:
+        """The recent steps' speed-up over plain decoding; 1.0 before any was recorded."""
+        spent = sum(seconds for *_, seconds in self._steps)
+        if not spent:
+            return 1.0
+        # each step gives its sequences tokens / batch tokens each where a plain step would give one
+        worth = sum(tokens / batch * plain(batch, context) for batch, context, tokens, _ in self._steps)
+        return worth / spent if worth > 0 else 1.0

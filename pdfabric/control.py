@@ -40,6 +40,7 @@ class Register:
     host: str = ""  # host name and boot id: workers on one host move KV over shared memory ("": unknown)
     served: str = ""  # the model version it serves, "name@version" ("": the deployment's one model)
     weights: str = "none"  # how it holds its linear weights: its quantization (none, int8, int4, gguf, w8a8)
+    speculate_below: int = 0  # it speculates while at most this many sequences decode (0: never)
 
     def __post_init__(self) -> None:  # a registration the router could not serve with is refused
         if not self.worker_id or self.kind not in KINDS:
@@ -74,6 +75,9 @@ class Heartbeat:
     refused_peers: int = 0  # handshakes its KV endpoint refused since it started (no cluster secret)
     proposed_tokens: int = 0  # tokens speculative decoding proposed here since it started
     accepted_tokens: int = 0  # of those, kept (the model picked them itself)
+    # while it speculates (at most speculate_below sequences decoding), how many times faster a
+    # sequence gets its tokens than plain decode steps of its profile would give them (1: not measured)
+    speculation: float = 1.0
 
 
 @message(3)

@@ -232,3 +232,24 @@ def test_a_decode_worker_holding_most_of_the_prompt_may_prefill_the_rest_itself(
     assert [c.colocated for c in rank(30, budgets, [prefill, cold], EXACT).choices] == [False]
     with pytest.raises(ValueError, match="local_prefill_tokens"):
         PredictorConfig(local_prefill_tokens=-1)
+
+
+def test_a_speculating_worker_s_itl_is_its_step_over_its_measured_speed_up() -> None:
+    plain = worker("d", "decode", running=1, context_tokens=500)
+    fast = replace(plain, speculate_below=2, load=replace(plain.load, speculation=2.5))
+    prefill = worker("p", "prefill", kv_bytes_per_s=2e9)
+
+    def itl(decode: Candidate) -> float:
+        return rank(1000, Budgets(10_000, 100), [prefill, decode], EXACT).choices[0].itl_ms
+
+    step = PROFILE.decode_step_seconds(2, 1500) * 1e3  # with the new sequence: 2 decoding
+    assert itl(plain) == pytest.approx(step) and itl(fast) == pytest.approx(step / 2.5)
+    # above speculate_below the worker decodes plainly
+    busy = replace(fast, load=replace(fast.load, running=2, context_tokens=1000))
+    assert itl(busy) == pytest.approx(PROFILE.decode_step_seconds(3, 2000) * 1e3)
+    # a colocated worker's decode share is divided alike
+    co = worker("c", "colocated", running=1, context_tokens=500)
+    co_fast = replace(co, speculate_below=4, load=replace(co.load, speculation=2.0))
+    a = rank(1000, Budgets(10_000, 100), [co], EXACT).choices[0].itl_ms
+    b = rank(1000, Budgets(10_000, 100), [co_fast], EXACT).choices[0].itl_ms
+    assert b == pytest.approx(a - step / 2)  # no prompt rate: the decode step is the whole gap

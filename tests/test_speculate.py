@@ -48,16 +48,19 @@ def run(
     params: SamplingParams,
     proposer: Proposer | Callable[[ModelRunner], Proposer] | None = None,
     blocks: int = 128,
+    step_seconds: float = 0.0,
+    profile: WorkerProfile | None = None,
     **config: object,
 ):
     """Serves the prompts on a colocated core with the real model (``blocks`` KV blocks of 16 tokens;
-    ``proposer``: one, or what makes one of the served model's runner, as a draft model is made);
-    returns each request's output, the core and its deltas."""
+    ``proposer``: one, or what makes one of the served model's runner, as a draft model is made;
+    each step reported as taking ``step_seconds``, against ``profile``); returns each request's
+    output, the core and its deltas."""
     spec = core_spec("colocated", blocks, worker_id="c", max_model_len=2048, **config)
     served = ModelRunner(reference.model, blocks, 16)
     if proposer is not None and not hasattr(proposer, "propose"):
         proposer = proposer(served)
-    core = ColocatedCore(spec, FixedProfile(WorkerProfile()), "", proposer)
+    core = ColocatedCore(spec, FixedProfile(profile or WorkerProfile()), "", proposer)
     stepper = Stepper(served, reference.grammars)
     eos = tuple(sorted(reference.tokenizer.eos_token_ids))
     for i, prompt in enumerate(prompts):
@@ -67,7 +70,7 @@ def run(
     while core.has_work:
         step = core.schedule()
         assert step is not None
-        out = core.complete(step, stepper.run(step.chunks, core.tables), 0.0)
+        out = core.complete(step, stepper.run(step.chunks, core.tables), step_seconds)
         deltas += [d for msg in out if isinstance(msg, StepOutputs) for d in msg.deltas]
     return [s.output_ids for s in seqs], seqs, core, deltas
 
@@ -175,6 +178,29 @@ def test_a_proposal_of_the_right_tokens_is_kept_whole_and_a_wrong_token_ends_it(
         assert core.tables.pool.num_free == core.tables.pool.num_blocks
 
 
+def test_the_worker_measures_what_speculating_gains_over_plain_steps(reference: ReferenceEngine) -> None:
+    """Every proposal right and 4 long: each speculating step gives its sequence 5 tokens in the time
+    (10 ms, drafting included) that the profile gives a plain step for 1, so speculation is 5x."""
+    prompt = list(range(20, 60))
+    params = SamplingParams(max_tokens=21, ignore_eos=True)  # 1 from the prompt, then 4 steps of 5
+    want = reference.generate(prompt, params).token_ids
+
+    class Right:
+        def propose(self, wanted: list[Wanted]) -> list[tuple[int, ...]]:
+            done = [seq.num_tokens - len(prompt) for seq, _, _ in wanted]
+            return [tuple(want[d : d + k]) for d, (_, _, k) in zip(done, wanted, strict=True)]
+
+    flat = WorkerProfile(prefill=(0.01, 0.0, 0.0), decode=(0.01, 0.0, 0.0))  # every step 10 ms
+    got, _, core, deltas = run(reference, [prompt], params, Right(), step_seconds=0.01, profile=flat,
+                               speculative="ngram", speculative_k=4, speculative_below=3)  # fmt: skip
+    assert got == [want] and [len(d.token_ids) for d in deltas] == [1, 5, 5, 5, 5]
+    heartbeat = core.heartbeat(1e9)
+    assert heartbeat is not None and heartbeat.speculation == pytest.approx(5.0)
+    assert core.registration().speculate_below == 3
+    _, _, plain, _ = run(reference, [prompt], params, step_seconds=0.01, profile=flat)
+    assert plain.heartbeat(1e9).speculation == 1.0 and plain.registration().speculate_below == 0
+
+
 def test_a_request_can_turn_speculation_off_or_lower_its_k(reference: ReferenceEngine) -> None:
     prompt = [3, 4, 5, 6] * 10
     off = SamplingParams(max_tokens=30, ignore_eos=True, speculative_k=0)
@@ -244,6 +270,8 @@ def test_a_fabric_that_speculates_survives_a_kill_token_exact(
         proposed = sum(metric_values(url, "pdfabric_speculative_proposed_tokens_total").values())
         accepted = sum(metric_values(url, "pdfabric_speculative_accepted_tokens_total").values())
         assert proposed >= accepted > 0, (proposed, accepted)
+        speedups = metric_values(url, "pdfabric_speculative_speedup")  # one per speculating worker
+        assert speedups and all(v > 0 for v in speedups.values()), speedups
 
 
 def test_a_proposal_takes_new_blocks_only_while_each_decoding_sequence_keeps_one_free() -> None:

@@ -42,8 +42,8 @@ from pdfabric.control import (
 )
 from pdfabric.engine.block_pool import BlockPool, BlockTables, prefix_salt
 from pdfabric.engine.scheduler import Chunk, Pick, Scheduler, SchedulerConfig, step_shape
-from pdfabric.engine.sequence import Sequence
-from pdfabric.engine.speculate import Proposer
+from pdfabric.engine.sequence import SeqState, Sequence
+from pdfabric.engine.speculate import Proposer, SpeculationGain
 from pdfabric.kvtransfer.state import TransferResult
 from pdfabric.profile import StepShape
 from pdfabric.worker.kv import OpenPush
@@ -129,6 +129,7 @@ class WorkerCore:
             speculate_below=c.speculative_below,
         )  # fmt: skip
         self.scheduler = Scheduler(self.tables, sched, proposer)
+        self.speculation = SpeculationGain()  # what speculating steps gained over plain ones
         self.kv_rates = KVRates()
         self._recent_ms: deque[float] = deque(maxlen=32)
         self.next_heartbeat = 0.0
@@ -196,12 +197,20 @@ class WorkerCore:
         chunks = self.scheduler.schedule()
         return Step(chunks, step_shape(chunks)) if chunks else None
 
-    def complete(self, step: Step, sampled: list[Pick | list[Pick]], seconds: float) -> Out:
-        """The step ran for ``seconds``; ``sampled``: one pick per chunk with ``sample`` (``Pick``), a
-        list of them for a chunk with a proposal (``Scheduler.complete``)."""
+    def complete(
+        self, step: Step, sampled: list[Pick | list[Pick]], seconds: float, drafting: float = 0.0
+    ) -> Out:
+        """The step ran for ``seconds`` after ``drafting`` seconds of scheduling it (a draft model's
+        proposals among them); ``sampled``: one pick per chunk with ``sample`` (``Pick``), a list of
+        them for a chunk with a proposal (``Scheduler.complete``)."""
         self._recent_ms.append(seconds * 1e3)
         self.profile.observe(step.shape, seconds)
-        changed = self.scheduler.complete(step.chunks, sampled)
+        chunks = step.chunks
+        speculated = any(c.proposal for c in chunks) and all(c.seq.state is SeqState.RUNNING for c in chunks)
+        changed = self.scheduler.complete(chunks, sampled)
+        if speculated:  # a decode step that checked proposals: what it gave each sequence, and in what time
+            tokens = sum(c.seq.step_tokens for c in chunks)
+            self.speculation.record(len(chunks), sum(c.stop for c in chunks), tokens, seconds + drafting)
         return self.stepped(changed)
 
     def stepped(self, changed: list[Sequence]) -> Out:
@@ -222,6 +231,7 @@ class WorkerCore:
         self.next_heartbeat = now + self.spec.config.heartbeat_s
         s, pool = self.scheduler, self.tables.pool
         cached, evicted = pool.take_events()
+        profile = self.profile.profile()
         return Heartbeat(
             worker_id=self.worker_id,
             queued_tokens=s.queued_tokens,
@@ -232,7 +242,7 @@ class WorkerCore:
             step_ms=statistics.median(self._recent_ms) if self._recent_ms else 0.0,
             context_tokens=s.context_tokens,
             kv_bytes_per_s=self.kv_rates.overall(),
-            profile=self.profile.profile(),
+            profile=profile,
             kv_rates=self.kv_rates.per_transport(),
             draining=self.draining,
             prompt_tokens=s.prompt_tokens,
@@ -243,6 +253,7 @@ class WorkerCore:
             refused_peers=refused_peers,
             proposed_tokens=s.proposed_tokens,
             accepted_tokens=s.accepted_tokens,
+            speculation=self.speculation.gain(profile.decode_step_seconds),
         )
 
     @property

@@ -144,12 +144,14 @@ class Worker:
                     break
                 self._poll_kv()
                 self._drain(timeout_ms=0 if core.has_work else 5)
-                step = core.schedule()
+                planned = time.perf_counter()
+                step = core.schedule()  # a draft model drafts here
                 if step is not None:
                     start = time.perf_counter()
                     hook = self.kv.layer_hook(step.opens) if self.kv is not None and step.opens else None
                     sampled = self.stepper.run(step.chunks, core.tables, hook)
-                    self.dispatch(core.complete(step, sampled, time.perf_counter() - start))
+                    seconds = time.perf_counter() - start
+                    self.dispatch(core.complete(step, sampled, seconds, drafting=start - planned))
                 self._heartbeat()
         finally:
             self.close()

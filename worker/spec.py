@@ -65,6 +65,7 @@ class CoreSpec:
             kv_endpoint=kv_endpoint, pid=self.pid, max_running=c.max_running,
             max_batch_tokens=c.max_batch_tokens, kv_bytes_per_token=self.kv_bytes_per_token,
             profile=profile, host=self.host, served=c.served, weights=c.quantization,
+            speculate_below=c.speculative_below if c.speculative != "off" and c.kind != "prefill" else 0,
         )  # fmt: skip
 
 

@@ -56,6 +56,12 @@ class _WorkerGauges(Collector):
             "Of those, tokens kept (the model picked them itself)",
             labels=labels,
         )
+        speedup = GaugeMetricFamily(
+            "pdfabric_speculative_speedup",
+            "How many times faster a sequence gets its tokens while the worker speculates (drafting "
+            "included) than plain decode steps would give them; the router's ITL prediction divides by it",
+            labels=labels,
+        )
         per_pool: dict[tuple[str, str], int] = {}
         for w in self.fleet.workers.values():
             key = [w.worker_id, w.reg.pool, w.reg.kind]
@@ -69,12 +75,14 @@ class _WorkerGauges(Collector):
                 refused.add_metric(key, w.load.refused_peers)
                 proposed.add_metric(key, w.load.proposed_tokens)
                 accepted.add_metric(key, w.load.accepted_tokens)
+                if w.reg.speculate_below:
+                    speedup.add_metric(key, w.load.speculation)
             per_pool[(w.reg.pool, w.reg.kind)] = per_pool.get((w.reg.pool, w.reg.kind), 0) + 1
         for kind in KINDS:
             per_pool.setdefault(("default", kind), 0)
         for (pool, kind), n in sorted(per_pool.items()):
             count.add_metric([pool, kind], n)
-        yield from (free, total, running, queued, count, prompt, hits, refused, proposed, accepted)
+        yield from (free, total, running, queued, count, prompt, hits, refused, proposed, accepted, speedup)
 
 
 class _Waiting(Collector):

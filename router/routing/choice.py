@@ -40,6 +40,7 @@ def worker_load(info: WorkerInfo) -> WorkerLoad:
         context_tokens=hb.context_tokens,
         free_kv_tokens=hb.free_blocks * reg.block_size,
         kv_bytes_per_s=hb.kv_bytes_per_s,
+        speculation=hb.speculation,
     )
 
 
@@ -78,6 +79,7 @@ def candidate(
         worker_id=reg.worker_id, kind=reg.kind, pool=reg.pool, profile=profile, load=load,
         max_batch=max_batch, chunk_tokens=chunk_tokens, kv_bytes_per_token=reg.kv_bytes_per_token,
         cost=pool.cost, host=reg.host, kv_rates=rates, cached_tokens=cached_tokens,
+        speculate_below=reg.speculate_below,
     )  # fmt: skip
 
 

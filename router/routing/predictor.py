@@ -10,7 +10,9 @@ P tokens, from each worker's fitted ``WorkerProfile`` and reported ``WorkerLoad`
    waits in the router, where priorities and fair shares order it;
 2. decode side (per decode worker): ITL = one decode step with every sequence it holds or has reserved,
    plus this one, and their context plus P tokens, times (1 + safety_margin); the batch must stay
-   within the worker's limit and the prompt must fit in its free KV;
+   within the worker's limit and the prompt must fit in its free KV. A worker that speculates at that
+   batch (``speculate_below``) gives a sequence several tokens a step: its step is divided by the
+   speed-up it measured (``WorkerLoad.speculation``, drafting included);
 3. colocated: prefill chunks share steps with the running decode batch, so its TTFT counts a decode
    step in every chunk step; its ITL is the mean gap over the request's life: a decode step at batch
    + 1, plus a prefill chunk (of the token budget the batch leaves) in the fraction of steps that
@@ -192,9 +194,18 @@ def _decode_side(c: Candidate, prompt_len: int, budgets: Budgets, config: Predic
     margin = 1 + config.safety_margin
 
     def itl(batch: int, context: float) -> float:
-        return c.profile.decode_step_seconds(batch, round(context)) * 1e3 * margin
+        return _speculated(c, batch, c.profile.decode_step_seconds(batch, round(context))) * 1e3 * margin
 
     return _batch_side(c, prompt_len, budgets, config, itl, _Side(c))
+
+
+def _speculated(c: Candidate, batch: int, decode_s: float) -> float:
+    """A decode step's share of a token's gap on ``c`` at ``batch`` sequences: the step itself, or,
+    while the worker speculates (at most ``speculate_below`` decoding), the step over the speed-up its
+    speculating steps measured (they give each sequence several tokens, drafting included)."""
+    if c.speculate_below and batch <= c.speculate_below and c.load.speculation > 0:
+        return decode_s / c.load.speculation
+    return decode_s
 
 
 def _colocated_side(
@@ -221,7 +232,8 @@ def _colocated_side(
         chunk = max(0, c.chunk_tokens - batch)
         mixed = profile.prefill_seconds(chunk, chunk) if chunk else 0.0
         share = _chunk_share(decode, mixed, chunk, load.prompt_tokens_per_s)
-        return (decode + min(share, config.colocated_prefill_share) * mixed) * 1e3 * margin
+        own = _speculated(c, batch, decode)
+        return (own + min(share, config.colocated_prefill_share) * mixed) * 1e3 * margin
 
     side = _Side(c, queue_ms=queue_s * 1e3 * margin, compute_ms=own_s * 1e3 * margin)
     idle_ms = profile.prefill_seconds(new, c.chunk_tokens) * 1e3 * margin

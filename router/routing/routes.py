@@ -43,6 +43,7 @@ class WorkerLoad:
     free_kv_tokens: int = 0  # free blocks x block size
     kv_bytes_per_s: float = 0.0  # measured KV transfer rate (0: not measured yet)
     prompt_tokens_per_s: float = 0.0  # prompt tokens recently sent to it per second (colocated ITL)
+    speculation: float = 1.0  # measured speed-up of its decoding while it speculates (Heartbeat's)
 
     def with_prefill(self, prompt_len: int, requests: int = 1) -> WorkerLoad:
         """This load once a prompt of ``prompt_len`` tokens (or ``requests`` prompts of that many in
@@ -73,6 +74,7 @@ class Candidate:
     chunk_tokens: int  # tokens per step (the pool's chunk budget if lower than the worker's)
     kv_bytes_per_token: int = 0  # KV bytes one prompt token takes (what a transfer moves)
     cost: float = 1.0  # the pool's relative cost; cheaper routes are preferred
+    speculate_below: int = 0  # it speculates while at most this many sequences decode (Register's)
     host: str = ""  # its machine ("": unknown): a pair on one host moves KV over shared memory
     kv_rates: Mapping[str, float] = field(default_factory=dict)  # measured KV rate per transport
     cached_tokens: int = 0  # of the prompt being ranked, tokens in its prefix cache (as last reported)
