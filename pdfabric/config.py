@@ -135,15 +135,16 @@ class ServeConfig:
 
 
 def load_serve_config(path: str | Path | None, overrides: dict[str, Any]) -> ServeConfig:
-    """Reads a TOML deployment config (``[serve]``, ``[worker]``, ``[routing]``, ``[[workers]]`` and
-    ``[[models]]``, see ``pdfabric.model_versions``) and applies CLI overrides (keys of ``[serve]`` or
-    ``[worker]``, and ``routing_policy``; ``None`` values are ignored). Unknown tables and keys are a
-    ``ValueError`` naming them."""
+    """Reads a TOML deployment config (``[serve]``, ``[worker]``, ``[speculative]``, ``[routing]``,
+    ``[[workers]]`` and ``[[models]]``, see ``pdfabric.model_versions``) and applies CLI overrides
+    (keys of ``[serve]`` or ``[worker]``, and ``routing_policy``; ``None`` values are ignored).
+    Unknown tables and keys are a ``ValueError`` naming them."""
     data: dict[str, Any] = {}
     if path is not None:
         with open(path, "rb") as f:
             data = tomllib.load(f)
-        unknown = set(data) - {"serve", "worker", "routing", "workers", "models", "ray", "autoscale"}
+        known = {"serve", "worker", "speculative", "routing", "workers", "models", "ray", "autoscale"}
+        unknown = set(data) - known
         if unknown:
             raise ValueError(f"{path}: unknown table(s) {', '.join(sorted(unknown))}")
     tables = {"worker", "groups", "routing", "predictor", "models", "ray", "autoscale"}
@@ -162,6 +163,10 @@ def load_serve_config(path: str | Path | None, overrides: dict[str, Any]) -> Ser
             serve.pop(k, None)
     if any(k in serve or k in given for k in counts) or "workers" in data or "models" in data:
         serve.update({k: serve.get(k, 0) for k in counts})
+    try:
+        worker.update(_speculative(data.get("speculative", {}), worker))
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
     for key, value in given.items():
         (serve if key in serve_keys else worker)[key] = value
     try:
@@ -183,6 +188,29 @@ def load_serve_config(path: str | Path | None, overrides: dict[str, Any]) -> Ser
         **serve, worker=base, groups=groups, models=models, routing=routing, predictor=predictor, ray=ray,
         autoscale=autoscale,
     )  # fmt: skip
+
+
+# [speculative] keys and the [worker] keys they set
+SPECULATIVE_KEYS = {
+    "method": "speculative", "k": "speculative_k", "below": "speculative_below",
+    "draft_model": "draft_model", "draft_quantization": "draft_quantization",
+}  # fmt: skip
+
+
+def _speculative(table: Any, worker: dict[str, Any]) -> dict[str, Any]:
+    """The ``[speculative]`` table (``method = "ngram" | "draft" | "off"``, ``k``, ``below``,
+    ``draft_model``, ``draft_quantization``) as the ``[worker]`` settings it stands for; a setting
+    given in both tables is an error, the command line's flags override either."""
+    if not isinstance(table, dict):
+        raise ValueError("[speculative] must be a table")
+    bad = set(table) - set(SPECULATIVE_KEYS)
+    if bad:
+        raise ValueError(f"unknown key(s) in [speculative]: {', '.join(sorted(bad))}")
+    settings = {SPECULATIVE_KEYS[k]: v for k, v in table.items()}
+    twice = sorted(k for k in settings if k in worker)
+    if twice:
+        raise ValueError(f"set in both [speculative] and [worker]: {', '.join(twice)}")
+    return settings
 
 
 def _group(base: WorkerConfig, table: Any) -> WorkerGroup:
