@@ -9,7 +9,8 @@ each ``[[workers]]`` group's) becomes one ``SimWorker`` with:
   ``kv_bytes_per_token``);
 - the real worker's context limit: the lower of the profile's ``max_model_len`` and what the blocks hold;
 - the profile's measured KV rate over ``transport`` (the fastest measured one when ``None``; the
-  predictor's ``default_kv_bytes_per_s`` when the profile measured none at all).
+  predictor's ``default_kv_bytes_per_s`` when the profile measured none at all);
+- speculation as its config sets it, with a modelled acceptance (``SimWorker``).
 
 The config's ``[routing]`` table gives the router's budgets, classes, pools, policy and predictor.
 """
@@ -26,10 +27,16 @@ from pdfabric.worker.spec import CoreSpec
 
 
 def sim_config(
-    serve: ServeConfig, profiles: Sequence[ProfileFile], transport: str | None = None
+    serve: ServeConfig,
+    profiles: Sequence[ProfileFile],
+    transport: str | None = None,
+    acceptance: float = 0.0,
+    draft_ratio: float = 0.0,
 ) -> SimConfig:
     """One SimWorker per worker the launcher would start for ``serve``; raises ``ValueError`` when a
-    kind has no profile, the KV budget holds no block, or ``transport`` was not measured."""
+    kind has no profile, the KV budget holds no block, or ``transport`` was not measured. Workers
+    whose config speculates keep proposed tokens with probability ``acceptance`` (0: they run
+    without speculation), a draft step costing ``draft_ratio`` decode steps (``SimWorker``)."""
     profiles = list(profiles)
     workers = []
     for worker_id, w in serve.launch_plan():
@@ -38,7 +45,7 @@ def sim_config(
         core = CoreSpec.sized(
             w, worker_id=worker_id, model_max_len=pf.max_model_len, kv_bytes_per_token=pf.kv_bytes_per_token
         )
-        workers.append(SimWorker(core, pf.profile, rate))
+        workers.append(SimWorker(core, pf.profile, rate, acceptance, draft_ratio))
     return SimConfig(tuple(workers), serve.routing, serve.predictor)
 
 

@@ -9,7 +9,10 @@ messages it sends, heartbeat content); this driver only models time the way the 
 1. messages are handled only between steps: KV-side events first (transfers that ended, blocks
    released), then control messages from the router;
 2. a step runs if the core schedules one; it lasts ``profile.step_seconds`` of its shape, and its
-   outputs leave at its end (the samples are token 0: the bench's requests ignore EOS);
+   outputs leave at its end (the samples are token 0: the bench's requests ignore EOS). A worker that
+   speculates (``SimWorker.acceptance``) proposes token 0s; each is kept with that probability until
+   one is not (a seeded draw, so a run is deterministic), and with a draft model the step first
+   spends ``draft_ratio`` decode steps per proposed token drafting;
 3. a heartbeat goes out after a step once the core says it is due (a busy worker's waits for the
    step's end), and on time when idle.
 
@@ -19,6 +22,8 @@ model (``bench.sim_link``).
 
 from __future__ import annotations
 
+import random
+import zlib
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Protocol
@@ -26,6 +31,7 @@ from typing import Any, Protocol
 from pdfabric.bench.sim_link import SimLink, endpoint_of
 from pdfabric.bench.sim_spec import SimWorker
 from pdfabric.control import DECODE, Register
+from pdfabric.engine.speculate import Wanted
 from pdfabric.kinds.table import KINDS
 from pdfabric.kvtransfer.state import TransferResult
 from pdfabric.worker.core import Out, Step
@@ -52,15 +58,22 @@ class SimulatedWorker:
         self.sim = sim
         self.spec = spec
         endpoint = endpoint_of(spec.worker_id) if spec.kind == DECODE else ""
-        # Its tokens are not real, so it cannot model speculation's proposals: it runs without them.
-        core = replace(spec.core, config=replace(spec.core.config, speculative="off"))
-        self.core = KINDS[spec.kind].core(core, FixedProfile(spec.profile), endpoint)
+        core, proposer = spec.core, None
+        if spec.speculates:  # its tokens are not real: proposals and what is kept are modelled
+            core = replace(core, config=replace(core.config, speculative="ngram"))  # with this proposer
+            proposer = _Zeros()
+        else:
+            core = replace(core, config=replace(core.config, speculative="off"))
+        self.core = KINDS[spec.kind].core(core, FixedProfile(spec.profile), endpoint, proposer)
+        self._drafts = spec.draft_ratio if spec.core.config.speculative == "draft" else 0.0
+        self._kept = random.Random(zlib.crc32(spec.worker_id.encode()))  # what each check keeps
         self.scheduler, self.tables = self.core.scheduler, self.core.tables
         self.busy = False  # a step is running
         self._wake = False  # a boundary is queued for an idle worker
         self._control: list[object] = []
         self._kv: list[TransferResult | str] = []  # ended transfers, and released request ids
         self._step: Step | None = None
+        self._drafting = 0.0  # the running step's drafting time
         self._hb_armed: float | None = 0.0
 
     def registration(self) -> Register:
@@ -119,12 +132,39 @@ class SimulatedWorker:
             self._idle()
             return
         self.busy, self._step = True, step
-        self.sim.at(self.sim.now + self.spec.profile.step_seconds(step.shape), self._step_end, self.sim.now)
+        self._drafting = self._draft_seconds(step)
+        seconds = self.spec.profile.step_seconds(step.shape)
+        self.sim.at(self.sim.now + self._drafting + seconds, self._step_end, self.sim.now)
+
+    def _draft_seconds(self, step: Step) -> float:
+        """A draft model's time for the step's proposals: one draft step of every proposing sequence
+        per token of the longest proposal, each ``draft_ratio`` of a plain decode step."""
+        proposing = [c for c in step.chunks if c.proposal]
+        if not proposing or not self._drafts:
+            return 0.0
+        batch, context = len(proposing), sum(c.stop for c in proposing)
+        k = max(len(c.proposal) for c in proposing)
+        return k * self._drafts * self.spec.profile.decode_step_seconds(batch, context)
+
+    def _samples(self, step: Step) -> list:
+        """Token 0 for each chunk that samples; for a checked proposal, the tokens kept and the one
+        after them."""
+        out: list = []
+        for chunk in step.chunks:
+            if chunk.proposal:
+                kept = 0
+                while kept < len(chunk.proposal) and self._kept.random() < self.spec.acceptance:
+                    kept += 1
+                out.append([(0, 0.0)] * (kept + 1))
+            elif chunk.sample:
+                out.append((0, 0.0))
+        return out
 
     def _step_end(self, started: float) -> None:
         step, self._step, self.busy = self._step, None, False
         assert step is not None
-        self._emit(self.core.complete(step, [(0, 0.0)] * step.num_samples, self.sim.now - started))
+        seconds = self.sim.now - started - self._drafting
+        self._emit(self.core.complete(step, self._samples(step), seconds, drafting=self._drafting))
         self._heartbeat()
         self._boundary()
 
@@ -148,3 +188,10 @@ class SimulatedWorker:
         hb = self.core.heartbeat(self.sim.now)
         if hb is not None:
             self.sim.at(self.sim.now, self.sim.receive, hb)
+
+
+class _Zeros:
+    """The simulated proposer: token 0, as many as asked (what is kept is drawn at the step's end)."""
+
+    def propose(self, wanted: list[Wanted]) -> list[tuple[int, ...]]:
+        return [(0,) * k for _, _, k in wanted]

@@ -32,6 +32,7 @@ from pdfabric.bench.options import add_slo_arguments, add_workload_arguments
 if TYPE_CHECKING:
     from pdfabric.bench.goodput import SearchConfig
     from pdfabric.bench.metrics import SLO
+    from pdfabric.bench.sim_spec import SimWorker
     from pdfabric.bench.simulator import SimConfig
     from pdfabric.bench.workload import Workload
 
@@ -67,6 +68,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--routing-policy",
         choices=("budget", "round_robin", "least_loaded"),
         help="the router's routing policy (default: the config's [routing] policy), as serve's flag",
+    )
+    g.add_argument(
+        "--speculative-acceptance",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="workers whose config turns speculation on keep each proposed token with probability P "
+        "until one is not (the acceptance rate a worker's metrics report); 0 (default): they run "
+        "without speculation",
+    )
+    g.add_argument(
+        "--draft-step-ratio",
+        type=float,
+        default=0.45,
+        metavar="R",
+        help="with speculative = draft: one draft step's time over a plain decode step's of the same "
+        "batch (default 0.45: SmolLM2 drafting for itself in int4, bfloat16 served, on 2 cores)",
     )
     g.add_argument(
         "--overhead-ms",
@@ -108,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
         serve = load_serve_config(args.config, {"routing_policy": args.routing_policy})
         profiles = [ProfileFile.load(p) for p in args.profile]
         transport = args.transport or default_transport(profiles)
-        config = replace(sim_config(serve, profiles, transport), overhead_ms=args.overhead_ms)
+        config = sim_config(serve, profiles, transport, args.speculative_acceptance, args.draft_step_ratio)
+        config = replace(config, overhead_ms=args.overhead_ms)
         search = search_config(args) if args.mode == "goodput" else None
         lo_hi = default_bracket(workload, args) if search is not None and not search[0] else (0.0, 0.0)
     except (OSError, ValueError) as exc:
@@ -150,9 +169,18 @@ def workload_at_rate(args: argparse.Namespace) -> Workload:
 
 def describe(config: SimConfig) -> dict[str, Any]:
     """The simulated deployment, for the report."""
+
+    def speculation(w: SimWorker) -> dict[str, float] | None:
+        return {"acceptance": w.acceptance, "draft_ratio": w.draft_ratio} if w.speculates else None
+
     return {
         "workers": [
-            {**asdict(w.core), "profile": asdict(w.profile), "kv_bytes_per_s": w.kv_bytes_per_s}
+            {
+                **asdict(w.core),
+                "profile": asdict(w.profile),
+                "kv_bytes_per_s": w.kv_bytes_per_s,
+                "speculation": speculation(w),
+            }
             for w in config.workers
         ],
         "routing_policy": getattr(config.routing, "policy", "budget"),

@@ -51,6 +51,7 @@ from pdfabric.bench.records import ERROR, OK, REJECTED, TIMEOUT, RequestRecord
 from pdfabric.bench.sim_link import SimLink
 from pdfabric.bench.sim_spec import SimWorker
 from pdfabric.bench.sim_worker import SimulatedWorker
+from pdfabric.bench.sse import spread_tokens
 from pdfabric.bench.workload import PREFIX_BLOCK_TOKENS, Request, Workload
 from pdfabric.control import COLOCATED, DECODE, PREFILL, TokenDelta
 from pdfabric.router.dispatch.core import RouterCore
@@ -112,7 +113,8 @@ class SimulatedRequest:
     request: Request
     rid: str
     params: SamplingParams
-    times: list[float] = field(default_factory=list)  # client arrival of each token
+    times: list[float] = field(default_factory=list)  # client arrival of each delta with tokens
+    tokens: int = 0  # tokens those deltas carried (several when a speculating worker keeps proposals)
     end: float | None = None
     status: str = TIMEOUT
     http_status: int | None = None
@@ -219,6 +221,7 @@ class Simulation:
             return
         if delta.token_ids:
             req.times.append(self.now + self._overhead)
+            req.tokens += len(delta.token_ids)
         if delta.finish_reason is not None:
             if delta.finish_reason == "error" or not req.times:
                 self._end(req, ERROR, 200, f"finish_reason {delta.finish_reason}")
@@ -251,11 +254,11 @@ class Simulation:
                 error="no progress: the simulated deployment could not finish it",
             )
         ms = [(t - r.arrival_s) * 1e3 for t in req.times]
-        gaps = [b - a for a, b in zip(ms[:-1], ms[1:], strict=True)]
+        tokens, gaps = spread_tokens(ms, req.tokens)  # as the bench client counts a stream's tokens
         return RequestRecord(
             index=r.index, scheduled_s=r.arrival_s, sent_s=r.arrival_s, input_len=r.input_len,
             output_len=r.output_len, status=req.status, http_status=req.http_status,
-            ttft_ms=ms[0] if ms else None, e2e_ms=(req.end - r.arrival_s) * 1e3, output_tokens=len(ms),
+            ttft_ms=ms[0] if ms else None, e2e_ms=(req.end - r.arrival_s) * 1e3, output_tokens=tokens,
             token_count_source="usage", chunk_ms=ms, itl_ms=gaps,
             finish_reason=req.finish_reason, error=req.error,
         )  # fmt: skip

@@ -273,3 +273,40 @@ def test_prompts_that_share_hash_ids_hit_the_simulated_prefix_cache() -> None:
     hit, miss = ttft[("shared", True)][1:], ttft[("shared", False)][1:]
     assert all(a < b / 5 for a, b in zip(hit, miss, strict=True)), (hit, miss)
     assert ttft[("unshared", True)] == pytest.approx(ttft[("unshared", False)])  # nothing to share
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_a_speculating_worker_gives_several_tokens_a_step_and_the_router_sees_its_speed_up(
+    method: str,
+) -> None:
+    """Proposals of 4 all kept (acceptance 1): each 10 ms step gives a sequence 5 tokens, plus with a
+    draft model 4 draft steps of 0.5 x 10 ms first. Every request still gets exactly its tokens."""
+    step, out = 0.01, 21
+    spec = core_spec(COLOCATED, worker_id="c", num_blocks=4096, speculative=method, speculative_k=4,
+                     speculative_below=4)  # fmt: skip
+    fast = SimWorker(spec, constant(step), 1e9, acceptance=1.0, draft_ratio=0.5)
+    plain = SimWorker(spec, constant(step), 1e9)  # no acceptance: no speculation
+    arrivals = [i * 2.0 for i in range(5)]  # one at a time
+    sped = simulate(SimConfig((fast,), routing=LOOSE), workload(arrivals, 64, out))
+    base = simulate(SimConfig((plain,), routing=LOOSE), workload(arrivals, 64, out))
+    assert [r.output_tokens for r in sped] == [r.output_tokens for r in base] == [out] * 5
+    per_step = step + (4 * 0.5 * step if method == "draft" else 0.0)  # a check step and its drafting
+    for r in sped:
+        assert r.e2e_ms - r.ttft_ms == pytest.approx(4 * per_step * 1e3)  # 20 tokens in 4 steps
+    for r in base:
+        assert r.e2e_ms - r.ttft_ms == pytest.approx(20 * step * 1e3)
+    # what the worker measured and reported: 5 tokens in per_step where a plain step gives one in step
+    sim = Simulation(SimConfig((fast,), routing=LOOSE), workload(arrivals, 64, out))
+    sim.run()
+    [info] = sim.registry.workers.values()
+    assert info.reg.speculate_below == 4 and info.load.speculation == pytest.approx(5 * step / per_step)
+
+
+def test_a_worker_whose_proposals_are_seldom_kept_gets_one_token_a_step_mostly() -> None:
+    spec = core_spec(COLOCATED, worker_id="c", num_blocks=4096, speculative="ngram", speculative_k=4,
+                     speculative_below=4)  # fmt: skip
+    worker = SimWorker(spec, constant(0.01), 1e9, acceptance=0.2)
+    records = simulate(SimConfig((worker,), routing=LOOSE), workload([0.0, 5.0], 64, 200))
+    assert [r.output_tokens for r in records] == [200, 200]
+    for r in records:  # a step keeps 1.25 tokens on average: 0.2 + 0.2^2 + ... beside its own
+        assert 0.7 * 200 < len(r.chunk_ms) < 0.9 * 200
