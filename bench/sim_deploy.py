@@ -6,7 +6,7 @@ each ``[[workers]]`` group's) becomes one ``SimWorker`` with:
 - the profile ``profile_file.for_kind`` picks for its kind (a role-tagged one, else one for any kind);
 - its own ``[worker]`` / ``[[workers]]`` limits, pool and heartbeat period;
 - as many KV blocks as the real worker allocates (``WorkerConfig.kv_blocks`` with the profile's
-  ``kv_bytes_per_token``);
+  ``kv_bytes_per_token`` and, for ``memory_mb``, its ``weight_bytes``);
 - the real worker's context limit: the lower of the profile's ``max_model_len`` and what the blocks hold;
 - the profile's measured KV rate over ``transport`` (the fastest measured one when ``None``; the
   predictor's ``default_kv_bytes_per_s`` when the profile measured none at all);
@@ -43,8 +43,9 @@ def sim_config(
         pf = for_kind(profiles, w.kind)
         rate = pf.kv_rate(transport) if pf.kv_bytes_per_s else serve.predictor.default_kv_bytes_per_s
         core = CoreSpec.sized(
-            w, worker_id=worker_id, model_max_len=pf.max_model_len, kv_bytes_per_token=pf.kv_bytes_per_token
-        )
+            w, worker_id=worker_id, model_max_len=pf.max_model_len, kv_bytes_per_token=pf.kv_bytes_per_token,
+            weight_bytes=pf.weight_bytes,
+        )  # fmt: skip
         workers.append(SimWorker(core, pf.profile, rate, acceptance, draft_ratio))
     return SimConfig(tuple(workers), serve.routing, serve.predictor)
 

@@ -51,6 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"KV MB per worker (default 0: room for --max-running sequences of {AUTO_KV_TOKENS} tokens of "
         f"the model, at least {AUTO_KV_MIN_MB} MB)",
     )
+    parser.add_argument(
+        "--memory-mb",
+        type=int,
+        help="MB per worker for the weights (as held: --quantization) and the KV cache together; the KV "
+        "cache gets what the weights leave (unless --kv-memory-mb or --num-blocks is given)",
+    )
     parser.add_argument("--num-blocks", type=int, help="KV blocks per worker (overrides --kv-memory-mb)")
     parser.add_argument("--block-size", type=int, help=f"tokens per KV block (default {w('block_size')})")
     parser.add_argument(
@@ -131,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
             "port",
             "control_port",
             "kv_memory_mb",
+            "memory_mb",
             "num_blocks",
             "block_size",
             "max_batch_tokens",

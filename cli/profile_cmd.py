@@ -242,6 +242,7 @@ def profile(args: argparse.Namespace, transports: list[str]) -> tuple[ProfileFil
         threads=torch.get_num_threads() if runner.device.type == "cpu" else 0,
         dtype=mcfg.dtype,
         weights=cfg.quantization,
+        weight_bytes=runner.weight_bytes,
         kv_bytes_per_s=rates,
         seconds=round(time.perf_counter() - started, 3),
         steps=measured.steps,

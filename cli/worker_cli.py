@@ -46,6 +46,7 @@ OVERRIDES: tuple[tuple[str, type, str], ...] = (
     ("block_size", int, "tokens per KV block"),
     ("num_blocks", int, "KV blocks (0: as many as --kv-memory-mb holds)"),
     ("kv_memory_mb", int, "KV-cache memory budget"),
+    ("memory_mb", int, "memory for the weights and the KV cache together (KV gets what the weights leave)"),
     ("max_batch_tokens", int, "tokens per step"),
     ("max_running", int, "sequences decoding at once"),
     ("kv_host", str, "address a decode worker binds its KV endpoint on"),

@@ -86,6 +86,24 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(cfg, num_blocks, block_size, self.device)
 
     @property
+    def weight_bytes(self) -> int:
+        """The model's weights as this runner holds them (packed, quantized or not), each tensor once."""
+        seen: dict[int, int] = {}
+        for t in (*self.model.parameters(), *self.model.buffers()):
+            if t.device.type == "meta" or not t.numel():
+                continue
+            try:  # by storage: views and tied tensors count once
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            except (NotImplementedError, RuntimeError):  # oneDNN's packed weights have no storage
+                seen[id(t)] = t.numel() * t.element_size()
+        return sum(seen.values())
+
+    def resize_kv(self, num_blocks: int) -> None:
+        """A KV cache of ``num_blocks`` blocks in place of the one it has (before any step ran)."""
+        self.num_blocks = num_blocks
+        self.kv_caches = allocate_kv_cache(self.config, num_blocks, self.block_size, self.device)
+
+    @property
     def kv_caches(self) -> list[torch.Tensor]:
         """One cache tensor per layer, ``[2, num_blocks, block_size, kv_heads, head_dim]``; its blocks are
         tiled for the CPU prompt kernel where ``kv_tiled`` (``AttentionMetadata.tiled_kv``)."""

@@ -41,6 +41,7 @@ class Register:
     served: str = ""  # the model version it serves, "name@version" ("": the deployment's one model)
     weights: str = "none"  # how it holds its linear weights: its quantization (none, int8, int4, gguf, w8a8)
     speculate_below: int = 0  # it speculates while at most this many sequences decode (0: never)
+    weight_bytes: int = 0  # its model's weights as held in memory (quantized or not; 0: not measured)
 
     def __post_init__(self) -> None:  # a registration the router could not serve with is refused
         if not self.worker_id or self.kind not in KINDS:

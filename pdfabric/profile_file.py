@@ -43,6 +43,7 @@ class ProfileFile:
     threads: int = 0  # compute threads the worker used (CPU), 0: not applicable
     dtype: str = ""
     weights: str = "none"  # how the linear weights were held (a worker's quantization setting)
+    weight_bytes: int = 0  # the weights as held in memory (what [worker] memory_mb leaves KV beside)
     kv_bytes_per_s: dict[str, float] = field(default_factory=dict)  # transport name -> measured rate
     seconds: float = 0.0  # how long profiling took
     steps: int = 0  # timed steps behind the fit
@@ -168,6 +169,7 @@ def live_profiles(health: dict[str, Any]) -> dict[str, ProfileFile]:
                 max_batch_tokens=w["max_batch_tokens"], max_running=w["max_running"],
                 max_model_len=w["max_model_len"], role=w["kind"], device="live",
                 device_name=f"worker {w['id']}, from /health", weights=w.get("weights", "none"),
+                weight_bytes=w.get("weight_bytes", 0),
                 kv_bytes_per_s={k: v for k, v in rates.items() if v > 0},
                 steps=w["profile"]["prefill_samples"] + w["profile"]["decode_samples"],
             )  # fmt: skip

@@ -46,6 +46,9 @@ class WorkerConfig:
     block_size: int = 16
     num_blocks: int = 0  # 0: as many as kv_memory_mb holds
     kv_memory_mb: int = 0  # 0: auto, sized by the model (see AUTO_KV_TOKENS)
+    # the weights (as held: quantized or not) and the KV cache together; with kv_memory_mb = 0 the KV
+    # cache gets what the weights leave, so fewer bits a weight mean more blocks (0: not set)
+    memory_mb: int = 0
     max_batch_tokens: int = 512
     max_running: int = 64
     kv_host: str = "127.0.0.1"  # address a decode worker binds its KV endpoint on
@@ -85,6 +88,8 @@ class WorkerConfig:
         for name in ("block_size", "max_batch_tokens", "max_running"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.memory_mb < 0:
+            raise ValueError(f"memory_mb must be >= 0 (0: not set), got {self.memory_mb}")
         if self.kv_memory_mb < 0:
             raise ValueError(f"kv_memory_mb must be >= 0 (0: auto), got {self.kv_memory_mb}")
         if self.device != "auto" and self.device != "cpu" and not self.device.startswith("cuda"):
@@ -125,16 +130,24 @@ class WorkerConfig:
         """Every field, as the one JSON object ``worker_config_from_json`` reads back."""
         return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}, separators=(",", ":"))
 
-    def kv_blocks(self, kv_bytes_per_token: int) -> int:
+    def kv_blocks(self, kv_bytes_per_token: int, weight_bytes: int = 0) -> int:
         """The KV blocks this worker allocates for a model whose tokens take ``kv_bytes_per_token``:
-        ``num_blocks`` if set, else as many as ``kv_memory_mb`` holds, else (auto) room for
-        ``max_running`` sequences of ``AUTO_KV_TOKENS`` tokens and never less than ``AUTO_KV_MIN_MB``
-        (the worker and the simulator both use this)."""
+        ``num_blocks`` if set, else as many as ``kv_memory_mb`` holds, else as many as ``memory_mb``
+        holds beside ``weight_bytes`` of weights, else (auto) room for ``max_running`` sequences of
+        ``AUTO_KV_TOKENS`` tokens and never less than ``AUTO_KV_MIN_MB`` (the worker and the
+        simulator both use this)."""
         if self.num_blocks:
             return self.num_blocks
         block = kv_bytes_per_token * self.block_size
         if self.kv_memory_mb:
             budget = self.kv_memory_mb * 2**20
+        elif self.memory_mb:
+            budget = self.memory_mb * 2**20 - weight_bytes
+            if budget < block:
+                raise ValueError(
+                    f"memory_mb = {self.memory_mb} leaves no KV block beside {weight_bytes / 2**20:.0f} MiB "
+                    "of weights"
+                )
         else:
             budget = max(AUTO_KV_MIN_MB * 2**20, self.max_running * AUTO_KV_TOKENS * kv_bytes_per_token)
         if budget < block:

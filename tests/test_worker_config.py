@@ -190,6 +190,33 @@ def test_the_kv_budget_is_sized_by_the_model_unless_set() -> None:
         WorkerConfig(kind="decode", kv_memory_mb=-1)
 
 
+def test_a_memory_budget_gives_the_kv_cache_what_the_weights_leave() -> None:
+    from pdfabric.worker.loop import build_engine
+
+    per_token = 23_040
+    budget = WorkerConfig(kind="decode", memory_mb=1024)
+    assert budget.kv_blocks(per_token, 300 * 2**20) == (1024 - 300) * 2**20 // (per_token * 16)
+    kv64 = replace(budget, kv_memory_mb=64)
+    assert kv64.kv_blocks(per_token, 300 * 2**20) == 64 * 2**20 // (per_token * 16)
+    with pytest.raises(ValueError, match="leaves no KV block beside 1100 MiB of weights"):
+        budget.kv_blocks(per_token, 1100 * 2**20)
+    with pytest.raises(ValueError, match="memory_mb"):
+        WorkerConfig(kind="decode", memory_mb=-1)
+    # a worker holding its weights in int8 gets the bytes they free as KV blocks, and says how many
+    base = WorkerConfig(kind="colocated", model="cpu-small", dtype="float32", device="cpu", memory_mb=1024)
+    full, int8 = build_engine(base), build_engine(replace(base, quantization="int8"))
+    assert full.runner.weight_bytes > 500 * 2**20
+    assert int8.runner.weight_bytes < 0.4 * full.runner.weight_bytes
+    block = full.runner.config.kv_bytes_per_token * base.block_size
+    for engine in (full, int8):
+        want = (1024 * 2**20 - engine.runner.weight_bytes) // block
+        assert engine.spec.num_blocks == engine.runner.num_blocks == want
+        assert engine.runner.kv_caches[0].shape[1] == want
+        reg = engine.spec.registration("", engine.profile.profile(force=True))
+        assert reg.weight_bytes == engine.runner.weight_bytes and reg.num_blocks == want
+    assert int8.spec.num_blocks > full.spec.num_blocks
+
+
 def test_the_linears_setting_picks_the_runners_kernel() -> None:
     from pdfabric.kernels.linear import LINEAR_KINDS
     from pdfabric.kernels.linear_cpu import InvariantLinear

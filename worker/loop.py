@@ -244,14 +244,15 @@ def build_engine(cfg: WorkerConfig) -> Engine:
         torch.set_num_threads(cfg.threads)
     path = resolve_model(cfg.model)
     model = load_model(path, cfg.dtype, _device(cfg.device), cfg.quantization)
+    # the weights are packed (and quantized) first: with memory_mb the KV cache gets what they leave
+    runner = ModelRunner(model, 1, cfg.block_size, linears=cfg.linears, quantization=cfg.quantization)
     spec = CoreSpec.sized(
         cfg, worker_id=cfg.worker_id or f"{cfg.kind}-{os.getpid()}",
         model_max_len=model.config.max_position_embeddings,
         kv_bytes_per_token=model.config.kv_bytes_per_token, pid=os.getpid(), host=host_id(),
+        weight_bytes=runner.weight_bytes,
     )  # fmt: skip
-    runner = ModelRunner(
-        model, spec.num_blocks, cfg.block_size, linears=cfg.linears, quantization=cfg.quantization
-    )
+    runner.resize_kv(spec.num_blocks)
     has_tokenizer = (path / "tokenizer.json").exists()
     grammars = Grammars.for_model(path, model.config.vocab_size) if has_tokenizer else None
     proposer = None

@@ -25,6 +25,7 @@ class CoreSpec:
     kv_bytes_per_token: int = 0
     pid: int = 0
     host: str = ""  # kvtransfer.transport.host_id() of the worker's machine ("": unknown)
+    weight_bytes: int = 0  # its model's weights as held in memory (0: not measured)
 
     def __post_init__(self) -> None:
         if not self.worker_id:
@@ -40,16 +41,17 @@ class CoreSpec:
     @classmethod
     def sized(
         cls, config: WorkerConfig, *, worker_id: str, model_max_len: int, kv_bytes_per_token: int,
-        pid: int = 0, host: str = "",
+        pid: int = 0, host: str = "", weight_bytes: int = 0,
     ) -> CoreSpec:  # fmt: skip
         """The spec of a worker whose model holds ``model_max_len`` positions and whose tokens take
-        ``kv_bytes_per_token`` of cache: as many blocks as ``config.kv_blocks`` gives, and a context
-        limit no larger than those blocks hold, so that one sequence always fits on its own."""
-        num_blocks = config.kv_blocks(kv_bytes_per_token)
+        ``kv_bytes_per_token`` of cache, its weights ``weight_bytes``: as many blocks as
+        ``config.kv_blocks`` gives, and a context limit no larger than those blocks hold, so that one
+        sequence always fits on its own."""
+        num_blocks = config.kv_blocks(kv_bytes_per_token, weight_bytes)
         max_model_len = min(model_max_len, num_blocks * config.block_size)
         return cls(
             config=config, worker_id=worker_id, num_blocks=num_blocks, max_model_len=max_model_len,
-            kv_bytes_per_token=kv_bytes_per_token, pid=pid, host=host,
+            kv_bytes_per_token=kv_bytes_per_token, pid=pid, host=host, weight_bytes=weight_bytes,
         )  # fmt: skip
 
     @property
@@ -66,6 +68,7 @@ class CoreSpec:
             max_batch_tokens=c.max_batch_tokens, kv_bytes_per_token=self.kv_bytes_per_token,
             profile=profile, host=self.host, served=c.served, weights=c.quantization,
             speculate_below=c.speculative_below if c.speculative != "off" and c.kind != "prefill" else 0,
+            weight_bytes=self.weight_bytes,
         )  # fmt: skip
 
 

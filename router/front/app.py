@@ -127,6 +127,7 @@ async def health(request: web.Request) -> web.Response:
             "total_blocks": w.reg.num_blocks,
             "model": w.reg.model,
             "weights": w.reg.weights,
+            "weight_bytes": w.reg.weight_bytes,
             "block_size": w.reg.block_size,
             "max_model_len": w.reg.max_model_len,
             "max_running": w.reg.max_running,
