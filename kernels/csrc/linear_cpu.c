@@ -224,6 +224,26 @@ static void store_tile_bf16(const job_t *j, int64_t m0, int rows, int64_t c0, in
 }
 #endif
 
+/* A call's work items: row block i / panels against panel i % panels, for i < blocks * panels. With one
+ * row block, each thread streams its own contiguous run of panels; with several, items are handed out
+ * as threads come free, since the last row block is usually short (512 rows are five blocks of 96 and
+ * one of 32: split by count, one thread would get 22% fewer rows). Neither changes a sum's order. */
+static void run_items(void (*item)(const void *job, int64_t block, int64_t panel), const void *job, int64_t blocks,
+                      int64_t panels, int threads) {
+    const int64_t items = blocks * panels;
+    if (blocks == 1) {
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(static)
+#endif
+        for (int64_t i = 0; i < items; i++) item(job, 0, i);
+    } else {
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+#endif
+        for (int64_t i = 0; i < items; i++) item(job, i / panels, i % panels);
+    }
+}
+
 #include "linear_w8a8.h" /* dtypes 8 and 9: int8 weights times int8 activations */
 
 /* Writes the `rows` x 64 float32 sums `acc` (row stride COLS) of panel p to the output rows from m0. */
@@ -560,7 +580,8 @@ static void tile(const job_t *j, int64_t m0, int rows, int64_t p, int64_t i0, in
 /* One work item: rows [block * ROW_BLOCK, +ROW_BLOCK) against panel p. The inputs go in chunks so that
  * a chunk of the panel stays in the core's first-level cache for all the block's rows; the sums wait
  * in `acc` between chunks and go on in the same order, so the chunking changes no result. */
-static void run_item(const job_t *j, int64_t block, int64_t p) {
+static void run_item(const void *job, int64_t block, int64_t p) {
+    const job_t *j = job;
     float acc[ROW_BLOCK * COLS];
     const int64_t start = block * ROW_BLOCK, end = start + ROW_BLOCK < j->m ? start + ROW_BLOCK : j->m;
     const int pairs = x_is_bf16(j->dtype) || grouped(j->dtype);
@@ -612,23 +633,8 @@ int pd_linear(const void *x, int64_t x_stride, const void *packed, const void *b
 #endif
     const job_t job = {x, packed, bias, out, x_stride, out_stride, m, n, k, dtype, xsums};
     const int64_t panels = (n + COLS - 1) / COLS, blocks = (m + ROW_BLOCK - 1) / ROW_BLOCK;
-    const int64_t items = panels * blocks;
     if (threads < 1 || m * n * k < SERIAL_MACS) threads = 1;
-    /* Item i is row block i / panels and panel i % panels. With one row block, each thread streams its
-     * own contiguous run of panels; with several, items are handed out as threads come free, since the
-     * last row block is usually short (512 rows are five blocks of 96 and one of 32: split by count,
-     * one thread would get 22% fewer rows). Neither changes a sum's order. */
-    if (blocks == 1) {
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(threads) schedule(static)
-#endif
-        for (int64_t i = 0; i < items; i++) run_item(&job, 0, i);
-    } else {
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-#endif
-        for (int64_t i = 0; i < items; i++) run_item(&job, i / panels, i % panels);
-    }
+    run_items(run_item, &job, blocks, panels, threads);
     free(xsums);
     return 0;
 }

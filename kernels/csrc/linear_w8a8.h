@@ -22,8 +22,8 @@
  *
  * Packed layout (bytes): scales [panels][64] float32, then each panel's quads of inputs,
  * panel[k / 4][64][4] uint8 (qw + 128; columns past n hold 128, a zero weight).
- * Included by linear_cpu.c (COLS, ROW_BLOCK, the prefetch distance, the rounding helpers, w8a8() and
- * the packed size).
+ * Included by linear_cpu.c (COLS, ROW_BLOCK, the prefetch distance, the rounding helpers, w8a8(), the
+ * packed size and run_items).
  */
 #ifndef PDFABRIC_LINEAR_W8A8_H
 #define PDFABRIC_LINEAR_W8A8_H
@@ -217,7 +217,8 @@ static void w8_store(const w8_job_t *j, int64_t m0, int rows, int64_t p, const f
 
 /* Rows [block * ROW_BLOCK, +ROW_BLOCK) against panel p, the inputs in chunks that stay in the first-
  * level cache for all the block's rows; the sums wait in acc between chunks and go on in order. */
-static void w8_item(const w8_job_t *j, int64_t block, int64_t p) {
+static void w8_item(const void *job, int64_t block, int64_t p) {
+    const w8_job_t *j = job;
     float acc[ROW_BLOCK * COLS];
     const int64_t start = block * ROW_BLOCK, end = start + ROW_BLOCK < j->m ? start + ROW_BLOCK : j->m;
     const int64_t k4 = j->k / 4;
@@ -252,19 +253,8 @@ static int linear_w8a8(const void *x, int64_t x_stride, const void *packed, cons
         quantize_row((const char *)x + r * x_stride * esize, dtype, k, xq + r * k, xs + r * groups, start + r * groups);
     const w8_job_t job = {xq, xs, start, (const float *)packed, (const uint8_t *)packed + panels * COLS * sizeof(float),
                           bias, out, out_stride, m, n, k, dtype};
-    const int64_t blocks = (m + ROW_BLOCK - 1) / ROW_BLOCK, items = panels * blocks;
     if (m * n * k < SERIAL_MACS) threads = 1;
-    if (blocks == 1) {
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(threads) schedule(static)
-#endif
-        for (int64_t i = 0; i < items; i++) w8_item(&job, 0, i);
-    } else {
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-#endif
-        for (int64_t i = 0; i < items; i++) w8_item(&job, i / panels, i % panels);
-    }
+    run_items(w8_item, &job, (m + ROW_BLOCK - 1) / ROW_BLOCK, panels, threads);
     free(xq);
     free(xs);
     free(start);
