@@ -87,6 +87,7 @@ class Scheduler:
         self.proposed_tokens = 0  # tokens speculation proposed (engine/speculate.py)
         self.preemptions = 0  # running sequences sent back to wait, their blocks freed
         self.accepted_tokens = 0  # of those, kept
+        self.checks = 0  # decodes that checked a proposal (tokens per check: 1 + accepted / checks)
 
     # --- admission ------------------------------------------------------------------------------
 
@@ -285,6 +286,7 @@ class Scheduler:
         kept = len(picks) - 1
         seq.accepted += kept
         self.accepted_tokens += kept
+        self.checks += 1
         # the next proposal's length follows this one's outcome
         seq.speculate_k = len(chunk.proposal) * 2 if kept == len(chunk.proposal) else max(1, kept)
         seq.step_tokens = 0

@@ -76,6 +76,7 @@ class Heartbeat:
     refused_peers: int = 0  # handshakes its KV endpoint refused since it started (no cluster secret)
     proposed_tokens: int = 0  # tokens speculative decoding proposed here since it started
     accepted_tokens: int = 0  # of those, kept (the model picked them itself)
+    speculative_checks: int = 0  # decodes that checked a proposal since it started
     # while it speculates (at most speculate_below sequences decoding), how many times faster a
     # sequence gets its tokens than plain decode steps of its profile would give them (1: not measured)
     speculation: float = 1.0

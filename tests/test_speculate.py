@@ -196,6 +196,7 @@ def test_the_worker_measures_what_speculating_gains_over_plain_steps(reference: 
     assert got == [want] and [len(d.token_ids) for d in deltas] == [1, 5, 5, 5, 5]
     heartbeat = core.heartbeat(1e9)
     assert heartbeat is not None and heartbeat.speculation == pytest.approx(5.0)
+    assert (heartbeat.speculative_checks, heartbeat.proposed_tokens, heartbeat.accepted_tokens) == (4, 16, 16)
     assert core.registration().speculate_below == 3
     _, _, plain, _ = run(reference, [prompt], params, step_seconds=0.01, profile=flat)
     assert plain.heartbeat(1e9).speculation == 1.0 and plain.registration().speculate_below == 0
@@ -270,6 +271,8 @@ def test_a_fabric_that_speculates_survives_a_kill_token_exact(
         proposed = sum(metric_values(url, "pdfabric_speculative_proposed_tokens_total").values())
         accepted = sum(metric_values(url, "pdfabric_speculative_accepted_tokens_total").values())
         assert proposed >= accepted > 0, (proposed, accepted)
+        checks = sum(metric_values(url, "pdfabric_speculative_checks_total").values())
+        assert 0 < checks <= proposed  # a check holds one proposed token at least
         speedups = metric_values(url, "pdfabric_speculative_speedup")  # one per speculating worker
         assert speedups and all(v > 0 for v in speedups.values()), speedups
 

@@ -253,6 +253,7 @@ class WorkerCore:
             refused_peers=refused_peers,
             proposed_tokens=s.proposed_tokens,
             accepted_tokens=s.accepted_tokens,
+            speculative_checks=s.checks,
             speculation=self.speculation.gain(profile.decode_step_seconds),
         )
 

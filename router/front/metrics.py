@@ -56,6 +56,11 @@ class _WorkerGauges(Collector):
             "Of those, tokens kept (the model picked them itself)",
             labels=labels,
         )
+        checks = CounterMetricFamily(
+            "pdfabric_speculative_checks",
+            "Decodes that checked a proposal on a worker (tokens a check gives: 1 + accepted / checks)",
+            labels=labels,
+        )
         speedup = GaugeMetricFamily(
             "pdfabric_speculative_speedup",
             "How many times faster a sequence gets its tokens while the worker speculates (drafting "
@@ -75,6 +80,7 @@ class _WorkerGauges(Collector):
                 refused.add_metric(key, w.load.refused_peers)
                 proposed.add_metric(key, w.load.proposed_tokens)
                 accepted.add_metric(key, w.load.accepted_tokens)
+                checks.add_metric(key, w.load.speculative_checks)
                 if w.reg.speculate_below:
                     speedup.add_metric(key, w.load.speculation)
             per_pool[(w.reg.pool, w.reg.kind)] = per_pool.get((w.reg.pool, w.reg.kind), 0) + 1
@@ -82,7 +88,8 @@ class _WorkerGauges(Collector):
             per_pool.setdefault(("default", kind), 0)
         for (pool, kind), n in sorted(per_pool.items()):
             count.add_metric([pool, kind], n)
-        yield from (free, total, running, queued, count, prompt, hits, refused, proposed, accepted, speedup)
+        yield from (free, total, running, queued, count, prompt, hits, refused)
+        yield from (proposed, accepted, checks, speedup)
 
 
 class _Waiting(Collector):
