@@ -16,7 +16,7 @@ Triton) stays ``nn.Linear``.
 
 A worker's ``quantization`` setting holds the invariant kernel's weights quantized, weight-only:
 ``int8`` with a scale per output (CPUs only: ``linear_cpu.quantize_int8``; ``w8a8`` the same weights
-times activations quantized per row, CPUs only), ``int4`` and ``gguf`` in
+times activations quantized in groups of 32 inputs, CPUs only), ``int4`` and ``gguf`` in
 groups of 32 inputs (``quantized.py``; on CPUs ``linear_cpu``, on CUDA ``quantized_triton``). A layer
 the format cannot hold (inputs not a multiple of 32, a GGUF tensor of another type) keeps its dtype.
 """

@@ -23,9 +23,10 @@ outputs staying in the compute dtype: ``int8`` (a scale per output, ``quantize_i
 Q4_K and Q8_0 blocks, ``quantized.from_gguf``; a layer whose blocks are of another type stays in the
 compute dtype). Grouped weights need an input count that is a multiple of 32; other layers stay in
 the compute dtype too. ``w8a8`` holds the weights as ``int8`` does and quantizes the activations too,
-each row to int8 with a scale of its own as the call starts (``quantize_rows``): the products are
-integers, summed exactly at twice the rate of bfloat16's on CPUs with AVX512-VNNI
-(``csrc/linear_w8a8.h``), so prompts and large batches, which are bound by arithmetic, run faster.
+each row in groups of 32 inputs with a scale each, as the call starts (``quantize_rows``): the
+products are integers, summed exactly by an instruction that does twice bfloat16's multiply-adds on
+CPUs with AVX512-VNNI (``csrc/linear_w8a8.h``), so prompts and large batches, which are bound by
+arithmetic, run faster (1.2-1.4x on SmolLM2's shapes).
 """
 
 from __future__ import annotations
@@ -185,9 +186,9 @@ class InvariantLinear(nn.Module):
     """``y = x W^T + b`` by ``csrc/linear_cpu.c``: each output summed in one fixed order; inference only.
     With ``quantization="int8"`` the weight is held as int8 with a scale per output (``quantize_int8``):
     half the bytes of bfloat16 to read; with ``"w8a8"`` the same weight multiplies the input rows
-    quantized to int8 as each call starts (``w8a8_reference``): integer products at twice the bfloat16
-    rate. With ``grouped`` (``grouped_form``: int4, or a GGUF tensor's blocks) it is held in groups of
-    32 inputs. The inputs and outputs stay in the compute dtype."""
+    quantized to int8 in groups of 32 as each call starts (``w8a8_reference``): integer products.
+    With ``grouped`` (``grouped_form``: int4, or a GGUF tensor's blocks) it is held in groups of 32
+    inputs. The inputs and outputs stay in the compute dtype."""
 
     def __init__(
         self,
