@@ -95,6 +95,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=QUANTIZATIONS,
         help="how the draft model holds its weights (default int4)",
     )
+    parser.add_argument(
+        "--draft-layers",
+        type=int,
+        help="keep only the draft's first N decoder layers (default 0: all), for checkpoints trained to "
+        "exit early",
+    )
     parser.add_argument("--served-model-name", help="the model name clients use (default: --model)")
     parser.add_argument(
         "--routing-policy",
@@ -148,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
             "speculative",
             "draft_model",
             "draft_quantization",
+            "draft_layers",
             "routing_policy",
             "ray_address",
         )

@@ -193,14 +193,14 @@ def load_serve_config(path: str | Path | None, overrides: dict[str, Any]) -> Ser
 # [speculative] keys and the [worker] keys they set
 SPECULATIVE_KEYS = {
     "method": "speculative", "k": "speculative_k", "below": "speculative_below",
-    "draft_model": "draft_model", "draft_quantization": "draft_quantization",
+    "draft_model": "draft_model", "draft_quantization": "draft_quantization", "draft_layers": "draft_layers",
 }  # fmt: skip
 
 
 def _speculative(table: Any, worker: dict[str, Any]) -> dict[str, Any]:
     """The ``[speculative]`` table (``method = "ngram" | "draft" | "off"``, ``k``, ``below``,
-    ``draft_model``, ``draft_quantization``) as the ``[worker]`` settings it stands for; a setting
-    given in both tables is an error, the command line's flags override either."""
+    ``draft_model``, ``draft_quantization``, ``draft_layers``) as the ``[worker]`` settings it stands
+    for; a setting given in both tables is an error, the command line's flags override either."""
     if not isinstance(table, dict):
         raise ValueError("[speculative] must be a table")
     bad = set(table) - set(SPECULATIVE_KEYS)

@@ -75,12 +75,14 @@ class WorkerConfig:
     # Speculative decoding on decode and colocated workers (docs/engine.md#speculative-decoding):
     # "ngram" proposes up to speculative_k tokens per sequence from its own history, "draft" drafts
     # them with draft_model (a checkpoint with the model's tokenizer; "": the model itself) held as
-    # draft_quantization, while at most speculative_below sequences decode; "off": none.
+    # draft_quantization, while at most speculative_below sequences decode; "off": none. draft_layers
+    # keeps the draft's first N decoder layers only (0: all): a shallower draft of the model itself.
     speculative: str = "off"
     speculative_k: int = 10
     speculative_below: int = 4
     draft_model: str = ""
     draft_quantization: str = "int4"
+    draft_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -118,6 +120,10 @@ class WorkerConfig:
         if self.draft_quantization not in QUANTIZATIONS:
             formats = ", ".join(QUANTIZATIONS)
             raise ValueError(f"draft_quantization must be one of {formats}, got {self.draft_quantization!r}")
+        if self.draft_layers < 0:
+            raise ValueError(
+                f"draft_layers must be >= 0 (0: all of the draft's layers), got {self.draft_layers}"
+            )
         if not 1 <= self.speculative_k <= 32 or self.speculative_below < 1:
             raise ValueError(
                 f"speculative_k must be in [1, 32] and speculative_below at least 1, got "

@@ -5,6 +5,7 @@ proposals and requests of every kind give what plain decoding gives, with no blo
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -96,6 +97,33 @@ def test_preempted_sequences_draft_again_from_their_new_blocks(reference: Refere
     assert core.scheduler.preemptions > 0, "nothing was preempted: the test checks nothing"
     assert sum(s.accepted for s in seqs) > 0
     assert core.tables.pool.num_free == core.tables.pool.num_blocks
+
+
+def test_a_draft_of_the_models_first_layers_changes_speed_never_tokens(reference: ReferenceEngine) -> None:
+    """The served model cut to its first 2 of 3 layers drafts over the served caches' first 2 layers:
+    it proposes, some proposals are kept, and the output is the reference's."""
+    from pdfabric.worker.loop import build_draft
+    from pdfabric.worker_config import WorkerConfig
+
+    cfg = WorkerConfig(
+        kind="decode", model="tiny", speculative="draft", draft_quantization="none", draft_layers=2
+    )
+    prompts = [list(range(10, 40)), [3, 4, 5, 6] * 8]
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    got, seqs, core, _ = run(
+        reference, prompts, params, lambda served: build_draft(cfg, reference.path, served),
+        speculative="draft", speculative_k=4,
+    )  # fmt: skip
+    draft = core.scheduler.proposer
+    assert len(draft.runner.model.model.layers) == 2 and len(draft.runner.kv_caches) == 2
+    assert all(a is b for a, b in zip(draft.runner.kv_caches, draft.served.kv_caches[:2], strict=True))
+    assert got == [reference.generate(p, params).token_ids for p in prompts]
+    assert sum(s.proposed for s in seqs) > 0 and sum(s.accepted for s in seqs) > 0
+    assert core.tables.pool.num_free == core.tables.pool.num_blocks
+    with pytest.raises(ValueError, match="draft_layers must be in"):
+        build_draft(replace(cfg, draft_layers=9), reference.path, reference.runner)
+    with pytest.raises(ValueError, match="draft_layers must be >= 0"):
+        WorkerConfig(kind="decode", draft_layers=-1)
 
 
 def test_a_draft_of_another_tokenizer_or_kv_layout_is_refused(

@@ -263,10 +263,11 @@ def build_engine(cfg: WorkerConfig) -> Engine:
 
 def build_draft(cfg: WorkerConfig, target: Path, served: ModelRunner) -> DraftModel:
     """The draft model of ``cfg`` (``draft_model``, default the served model itself, held as
-    ``draft_quantization``) over ``served``'s KV cache. A draft whose tokenizer is not the served
-    model's is refused (its token ids would mean other text), as is one of another KV layout."""
+    ``draft_quantization``, its first ``draft_layers`` decoder layers if set) over ``served``'s KV
+    cache. A draft whose tokenizer is not the served model's is refused (its token ids would mean
+    other text), as is one of another KV layout."""
     from pdfabric.engine.default_model import resolve_model
-    from pdfabric.engine.draft import DraftModel
+    from pdfabric.engine.draft import DraftModel, truncated
     from pdfabric.engine.loader import load_model
     from pdfabric.engine.runner import ModelRunner
 
@@ -280,6 +281,8 @@ def build_draft(cfg: WorkerConfig, target: Path, served: ModelRunner) -> DraftMo
     )
     if draft.config.vocab_size != served.config.vocab_size or not same:
         raise ValueError(f"draft model {path} does not share the served model's tokenizer ({target})")
+    if cfg.draft_layers:
+        draft = truncated(draft, cfg.draft_layers)
     # one block of its own, until it drafts over the served model's cache
     runner = ModelRunner(draft, 1, cfg.block_size, linears=cfg.linears, quantization=cfg.draft_quantization)
     return DraftModel(runner, served)
