@@ -66,6 +66,8 @@ typedef struct {
 } w8_job_t;
 
 #if defined(__AVX512VNNI__)
+typedef int32_t __attribute__((may_alias)) quad_t; /* four int8 inputs read as one word (as pair_t) */
+
 /* acc + the products of a's unsigned and b's signed bytes, four a lane (VPDPBUSD). In assembly: GCC 12
  * wraps the intrinsic in register copies that doubled the loop's instructions. */
 static inline __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
@@ -121,8 +123,8 @@ static inline __attribute__((always_inline)) void w8_tile_rows(const w8_job_t *j
     const int64_t k4 = j->k / 4, groups = j->k / W8_GROUP;
     const uint8_t *panel = j->panels + p * k4 * COLS * 4;
 #if defined(__AVX512VNNI__)
-    const int32_t *x[W8_ROWS];
-    for (int r = 0; r < rows; r++) x[r] = (const int32_t *)(j->xq + (m0 + r) * j->k);
+    const quad_t *x[W8_ROWS];
+    for (int r = 0; r < rows; r++) x[r] = (const quad_t *)(j->xq + (m0 + r) * j->k);
     if (!i0) memset(acc, 0, (size_t)rows * COLS * sizeof(float));
     for (int64_t g = i0 / W8_QUADS; g < i1 / W8_QUADS; g++) {
         __m512i part[W8_ROWS][4];
