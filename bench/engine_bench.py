@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from pdfabric.worker_config import QUANTIZATIONS
+from pdfabric.worker_config import KV_CACHE_DTYPES, QUANTIZATIONS
 
 LINEAR_KINDS = ("invariant", "onednn")  # kernels/linear_cpu.py's, named here so --help imports no torch
 
@@ -61,6 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="how the linear layers' weights are held, as a worker's setting: none (the model's dtype), "
         "int8, int4, gguf (weight-only) or w8a8 (activations too); the decode floor counts the bytes "
         "actually read",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="what the KV cache stores a row as, as a worker's setting: auto (the model's dtype) or int8 "
+        "(a scale per row); the decode floor counts the cache's bytes",
     )
     parser.add_argument(
         "--decoder",
@@ -166,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from pdfabric.engine.default_model import resolve_model
+    from pdfabric.engine.kv_cache import kv_bytes_per_token
     from pdfabric.engine.loader import load_model
     from pdfabric.engine.runner import ModelRunner, StepEntry
     from pdfabric.kernels import get_backend
@@ -190,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
     per_seq_blocks = -(-max(max(prefill_lens), args.context + 1) // block)
     runner = ModelRunner(
         model, num_blocks=per_seq_blocks * max(batch_sizes) + 1, block_size=block, linears=args.linears,
-        quantization=args.quantization,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
     )  # fmt: skip
     if args.quantization != "none":  # what a step reads: the packed weights, and the norms as loaded
         weight_bytes = sum(
@@ -212,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
         "kernel_backend": get_backend(),
         "linears": args.linears,
         "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "decoder": "c" if runner.decoder is not None else "ops",
         "cpu": _cpu_name(),
         "gemm_flops": gemm_flops,
@@ -248,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
             entries.append(StepEntry(token, args.context, table))
         batches[bs] = entries
         t = _median_time(lambda es=entries: runner.step(es), args.repeats)
-        kv_bytes = bs * (args.context + 1) * cfg.kv_bytes_per_token
+        kv_bytes = bs * (args.context + 1) * kv_bytes_per_token(cfg, args.kv_cache_dtype)
         floor = (weight_bytes + kv_bytes) / read_bw
         results["decode"].append(
             {

@@ -20,7 +20,7 @@ import math
 import sys
 import time
 
-from pdfabric.worker_config import QUANTIZATIONS
+from pdfabric.worker_config import KV_CACHE_DTYPES, QUANTIZATIONS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="none",
         help="comma-separated weight formats to score, each on the same windows: none (the model's dtype), "
         "int8, int4, gguf, w8a8 (default none)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="comma-separated KV-cache row formats to score with each weight format: auto (the model's "
+        "dtype), int8 (default auto)",
     )
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="compute dtype")
     parser.add_argument(
@@ -113,6 +119,11 @@ def run(args: argparse.Namespace) -> int:
         error = f"--quantization takes a list of {', '.join(QUANTIZATIONS)}, got {args.quantization!r}"
         print(f"pdfabric bench perplexity: error: {error}", file=sys.stderr)
         return 2
+    kv_formats = [f.strip() for f in args.kv_cache_dtype.split(",") if f.strip()]
+    if not kv_formats or any(f not in KV_CACHE_DTYPES for f in kv_formats):
+        error = f"--kv-cache-dtype takes a list of {', '.join(KV_CACHE_DTYPES)}, got {args.kv_cache_dtype!r}"
+        print(f"pdfabric bench perplexity: error: {error}", file=sys.stderr)
+        return 2
     if args.context < 2 or args.tokens < args.context or not 1 <= args.score_from < args.context:
         print(
             "pdfabric bench perplexity: error: --context must be >= 2, --tokens >= --context and "
@@ -136,24 +147,28 @@ def run(args: argparse.Namespace) -> int:
     results = {"model": str(args.model), "text": source, "tokens": sum(len(w) for w in windows),
                "context": args.context, "score_from": args.score_from, "windows": len(windows),
                "formats": []}  # fmt: skip
-    for fmt in formats:
+    for fmt, kv in ((f, k) for f in formats for k in kv_formats):
         model = load_model(path, args.dtype, quantization=fmt)
         blocks = -(-args.context // 16)
-        runner = ModelRunner(model, num_blocks=blocks, block_size=16, quantization=fmt)
+        runner = ModelRunner(model, num_blocks=blocks, block_size=16, quantization=fmt, kv_cache_dtype=kv)
         started = time.perf_counter()
-        nll, count = score(runner, windows, not args.no_progress, fmt, args.score_from)
+        nll, count = score(runner, windows, not args.no_progress, f"{fmt}/{kv}", args.score_from)
         results["formats"].append({
-            "quantization": fmt, "dtype": model.config.dtype, "perplexity": math.exp(nll / count),
-            "mean_nll": nll / count, "scored_tokens": count, "seconds": time.perf_counter() - started,
+            "quantization": fmt, "kv_cache_dtype": kv, "dtype": model.config.dtype,
+            "perplexity": math.exp(nll / count), "mean_nll": nll / count, "scored_tokens": count,
+            "seconds": time.perf_counter() - started,
         })  # fmt: skip
         del runner, model
     base = results["formats"][0]["perplexity"]
     print(f"model {results['model']}, {results['tokens']} tokens of {source} in {len(windows)} windows of "
           f"{args.context}")  # fmt: skip
-    print(f"{'weights':>10} {'dtype':>10} {'perplexity':>11} {'vs first':>9}")
+    print(f"{'weights':>10} {'kv cache':>9} {'dtype':>10} {'perplexity':>11} {'vs first':>9}")
     for r in results["formats"]:
         change = r["perplexity"] / base - 1
-        print(f"{r['quantization']:>10} {r['dtype']:>10} {r['perplexity']:>11.4f} {change:>+9.2%}")
+        print(
+            f"{r['quantization']:>10} {r['kv_cache_dtype']:>9} {r['dtype']:>10} {r['perplexity']:>11.4f} "
+            f"{change:>+9.2%}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

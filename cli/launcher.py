@@ -26,7 +26,14 @@ from pdfabric.cli import ray_launch
 from pdfabric.cli.supervisor import StartupError, Workers, local_starter
 from pdfabric.cluster_secret import ClusterSecret
 from pdfabric.config import ServeConfig, load_serve_config
-from pdfabric.worker_config import AUTO_KV_MIN_MB, AUTO_KV_TOKENS, QUANTIZATIONS, SPECULATIVE, worker_default
+from pdfabric.worker_config import (
+    AUTO_KV_MIN_MB,
+    AUTO_KV_TOKENS,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    SPECULATIVE,
+    worker_default,
+)
 
 log = logging.getLogger("pdfabric.serve")
 
@@ -77,6 +84,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "int4 (groups of 32 inputs), gguf (a GGUF model's own Q4_0/Q4_1/Q4_K/Q8_0 blocks), or none "
         "(default: the model's dtype); w8a8 (CPUs): int8 weights times activations quantized in groups "
         "of 32, for prompts and large batches",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        help="what workers store a KV-cache row as: auto (the model's dtype, the default) or int8 (int8 "
+        "values and a float32 scale per token and kv head: half the KV memory and half the bytes decode "
+        "attention reads; bfloat16 models on CPUs with AVX512-BF16)",
     )
     parser.add_argument(
         "--speculative",
@@ -151,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
             "served_model_name",
             "profile_seconds",
             "quantization",
+            "kv_cache_dtype",
             "speculative",
             "draft_model",
             "draft_quantization",

@@ -25,6 +25,7 @@ from pdfabric.kinds.table import kind
 from pdfabric.kv_config import CHOICES as KV_TRANSPORTS
 from pdfabric.worker.loop import run_worker
 from pdfabric.worker_config import (
+    KV_CACHE_DTYPES,
     LINEARS,
     QUANTIZATIONS,
     SPECULATIVE,
@@ -66,6 +67,7 @@ OVERRIDES: tuple[tuple[str, type, str], ...] = (
     ),
     ("served", str, "the model version it serves, NAME@VERSION, for a router with [[models]]"),
     ("quantization", str, "linear weights: none (the model's dtype), int8 (CPUs), int4, gguf or w8a8 (CPUs)"),
+    ("kv_cache_dtype", str, "KV-cache rows: auto (the model dtype) or int8 (a scale per row; bf16, CPUs)"),
     (
         "speculative",
         str,
@@ -80,7 +82,8 @@ OVERRIDES: tuple[tuple[str, type, str], ...] = (
 )
 _QUOTED = ("model", "pool", "block_size", "kv_memory_mb", "max_batch_tokens", "max_running", "kv_host",
            "heartbeat_s", "drain_timeout_s", "device", "profile_seconds", "kv_transport",
-           "prefix_caching", "linears", "kv_encryption", "quantization", "speculative", "speculative_k",
+           "prefix_caching", "linears", "kv_encryption", "quantization", "kv_cache_dtype", "speculative",
+           "speculative_k",
            "speculative_below", "draft_quantization", "draft_layers")  # fmt: skip
 
 
@@ -98,7 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         choices = {"kind": KINDS, "dtype": DTYPES, "kv_transport": KV_TRANSPORTS, "linears": LINEARS,
                    "speculative": SPECULATIVE, "quantization": QUANTIZATIONS,
-                   "draft_quantization": QUANTIZATIONS}  # fmt: skip
+                   "kv_cache_dtype": KV_CACHE_DTYPES, "draft_quantization": QUANTIZATIONS}  # fmt: skip
         choices = choices.get(name)
         parse = _on_off if type_ is bool else type_
         o.add_argument(flag, type=parse, choices=choices, help=text + default)

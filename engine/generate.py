@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pdfabric.engine.block_pool import BlockPool, BlockTables
 from pdfabric.sampling_params import SamplingParams
-from pdfabric.worker_config import QUANTIZATIONS
+from pdfabric.worker_config import KV_CACHE_DTYPES, QUANTIZATIONS
 
 
 @dataclass(frozen=True)
@@ -38,8 +38,10 @@ class ReferenceEngine:
         num_blocks: int = 512,
         block_size: int = 16,
         quantization: str = "none",
+        kv_cache_dtype: str = "auto",
     ) -> None:
-        """``quantization``: how the linear weights are held, as a worker's setting of that name."""
+        """``quantization``, ``kv_cache_dtype``: how the linear weights and the KV cache are held, as a
+        worker's settings of those names."""
         from pdfabric.engine.default_model import resolve_model
         from pdfabric.engine.loader import load_model
         from pdfabric.engine.runner import ModelRunner
@@ -49,7 +51,9 @@ class ReferenceEngine:
         self.config = self.model.config
         self._tokenizer = None
         self._grammars = None
-        self.runner = ModelRunner(self.model, num_blocks, block_size, quantization=quantization)
+        self.runner = ModelRunner(
+            self.model, num_blocks, block_size, quantization=quantization, kv_cache_dtype=kv_cache_dtype
+        )
         self.tables = BlockTables(BlockPool(num_blocks, block_size))
 
     @property
@@ -148,6 +152,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="linear weights as a worker's setting",
     )
     parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="KV-cache rows as a worker's setting",
+    )
+    parser.add_argument(
         "--response-format",
         type=json.loads,
         metavar="JSON",
@@ -169,7 +179,9 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             grammar=response_format_grammar(args.response_format),
         )
-        engine = ReferenceEngine(args.model, args.dtype, quantization=args.quantization)
+        engine = ReferenceEngine(
+            args.model, args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype
+        )
         if args.chat:  # the template writes its own special tokens
             text = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
             prompt_ids = engine.tokenizer.encode(text, add_special_tokens=False)

@@ -19,7 +19,7 @@ from pdfabric.engine.model import LlamaForCausalLM
 from pdfabric.kernels import AttentionMetadata, get_backend
 from pdfabric.kernels.decoder_cpu import Decoder
 from pdfabric.kernels.linear import can_pack, check_kind, check_quantization, pack_linears, packed
-from pdfabric.kernels.paged_attention_cpu import tiled_kv_supported
+from pdfabric.kernels.paged_attention_cpu import int8_kv_supported, tiled_kv_supported
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,7 @@ class ModelRunner:
         block_size: int,
         linears: str = "invariant",
         quantization: str = "none",
+        kv_cache_dtype: str = "auto",
     ) -> None:
         if get_backend() != "torch":
             _pack_model(model, linears, quantization)
@@ -83,7 +84,15 @@ class ModelRunner:
                 block_size,
             )
         )
-        self.kv_caches = allocate_kv_cache(cfg, num_blocks, block_size, self.device)
+        self.kv_cache_dtype = kv_cache_dtype
+        if kv_cache_dtype == "int8" and not (
+            self.kv_tiled and int8_kv_supported(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size)
+        ):
+            raise ValueError(
+                "kv_cache_dtype 'int8' needs a bfloat16 model on a CPU with AVX512-BF16, the C kernels, "
+                "64-dim heads (or a multiple) and blocks of a multiple of 16 tokens"
+            )
+        self.kv_caches = allocate_kv_cache(cfg, num_blocks, block_size, self.device, kv_cache_dtype)
 
     @property
     def weight_bytes(self) -> int:
@@ -101,12 +110,15 @@ class ModelRunner:
     def resize_kv(self, num_blocks: int) -> None:
         """A KV cache of ``num_blocks`` blocks in place of the one it has (before any step ran)."""
         self.num_blocks = num_blocks
-        self.kv_caches = allocate_kv_cache(self.config, num_blocks, self.block_size, self.device)
+        self.kv_caches = allocate_kv_cache(
+            self.config, num_blocks, self.block_size, self.device, self.kv_cache_dtype
+        )
 
     @property
     def kv_caches(self) -> list[torch.Tensor]:
         """One cache tensor per layer, ``[2, num_blocks, block_size, kv_heads, head_dim]``; its blocks are
-        tiled for the CPU prompt kernel where ``kv_tiled`` (``AttentionMetadata.tiled_kv``)."""
+        tiled for the CPU prompt kernel where ``kv_tiled`` (``AttentionMetadata.tiled_kv``); an int8
+        cache (``kv_cache_dtype``) is tiled, its last dimension ``head_dim + 4`` bytes."""
         return self._kv_caches
 
     @kv_caches.setter

@@ -6,7 +6,8 @@ A tiled cache (``tiled=True``, ``AttentionMetadata.tiled_kv``) has the same shap
 bytes, but each block holds its values in the order the CPU prompt kernel multiplies them
 (``csrc/paged_prefill_cpu.c``, ``pd_store_kv_tiled``): per kv head, keys as 16-key groups ``[dim pair][16
 keys]`` and values as ``[key pair][dim]``, each pair of bfloat16 in one 32-bit word. ``untile_blocks`` and
-``tile_blocks`` convert whole blocks.
+``tile_blocks`` convert whole blocks. An int8 cache (``kv_int8_ref``), its rows in int8 with a scale each,
+is read here as the values its rows hold.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pdfabric.kernels import kv_int8_ref
 from pdfabric.kernels.metadata import AttentionMetadata
 
 
@@ -45,6 +47,9 @@ def store_kv_ref(
     """Writes the new tokens' keys and values into their cache slots."""
     # key, value: [T, kv_heads, head_dim]; slot_mapping: [T]
     _, _, block_size, kv_heads, head_dim = kv_cache.shape
+    if kv_cache.dtype == torch.int8:
+        kv_int8_ref.store_kv(key, value, kv_cache, slot_mapping)
+        return
     if tiled:  # the touched blocks, untiled, written, tiled again
         ids, where = torch.unique(slot_mapping // block_size, return_inverse=True)
         blocks = untile_blocks(kv_cache.index_select(1, ids))
@@ -60,13 +65,16 @@ def gather_seq_kv(
     kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, tiled: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The first ``seq_len`` cached keys and values of one sequence, contiguous."""
-    _, _, block_size, kv_heads, head_dim = kv_cache.shape
+    _, _, block_size, kv_heads, _ = kv_cache.shape
+    head_dim = kv_int8_ref.head_dim_of(kv_cache)
     num_blocks = -(-seq_len // block_size)
     # index_select, not advanced indexing: several times faster on the CPU for this gather.
     blocks = kv_cache.index_select(
         1, block_table[:num_blocks].long()
     )  # [2, n, block_size, kv_heads, head_dim]
-    if tiled:
+    if kv_cache.dtype == torch.int8:  # dense rows of the values it holds
+        blocks = kv_int8_ref.dequantize_blocks(blocks)
+    elif tiled:
         blocks = untile_blocks(blocks)
     kv = blocks.reshape(2, num_blocks * block_size, kv_heads, head_dim)[:, :seq_len]
     return kv[0], kv[1]
@@ -116,12 +124,15 @@ def _decode_ref(
     q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """One query per sequence: all sequences at once over block tables padded to the longest."""
-    _, _, block_size, kv_heads, head_dim = kv_cache.shape
+    _, _, block_size, kv_heads, _ = kv_cache.shape
+    head_dim = kv_int8_ref.head_dim_of(kv_cache)
     max_len = meta.max_seq_len
     num_blocks = -(-max_len // block_size)
     tables = meta.block_tables[:, :num_blocks].long()  # [S, n]
     kv = kv_cache.index_select(1, tables.reshape(-1))  # [2, S * n, block_size, kv_heads, head_dim]
-    if meta.tiled_kv:
+    if kv_cache.dtype == torch.int8:  # dense rows of the values it holds
+        kv = kv_int8_ref.dequantize_blocks(kv)
+    elif meta.tiled_kv:
         kv = untile_blocks(kv)
     kv = kv.reshape(2, meta.num_seqs, num_blocks * block_size, kv_heads, head_dim)[:, :, :max_len]
     mask = torch.arange(max_len, device=q.device)[None, :] < meta.seq_lens[:, None]  # [S, max_len]

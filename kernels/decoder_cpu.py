@@ -97,10 +97,11 @@ class Decoder:
         cfg = model.config
         self.dtype = dtype = model.model.embed_tokens.weight.dtype
         ops = layer_ops_cpu.kernel_addresses()
+        int8 = kv_caches[0].dtype == torch.int8  # an int8 cache is tiled, written by pd_store_kv_int8
         self._kernels = _Kernels(
             ops["rms_norm"], linear_cpu.kernel_address(), ops["rope"], ops["silu_mul"], ops["store_kv"],
-            paged_attention_cpu.store_kv_tiled_address() if tiled else None,
-            paged_attention_cpu.decode_rows_address(dtype, tiled),
+            paged_attention_cpu.store_kv_tiled_address(int8) if tiled else None,
+            paged_attention_cpu.decode_rows_address(dtype, tiled, int8),
         )  # fmt: skip
         _, num_blocks, block_size, _, _ = kv_caches[0].shape
         self._shape = _Shape(
@@ -154,7 +155,7 @@ class Decoder:
             if not (
                 paged_attention_cpu.supports(q, cache)
                 and paged_attention_cpu.prefill_supported(q, cache)
-                and layer_ops_cpu.can_store_kv(q[:, : cfg.num_kv_heads], cache)
+                and (tiled or layer_ops_cpu.can_store_kv(q[:, : cfg.num_kv_heads], cache))
             ):
                 return None
         return Decoder(model, kv_caches, tiled)

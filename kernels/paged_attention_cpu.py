@@ -14,7 +14,10 @@ P V on VDPBF16PS, four to seven times PyTorch's fused CPU attention. A tiled cac
 (``AttentionMetadata.tiled_kv``, written by ``store_kv_tiled``; ``ModelRunner`` tiles bfloat16 caches
 where ``tiled_kv_supported``) holds each block in those layouts already, so both kernels read it in
 place instead of packing it every call: decode rows read the cache twice as fast, and the results
-are the same to the bit. Float32 chunks go to its plain-C
+are the same to the bit. An int8 cache (``kv_int8_ref``; ``ModelRunner(kv_cache_dtype="int8")``, written by
+``store_kv_tiled`` too) is read in place by the same kernel's int8 twin (``csrc/kv_int8.h``: scores on
+VPDPBUSD against the query quantized per row, P V over the values widened to bfloat16): half the bytes
+from memory, and the same bits for a position in a decode step and in any prompt chunk. Float32 chunks go to its plain-C
 twin ``csrc/paged_prefill_f32_cpu.c``. Other prompt chunks (bfloat16 on a CPU without AVX512-BF16,
 float16) gather their cached blocks and run that fused attention in the cache's dtype, causal
 without a mask when the chunk is the whole prompt. ``paged_attention_ref`` stays the
@@ -29,7 +32,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from pdfabric.kernels import cpu_build
+from pdfabric.kernels import cpu_build, kv_int8_ref
 from pdfabric.kernels.metadata import AttentionMetadata
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -69,7 +72,12 @@ def _prefill_library(dtype: torch.dtype) -> ctypes.CDLL | None:
             lib.pd_paged_prefill_tiled.restype = ctypes.c_int
             lib.pd_store_kv_tiled.argtypes = [p, i64, p, i64, p, p, p, i64, i32, i32, i32, i32, i32]
             lib.pd_store_kv_tiled.restype = ctypes.c_int
-        for name in ("pd_paged_decode_rows", "pd_paged_decode_rows_tiled"):
+        if hasattr(lib, "pd_paged_prefill_int8"):
+            lib.pd_paged_prefill_int8.argtypes = fn.argtypes
+            lib.pd_paged_prefill_int8.restype = ctypes.c_int
+            lib.pd_store_kv_int8.argtypes = lib.pd_store_kv_tiled.argtypes
+            lib.pd_store_kv_int8.restype = ctypes.c_int
+        for name in ("pd_paged_decode_rows", "pd_paged_decode_rows_tiled", "pd_paged_decode_rows_int8"):
             if hasattr(lib, name):
                 getattr(lib, name).argtypes = [
                     p, i64, p, p, p, i64, p, p, p, p, i32, i32, i32, i32, i32, ctypes.c_float, i32,
@@ -97,11 +105,27 @@ def tiled_kv_supported(
     )
 
 
+def int8_kv_supported(q_heads: int, kv_heads: int, head_dim: int, block_size: int) -> bool:
+    """Whether an int8 cache of this shape can be served on this CPU: where a bfloat16 cache would be
+    tiled (``tiled_kv_supported``), by a library that has the int8 entry points."""
+    return tiled_kv_supported(torch.bfloat16, q_heads, kv_heads, head_dim, block_size) and hasattr(
+        _prefill_library(torch.bfloat16), "pd_paged_decode_rows_int8"
+    )
+
+
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether the C kernel can serve this batch: CPU tensors of a supported dtype and shape, and a
     library that built on this machine."""
-    _, _, _, kv_heads, head_dim = kv_cache.shape
-    q_heads = q.shape[1]
+    _, _, block_size, kv_heads, _ = kv_cache.shape
+    q_heads, head_dim = q.shape[1], q.shape[2]
+    if kv_cache.dtype == torch.int8:
+        return (
+            q.device.type == "cpu"
+            and q.dtype == torch.bfloat16
+            and kv_cache.is_contiguous()
+            and kv_int8_ref.head_dim_of(kv_cache) == head_dim
+            and int8_kv_supported(q_heads, kv_heads, head_dim, block_size)
+        )
     return (
         q.device.type == "cpu"
         and kv_cache.dtype in DTYPE_CODES
@@ -144,7 +168,8 @@ def decode_rows(
 ) -> None:
     """Writes ``out`` at the batch's one-token rows (``meta.single_query_rows``) with the C kernel."""
     # q: [T, q_heads, head_dim] (rows may be strided: a view into the fused QKV projection)
-    _, _, block_size, kv_heads, head_dim = kv_cache.shape
+    _, _, block_size, kv_heads, _ = kv_cache.shape
+    head_dim = q.shape[2]
     if q.stride(2) != 1 or q.stride(1) != head_dim:
         q = q.contiguous()
     rows = meta.single_query_rows
@@ -152,8 +177,7 @@ def decode_rows(
     if meta.tiled_kv or (prefill_supported(q, kv_cache) and decodes_as_prefill(q.dtype)):
         # the prompt kernel's own arithmetic, so a position's result is the same in a decode step as
         # in any prompt chunk (a failover's re-prefill, a chunked prompt, a cache hit)
-        lib = _prefill_library(q.dtype)
-        kernel = lib.pd_paged_decode_rows_tiled if meta.tiled_kv else lib.pd_paged_decode_rows
+        kernel = _decode_rows_kernel(q.dtype, meta.tiled_kv, kv_cache.dtype == torch.int8)
         with cpu_build.profiled("paged_decode_rows_cpu"):
             status = kernel(
                 q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), tables.data_ptr(),
@@ -195,36 +219,48 @@ def decodes_as_prefill(dtype: torch.dtype) -> bool:
     return hasattr(_prefill_library(dtype), "pd_paged_decode_rows")
 
 
-def decode_rows_address(dtype: torch.dtype, tiled: bool = False) -> int:
-    """The address of the prompt kernel's ``pd_paged_decode_rows`` (``_tiled`` over a tiled cache) for
-    ``dtype``, for C code that calls it (``decoder_cpu``); ``decodes_as_prefill(dtype)`` must hold."""
+def decode_rows_address(dtype: torch.dtype, tiled: bool = False, int8: bool = False) -> int:
+    """The address of the prompt kernel's ``pd_paged_decode_rows`` (``_tiled`` over a tiled cache,
+    ``_int8`` over an int8 one) for ``dtype``, for C code that calls it (``decoder_cpu``);
+    ``decodes_as_prefill(dtype)`` must hold."""
+    return ctypes.cast(_decode_rows_kernel(dtype, tiled, int8), ctypes.c_void_p).value
+
+
+def _decode_rows_kernel(dtype: torch.dtype, tiled: bool, int8: bool) -> ctypes._CFuncPtr:
     lib = _prefill_library(dtype)
-    kernel = lib.pd_paged_decode_rows_tiled if tiled else lib.pd_paged_decode_rows
-    return ctypes.cast(kernel, ctypes.c_void_p).value
+    if int8:
+        return lib.pd_paged_decode_rows_int8
+    return lib.pd_paged_decode_rows_tiled if tiled else lib.pd_paged_decode_rows
 
 
-def store_kv_tiled_address() -> int:
-    """The address of ``pd_store_kv_tiled``, for C code that calls it; ``tiled_kv_supported`` must hold."""
-    return ctypes.cast(_prefill_library(torch.bfloat16).pd_store_kv_tiled, ctypes.c_void_p).value
+def store_kv_tiled_address(int8: bool = False) -> int:
+    """The address of ``pd_store_kv_tiled`` (``pd_store_kv_int8`` for an int8 cache), for C code that
+    calls it; ``tiled_kv_supported`` must hold."""
+    lib = _prefill_library(torch.bfloat16)
+    return ctypes.cast(lib.pd_store_kv_int8 if int8 else lib.pd_store_kv_tiled, ctypes.c_void_p).value
 
 
 def store_kv_tiled(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Writes new keys and values ``[T, kv_heads, head_dim]`` (bfloat16) into their slots of a tiled
-    cache; ``tiled_kv_supported`` must hold for it."""
-    _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
+    cache, or quantized into an int8 one; ``tiled_kv_supported`` must hold for it."""
+    _, num_blocks, block_size, kv_heads, _ = kv_cache.shape
+    head_dim = key.shape[2]
     if key.stride(2) != 1 or key.stride(1) != head_dim:
         key = key.contiguous()
     if value.stride(2) != 1 or value.stride(1) != head_dim:
         value = value.contiguous()
-    if key.dtype != kv_cache.dtype or value.dtype != kv_cache.dtype or not kv_cache.is_contiguous():
-        raise ValueError(
-            f"a tiled cache takes contiguous {kv_cache.dtype}, got {key.dtype} and {value.dtype}"
-        )
+    int8 = kv_cache.dtype == torch.int8
+    takes = torch.bfloat16 if int8 else kv_cache.dtype
+    if key.dtype != takes or value.dtype != takes or not kv_cache.is_contiguous():
+        raise ValueError(f"a tiled cache takes contiguous {takes}, got {key.dtype} and {value.dtype}")
+    if int8 and kv_int8_ref.head_dim_of(kv_cache) != head_dim:
+        raise ValueError(f"an int8 cache of {kv_int8_ref.head_dim_of(kv_cache)}-dim heads, got {head_dim}")
     slots = slot_mapping.to(torch.int64).contiguous()
+    lib = _prefill_library(takes)
     with cpu_build.profiled("store_kv_tiled_cpu"):
-        status = _prefill_library(kv_cache.dtype).pd_store_kv_tiled(
+        status = (lib.pd_store_kv_int8 if int8 else lib.pd_store_kv_tiled)(
             key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), kv_cache[0].data_ptr(),
             kv_cache[1].data_ptr(), slots.data_ptr(), num_blocks * block_size, key.shape[0], kv_heads,
             head_dim, block_size, torch.get_num_threads(),
@@ -236,6 +272,8 @@ def store_kv_tiled(
 def prefill_supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether prompt chunks take a C prefill kernel: bfloat16 on a CPU with AVX512-BF16 or float32
     anywhere, a head size the kernel handles, and a library that built here."""
+    if kv_cache.dtype == torch.int8:
+        return supports(q, kv_cache)
     lib = _prefill_library(kv_cache.dtype)
     return q.dtype == kv_cache.dtype and lib is not None and bool(lib.supported(q.shape[2]))
 
@@ -251,13 +289,18 @@ def prefill_rows(
 ) -> None:
     """Writes ``out`` (``[q_len, q_heads, head_dim]``, contiguous) with the causal attention of one
     sequence's prompt chunk ``q``, the last ``q_len`` of its ``seq_len`` cached tokens."""
-    _, _, block_size, kv_heads, head_dim = kv_cache.shape
+    _, _, block_size, kv_heads, _ = kv_cache.shape
+    head_dim = q.shape[2]
     if q.stride(2) != 1 or q.stride(1) != head_dim:
         q = q.contiguous()
     table = table.contiguous()
-    lib = _prefill_library(kv_cache.dtype)
+    lib = _prefill_library(q.dtype)
+    if kv_cache.dtype == torch.int8:
+        kernel = lib.pd_paged_prefill_int8
+    else:
+        kernel = lib.pd_paged_prefill_tiled if tiled else lib.attention
     with cpu_build.profiled("paged_prefill_cpu"):
-        status = (lib.pd_paged_prefill_tiled if tiled else lib.attention)(
+        status = kernel(
             q.data_ptr(),
             q.stride(0),
             kv_cache[0].data_ptr(),

@@ -42,6 +42,7 @@ class Register:
     weights: str = "none"  # how it holds its linear weights: its quantization (none, int8, int4, gguf, w8a8)
     speculate_below: int = 0  # it speculates while at most this many sequences decode (0: never)
     weight_bytes: int = 0  # its model's weights as held in memory (quantized or not; 0: not measured)
+    kv_cache_dtype: str = "auto"  # what its KV cache stores a row as (auto: the model's dtype, or int8)
 
     def __post_init__(self) -> None:  # a registration the router could not serve with is refused
         if not self.worker_id or self.kind not in KINDS:

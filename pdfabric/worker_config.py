@@ -31,6 +31,9 @@ LINEARS = ("invariant", "onednn", "cublas")
 SPECULATIVE = ("off", "ngram", "draft")  # speculative decoding's proposers
 # How linear weights may be held (kernels/linear_cpu.py), named here so that configs import no torch
 QUANTIZATIONS = ("none", "int8", "int4", "gguf", "w8a8")
+# What a KV-cache row is stored as (engine/kv_cache.py): "auto", the model's dtype; "int8", int8 values
+# and a float32 scale per token and kv head (bfloat16 models on CPUs with AVX512-BF16)
+KV_CACHE_DTYPES = ("auto", "int8")
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,10 @@ class WorkerConfig:
     # model's dtype); "none", the model's dtype. "w8a8" (CPUs): int8's weights times activations
     # quantized to int8 per row, integer products at twice bfloat16's rate (docs/engine.md#quantized-weights)
     quantization: str = "none"
+    # the KV cache's rows (KV_CACHE_DTYPES): "int8" halves the KV memory a token takes and the bytes
+    # decode attention reads (docs/engine.md#int8-kv-cache); the same on a deployment's prefill and
+    # decode workers, whose transfers move blocks as bytes
+    kv_cache_dtype: str = "auto"
     # KV channel encrypted (CURVE) or, on a network the operator trusts, authenticated in the clear
     # (PLAIN); the same for every worker of a deployment, or its transfers fail (docs/security.md)
     kv_encryption: bool = True
@@ -114,6 +121,10 @@ class WorkerConfig:
         if self.quantization != "none" and self.linears != "invariant":
             raise ValueError(
                 f"quantization {self.quantization!r} runs on the invariant linears, not {self.linears!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
             )
         if self.speculative not in SPECULATIVE:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE)}, got {self.speculative!r}")

@@ -7,7 +7,8 @@ worker). Float32 and a tiny vocabulary hide reduction-order differences; this do
 The setups (one checker for all):
 - ``bfloat16`` and ``float32``: the packaged SmolLM2-135M-Instruct (30 layers, 9 query and 3 KV heads,
   a 49,152-token vocabulary, a tied head) on the CPU's C kernels, in bfloat16 where the CPU computes
-  it natively and in float32 (how CPUs without native bfloat16 serve it);
+  it natively and in float32 (how CPUs without native bfloat16 serve it), and in bfloat16 over an
+  int8 KV cache (``int8-kv``: rows stored as int8 with a scale each, read by the same kernels);
 - ``cuda`` (``-m gpu``): a bfloat16 model of SmolLM2's shape with random weights drawn on the device,
   on the Triton kernels (linear layers and head, RMSNorm, attention), with prompts long enough to cross
   the attention's 512-key splits: what is checked is the order of the sums, not the text.
@@ -67,15 +68,19 @@ def random_model(cfg: ModelConfig, seed: int = 0) -> LlamaForCausalLM:
     return model.eval().requires_grad_(False)
 
 
-def _cpu(dtype: str) -> Setup:
+def _cpu(dtype: str, kv_cache_dtype: str = "auto") -> Setup:
     from pdfabric.engine.default_model import resolve_model
     from pdfabric.engine.loader import load_model
     from pdfabric.kernels.cpu_build import cpu_has_half_math
+    from pdfabric.kernels.paged_attention_cpu import int8_kv_supported
 
     if dtype == "bfloat16" and not cpu_has_half_math():
         pytest.skip("bfloat16 is computed in float32 on a CPU without native bfloat16")
+    if kv_cache_dtype == "int8" and not int8_kv_supported(9, 3, 64, BLOCK):
+        pytest.skip("an int8 KV cache needs a CPU with AVX512-BF16")
     pool = 24 * 40
-    runner = ModelRunner(load_model(resolve_model("smollm2-135m"), dtype), num_blocks=pool, block_size=BLOCK)
+    model = load_model(resolve_model("smollm2-135m"), dtype)
+    runner = ModelRunner(model, num_blocks=pool, block_size=BLOCK, kv_cache_dtype=kv_cache_dtype)
     chunkings = ((1,), (16,), (37, 20), (5, 5, 5, 5, 50), (90,))
     return Setup(runner, pool, 40, prompts, 4, chunkings, 64, 600)  # prompts of 23 to 162 tokens
 
@@ -100,10 +105,13 @@ def _cuda() -> Setup:
     params=[
         pytest.param("bfloat16", marks=packaged),
         pytest.param("float32", marks=packaged),
+        pytest.param("int8-kv", marks=packaged),
         pytest.param("cuda", marks=GPU),
     ],
 )
 def setup(request: pytest.FixtureRequest) -> Setup:
+    if request.param == "int8-kv":
+        return _cpu("bfloat16", "int8")
     return _cuda() if request.param == "cuda" else _cpu(request.param)
 
 

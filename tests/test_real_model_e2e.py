@@ -94,6 +94,32 @@ def test_a_fabric_serving_the_gguf_files_own_blocks_answers_as_their_reference()
     assert choice["token_ids"] == expected.token_ids
 
 
+def test_a_fabric_with_an_int8_kv_cache_answers_as_its_reference() -> None:
+    """Prefill and decode workers with ``--kv-cache-dtype int8`` (rows quantized as they are written,
+    blocks handed over as bytes): the answer of the single-process reference over an int8 cache."""
+    from pdfabric.kernels.paged_attention_cpu import int8_kv_supported
+
+    if not int8_kv_supported(9, 3, 64, 16):
+        pytest.skip("an int8 KV cache needs a CPU with AVX512-BF16")
+    reference = ReferenceEngine(MODEL, kv_cache_dtype="int8")
+    prompt = reference.tokenizer.encode(
+        reference.tokenizer.apply_chat_template(QUESTION), add_special_tokens=False
+    )
+    expected = reference.generate(prompt, SamplingParams(max_tokens=24))
+    deployment = DEPLOYMENTS["disaggregated"]
+    args = ("--model", MODEL, "--num-blocks", "128", "--kv-cache-dtype", "int8", *deployment)
+    with running_fabric(*args) as url:
+        body = {"model": MODEL, "messages": QUESTION, "max_tokens": 24, "temperature": 0,
+                "return_token_ids": True}  # fmt: skip
+        choice = _post(url + "/v1/chat/completions", body)["choices"][0]
+        with urllib.request.urlopen(url + "/health", timeout=10) as response:
+            workers = json.loads(response.read())["workers"]
+    assert "Paris" in choice["message"]["content"]
+    assert choice["token_ids"] == expected.token_ids
+    assert [w["kv_cache_dtype"] for w in workers] == ["int8", "int8"]
+    assert {w["kv_bytes_per_token"] for w in workers} == {2 * 30 * 3 * (64 + 4)}
+
+
 def test_readme_run_command_streams_a_sensible_answer() -> None:
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     found = re.search(r"^pdfabric serve --model smollm2-135m --once .*$", readme, re.M)

@@ -235,6 +235,7 @@ def build_engine(cfg: WorkerConfig) -> Engine:
     ``cfg.worker_id``, else ``KIND-PID``."""
     from pdfabric.engine.default_model import resolve_model
     from pdfabric.engine.grammar import Grammars
+    from pdfabric.engine.kv_cache import kv_bytes_per_token
     from pdfabric.engine.loader import load_model
     from pdfabric.engine.runner import ModelRunner
 
@@ -245,12 +246,15 @@ def build_engine(cfg: WorkerConfig) -> Engine:
     path = resolve_model(cfg.model)
     model = load_model(path, cfg.dtype, _device(cfg.device), cfg.quantization)
     # the weights are packed (and quantized) first: with memory_mb the KV cache gets what they leave
-    runner = ModelRunner(model, 1, cfg.block_size, linears=cfg.linears, quantization=cfg.quantization)
+    runner = ModelRunner(
+        model, 1, cfg.block_size, linears=cfg.linears, quantization=cfg.quantization,
+        kv_cache_dtype=cfg.kv_cache_dtype,
+    )  # fmt: skip
     spec = CoreSpec.sized(
         cfg, worker_id=cfg.worker_id or f"{cfg.kind}-{os.getpid()}",
         model_max_len=model.config.max_position_embeddings,
-        kv_bytes_per_token=model.config.kv_bytes_per_token, pid=os.getpid(), host=host_id(),
-        weight_bytes=runner.weight_bytes,
+        kv_bytes_per_token=kv_bytes_per_token(model.config, cfg.kv_cache_dtype), pid=os.getpid(),
+        host=host_id(), weight_bytes=runner.weight_bytes,
     )  # fmt: skip
     runner.resize_kv(spec.num_blocks)
     has_tokenizer = (path / "tokenizer.json").exists()
@@ -284,7 +288,10 @@ def build_draft(cfg: WorkerConfig, target: Path, served: ModelRunner) -> DraftMo
     if cfg.draft_layers:
         draft = truncated(draft, cfg.draft_layers)
     # one block of its own, until it drafts over the served model's cache
-    runner = ModelRunner(draft, 1, cfg.block_size, linears=cfg.linears, quantization=cfg.draft_quantization)
+    runner = ModelRunner(
+        draft, 1, cfg.block_size, linears=cfg.linears, quantization=cfg.draft_quantization,
+        kv_cache_dtype=served.kv_cache_dtype,  # it reads the served model's caches
+    )  # fmt: skip
     return DraftModel(runner, served)
 
 

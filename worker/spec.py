@@ -68,7 +68,7 @@ class CoreSpec:
             max_batch_tokens=c.max_batch_tokens, kv_bytes_per_token=self.kv_bytes_per_token,
             profile=profile, host=self.host, served=c.served, weights=c.quantization,
             speculate_below=c.speculative_below if c.speculative != "off" and c.kind != "prefill" else 0,
-            weight_bytes=self.weight_bytes,
+            weight_bytes=self.weight_bytes, kv_cache_dtype=c.kv_cache_dtype,
         )  # fmt: skip
 
 

@@ -44,6 +44,9 @@
 #define MAX_GROUP 16
 #define GROUP_KEYS 16 /* keys per key group: one 16-lane vector per pair of dims */
 #define MAX_HEAD_DIM 256
+/* How a cache holds its blocks: dense [block][token][kv head][dim], tiled in the kernel's layouts
+ * (pd_store_kv_tiled), or tiled in int8 with a scale per row (kv_int8.h). */
+enum { DENSE = 0, TILED = 1, INT8 = 2 };
 
 /* Whether this build serves heads of head_dim: AVX512-BF16, and whole 64-dim register blocks of P V. */
 int pd_prefill_supported(int head_dim) {
@@ -289,6 +292,19 @@ static inline void pv_block(const uint32_t *p, int64_t ldp, int key_pairs, const
         for (int x = 0; x < 4; x++) _mm512_storeu_ps(o + m * ldo + c0 + 16 * x, acc[m][x]);
 }
 
+/* Step 3: the tile's rows of o (rows, MR-padded, d wide, the query heads sharing kv head h of tokens
+ * t0 ...) divided by their sums and written to out in bfloat16. */
+static void write_rows(const job_t *j, int h, int t0, int rows, int group, const float *o, const float *inv) {
+    const int d = j->head_dim;
+    for (int r = 0; r < rows; r++) {
+        uint16_t *dst = j->out + ((int64_t)(t0 + r / group) * j->q_heads + h * group + r % group) * d;
+        const __m512 scale = _mm512_set1_ps(inv[r]);
+        for (int c = 0; c < d; c += 16)
+            _mm256_storeu_si256((__m256i *)(dst + c),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + (int64_t)r * d + c), scale)));
+    }
+}
+
 /* Step 2 and 3 for one work item: kv head h (read through view), query tokens [t0, t0 + TILE_TOKENS). */
 static void attend_tile(const job_t *j, int h, int t0, const kv_view_t *view, float *scores, uint16_t *probs,
                         uint32_t *qpack, float *o, float *inv) {
@@ -323,14 +339,7 @@ static void attend_tile(const job_t *j, int h, int t0, const kv_view_t *view, fl
         for (int c0 = 0; c0 < d; c0 += DIM_STEP)
             pv_block((const uint32_t *)(probs + m * lds), lds / 2, key_pairs, view->vs, view->seg_pairs, d, c0,
                      o + (int64_t)m * d, d);
-
-    for (int r = 0; r < rows; r++) {
-        uint16_t *dst = j->out + ((int64_t)(t0 + r / group) * j->q_heads + h * group + r % group) * d;
-        const __m512 scale = _mm512_set1_ps(inv[r]);
-        for (int c = 0; c < d; c += 16)
-            _mm256_storeu_si256((__m256i *)(dst + c),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + (int64_t)r * d + c), scale)));
-    }
+    write_rows(j, h, t0, rows, group, o, inv);
 }
 
 /* Pointers of one kv head's view of a sequence of n tokens (kv_view_t), and the tail copy, in words. */
@@ -339,14 +348,17 @@ static inline size_t view_words(int n, int head_dim, int block_size) {
     return (groups + 4 + blocks + 1) * sizeof(uint32_t *) / sizeof(uint32_t) + (size_t)block_size * head_dim / 2;
 }
 
+#include "kv_int8.h"
+
 /* Lays out view for head h of job j in `space` (view_words words): packed into kp/vp for a dense
  * cache, in place for a tiled one. */
-static void head_view(const job_t *j, int h, int tiled, uint32_t *space, uint32_t *kp, uint32_t *vp, kv_view_t *view) {
+static void head_view(const job_t *j, int h, int layout, uint32_t *space, uint32_t *kp, uint32_t *vp,
+                      kv_view_t *view) {
     const int64_t groups = j->keys_padded / GROUP_KEYS;
     view->kg = (const uint32_t **)space;
     view->vs = view->kg + groups + 4;
     for (int x = 0; x < 4; x++) view->kg[groups + x] = ZERO_GROUP; /* what the last panel prefetches */
-    if (tiled) {
+    if (layout == TILED) {
         const int blocks = (j->seq_len + j->block_size - 1) / j->block_size;
         tiled_view(j, h, (uint32_t *)(view->vs + blocks + 1), view);
     } else {
@@ -355,25 +367,66 @@ static void head_view(const job_t *j, int h, int tiled, uint32_t *space, uint32_
     }
 }
 
+/* A head's view of any layout, and the tile over it. */
+typedef union {
+    kv_view_t bf16; /* a dense or tiled cache */
+#ifdef HAVE_INT8_KV
+    int8_view_t int8;
+#endif
+} head_views_t;
+
+static inline size_t view_words_of(int n, int head_dim, int block_size, int layout) {
+#ifdef HAVE_INT8_KV
+    if (layout == INT8) return int8_view_words(n, block_size);
+#endif
+    (void)layout;
+    return view_words(n, head_dim, block_size);
+}
+
+static void any_view(const job_t *j, int h, int layout, uint32_t *space, uint32_t *kp, uint32_t *vp,
+                     head_views_t *view) {
+#ifdef HAVE_INT8_KV
+    if (layout == INT8) {
+        int8_view(j, h, space, &view->int8);
+        return;
+    }
+#endif
+    head_view(j, h, layout, space, kp, vp, &view->bf16);
+}
+
+/* widened: room for keys_padded / 2 * head_dim words where a prompt tile over an int8 cache widens its
+ * values once (NULL: each row block widens them as it reads them) */
+static void any_tile(const job_t *j, int h, int t0, int layout, const head_views_t *view, float *scores,
+                     uint16_t *probs, uint32_t *qpack, float *o, float *inv, uint32_t *widened) {
+#ifdef HAVE_INT8_KV
+    if (layout == INT8) {
+        attend_tile_int8(j, h, t0, &view->int8, scores, probs, qpack, o, inv, widened);
+        return;
+    }
+#endif
+    (void)layout, (void)widened;
+    attend_tile(j, h, t0, &view->bf16, scores, probs, qpack, o, inv);
+}
+
 #endif /* HAVE_AVX512_BF16 */
 
 static int prefill(const void *q, int64_t q_stride, const void *k, const void *v, const int32_t *table, void *out,
                    int q_len, int seq_len, int q_heads, int kv_heads, int head_dim, int block_size, float scale,
-                   int threads, int tiled) {
+                   int threads, int layout) {
     if (q_len <= 0 || seq_len < q_len || kv_heads <= 0 || q_heads % kv_heads != 0 ||
         q_heads / kv_heads > MAX_GROUP || block_size <= 0 || q_stride < (int64_t)q_heads * head_dim ||
-        (tiled && block_size % GROUP_KEYS != 0))
+        (layout != DENSE && block_size % GROUP_KEYS != 0))
         return 1;
     if (!pd_prefill_supported(head_dim)) return 3;
 #ifdef HAVE_AVX512_BF16
     if (threads < 1) threads = 1;
     job_t job = {q, k, v, table, out, q_stride, q_len, seq_len, q_heads, kv_heads, head_dim, block_size,
                  scale, (int64_t)(seq_len + PANEL - 1) / PANEL * PANEL, NULL, NULL};
-    const size_t per_view = view_words(seq_len, head_dim, block_size);
-    const size_t packed = tiled ? 0 : (size_t)(kp_size(&job) + vp_size(&job));
+    const size_t per_view = view_words_of(seq_len, head_dim, block_size, layout);
+    const size_t packed = layout == DENSE ? (size_t)(kp_size(&job) + vp_size(&job)) : 0;
     uint32_t *space = (uint32_t *)malloc((packed + per_view) * kv_heads * sizeof(uint32_t));
     if (space == NULL) return 2;
-    kv_view_t *views = (kv_view_t *)malloc(sizeof(kv_view_t) * kv_heads);
+    head_views_t *views = (head_views_t *)malloc(sizeof(head_views_t) * kv_heads);
     if (views == NULL) {
         free(space);
         return 2;
@@ -387,21 +440,25 @@ static int prefill(const void *q, int64_t q_stride, const void *k, const void *v
 #pragma omp for schedule(static)
         for (int h = 0; h < kv_heads; h++) {
             uint32_t *mine = space + (packed + per_view) * h;
-            head_view(&job, h, tiled, mine + packed, mine, mine + kp_size(&job), &views[h]);
+            any_view(&job, h, layout, mine + packed, mine, mine + kp_size(&job), &views[h]);
         }
+        const size_t widen = layout == INT8 ? lds / 2 * (size_t)head_dim : 0; /* words */
         float *scores = (float *)malloc(rows_padded * (lds * sizeof(float) + lds * sizeof(uint16_t) +
-                                                       (size_t)head_dim * (2 + sizeof(float)) + sizeof(float)));
+                                                       (size_t)head_dim * (2 + sizeof(float)) + sizeof(float)) +
+                                        widen * sizeof(uint32_t));
         if (scores == NULL) status = 2;
         uint16_t *probs = (uint16_t *)(scores + rows_padded * lds);
         uint32_t *qpack = (uint32_t *)(probs + rows_padded * lds);
         float *o = (float *)(qpack + rows_padded * (size_t)head_dim / 2);
         float *inv = o + rows_padded * (size_t)head_dim;
+        uint32_t *widened = widen ? (uint32_t *)(inv + rows_padded) : NULL;
         /* one head's tiles in a row, so its keys and values stay in this core's cache; later tiles see
          * more keys, so each head's are handed out from the end, dynamically */
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < kv_heads * tiles; item++) {
             const int h = item / tiles, tile = tiles - 1 - item % tiles;
-            if (scores != NULL) attend_tile(&job, h, tile * TILE_TOKENS, &views[h], scores, probs, qpack, o, inv);
+            if (scores != NULL)
+                any_tile(&job, h, tile * TILE_TOKENS, layout, &views[h], scores, probs, qpack, o, inv, widened);
         }
         free(scores);
     }
@@ -420,7 +477,7 @@ int pd_paged_prefill_attention(const void *q, int64_t q_stride, const void *k, c
                                const int32_t *table, void *out, int q_len, int seq_len, int q_heads,
                                int kv_heads, int head_dim, int block_size, float scale, int threads) {
     return prefill(q, q_stride, k, v, table, out, q_len, seq_len, q_heads, kv_heads, head_dim, block_size, scale,
-                   threads, 0);
+                   threads, DENSE);
 }
 
 /* pd_paged_prefill_attention over a tiled cache (pd_store_kv_tiled); block_size a multiple of 16. */
@@ -428,24 +485,35 @@ int pd_paged_prefill_tiled(const void *q, int64_t q_stride, const void *k, const
                            void *out, int q_len, int seq_len, int q_heads, int kv_heads, int head_dim,
                            int block_size, float scale, int threads) {
     return prefill(q, q_stride, k, v, table, out, q_len, seq_len, q_heads, kv_heads, head_dim, block_size, scale,
-                   threads, 1);
+                   threads, TILED);
 }
+
+#ifdef HAVE_INT8_KV
+/* pd_paged_prefill_attention over an int8 cache (pd_store_kv_int8, kv_int8.h); block_size a multiple of
+ * 16. Only built where the CPU has AVX512-BF16 and AVX512-VNNI. */
+int pd_paged_prefill_int8(const void *q, int64_t q_stride, const void *k, const void *v, const int32_t *table,
+                          void *out, int q_len, int seq_len, int q_heads, int kv_heads, int head_dim, int block_size,
+                          float scale, int threads) {
+    return prefill(q, q_stride, k, v, table, out, q_len, seq_len, q_heads, kv_heads, head_dim, block_size, scale,
+                   threads, INT8);
+}
+#endif
 
 static int decode_rows(const void *q, int64_t q_stride, const void *k, const void *v, const int32_t *tables,
                        int64_t tables_stride, const int32_t *row_token, const int32_t *row_seq,
                        const int32_t *ctx_lens, void *out, int rows, int q_heads, int kv_heads, int head_dim,
-                       int block_size, float scale, int threads, int tiled) {
+                       int block_size, float scale, int threads, int layout) {
     rows_plan_t plan;
     if (plan_rows(ctx_lens, rows, q_heads, kv_heads, head_dim, block_size, q_stride, MAX_GROUP, threads, &plan) ||
-        (tiled && block_size % GROUP_KEYS != 0))
+        (layout != DENSE && block_size % GROUP_KEYS != 0))
         return 1;
     if (!pd_prefill_supported(head_dim)) return 3;
 #ifdef HAVE_AVX512_BF16
     const int parts = plan.parts, items = plan.items;
     const int group = q_heads / kv_heads, rows_padded = (group + MR - 1) / MR * MR;
     const size_t lds = (size_t)(plan.longest + PANEL - 1) / PANEL * PANEL;
-    const size_t packed = tiled ? 0 : lds * (size_t)head_dim; /* words of packed keys plus packed values */
-    const size_t per_view = view_words(plan.longest, head_dim, block_size);
+    const size_t packed = layout == DENSE ? lds * (size_t)head_dim : 0; /* words of packed keys and values */
+    const size_t per_view = view_words_of(plan.longest, head_dim, block_size, layout);
     const size_t tile = rows_padded * (lds * sizeof(float) + lds * sizeof(uint16_t) +
                                        (size_t)head_dim * (2 + sizeof(float)) + sizeof(float));
     int status = 0;
@@ -469,16 +537,16 @@ static int decode_rows(const void *q, int64_t q_stride, const void *k, const voi
                                kv_heads, head_dim, block_size, scale, (int64_t)(n + PANEL - 1) / PANEL * PANEL,
                                NULL, NULL};
             for (int h = h0; h < h1 && kp != NULL; h++) {
-                kv_view_t view;
-                head_view(&job, h, tiled, space, kp, vp, &view);
-                attend_tile(&job, h, 0, &view, scores, probs, qpack, o, inv);
+                head_views_t view;
+                any_view(&job, h, layout, space, kp, vp, &view);
+                any_tile(&job, h, 0, layout, &view, scores, probs, qpack, o, inv, NULL);
             }
         }
     }
     return status;
 #else
     (void)q, (void)q_stride, (void)k, (void)v, (void)tables, (void)tables_stride, (void)row_token, (void)row_seq;
-    (void)ctx_lens, (void)out, (void)scale, (void)threads, (void)tiled;
+    (void)ctx_lens, (void)out, (void)scale, (void)threads, (void)layout;
     return 3;
 #endif
 }
@@ -495,7 +563,7 @@ int pd_paged_decode_rows(const void *q, int64_t q_stride, const void *k, const v
                          const int32_t *ctx_lens, void *out, int rows, int q_heads, int kv_heads, int head_dim,
                          int block_size, float scale, int threads) {
     return decode_rows(q, q_stride, k, v, tables, tables_stride, row_token, row_seq, ctx_lens, out, rows, q_heads,
-                       kv_heads, head_dim, block_size, scale, threads, 0);
+                       kv_heads, head_dim, block_size, scale, threads, DENSE);
 }
 
 /* pd_paged_decode_rows over a tiled cache (pd_store_kv_tiled), read in place: nothing is packed. */
@@ -504,8 +572,19 @@ int pd_paged_decode_rows_tiled(const void *q, int64_t q_stride, const void *k, c
                                const int32_t *ctx_lens, void *out, int rows, int q_heads, int kv_heads,
                                int head_dim, int block_size, float scale, int threads) {
     return decode_rows(q, q_stride, k, v, tables, tables_stride, row_token, row_seq, ctx_lens, out, rows, q_heads,
-                       kv_heads, head_dim, block_size, scale, threads, 1);
+                       kv_heads, head_dim, block_size, scale, threads, TILED);
 }
+
+#ifdef HAVE_INT8_KV
+/* pd_paged_decode_rows over an int8 cache (pd_store_kv_int8), read in place. */
+int pd_paged_decode_rows_int8(const void *q, int64_t q_stride, const void *k, const void *v, const int32_t *tables,
+                              int64_t tables_stride, const int32_t *row_token, const int32_t *row_seq,
+                              const int32_t *ctx_lens, void *out, int rows, int q_heads, int kv_heads, int head_dim,
+                              int block_size, float scale, int threads) {
+    return decode_rows(q, q_stride, k, v, tables, tables_stride, row_token, row_seq, ctx_lens, out, rows, q_heads,
+                       kv_heads, head_dim, block_size, scale, threads, INT8);
+}
+#endif
 
 /* The paged KV write into a tiled cache: cache[slot[r]] = key[r], value[r] for rows of kv_heads *
  * head_dim bfloat16 values (row r of key at key + r * key_stride, in elements). A tiled block holds,

@@ -128,6 +128,7 @@ async def health(request: web.Request) -> web.Response:
             "model": w.reg.model,
             "weights": w.reg.weights,
             "weight_bytes": w.reg.weight_bytes,
+            "kv_cache_dtype": w.reg.kv_cache_dtype,
             "block_size": w.reg.block_size,
             "max_model_len": w.reg.max_model_len,
             "max_running": w.reg.max_running,
