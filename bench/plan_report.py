@@ -80,7 +80,7 @@ def deployment_toml(serve: ServeConfig, header: str = "") -> str:
 
     w = serve.worker
     keys = ("block_size", "num_blocks", "kv_memory_mb", "max_batch_tokens", "max_running", "threads",
-            "device", "profile_seconds", "quantization")  # fmt: skip
+            "device", "profile_seconds", "quantization", "kv_cache_dtype")  # fmt: skip
     defaults = {f.name: f.default for f in fields(WorkerConfig)}
     lines = [f"# {line}" if line else "#" for line in header.splitlines()]
     lines += ["[serve]", f"model = {value(serve.model)}"]
@@ -130,6 +130,7 @@ def write_outputs(
                 "device_name": p.device_name,
                 "threads": p.threads,
                 "weights": p.weights,
+                "kv_cache_dtype": p.kv_cache_dtype,
             }
             for path, p in zip(args.profile, profiles, strict=True)
         ],  # fmt: skip

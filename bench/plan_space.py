@@ -62,10 +62,11 @@ class PlanSettings:
 
 
 def check_profiles(profiles: Sequence[ProfileFile]) -> None:
-    """Profiles that can describe one deployment: one model, one block size; ``ValueError`` if not."""
+    """Profiles that can describe one deployment: one model, one block size, one KV-cache row format
+    (prefill and decode workers move blocks as bytes); ``ValueError`` if not."""
     if not profiles:
         raise ValueError("give at least one profile")
-    for attr in ("model", "block_size"):
+    for attr in ("model", "block_size", "kv_cache_dtype"):
         values = {getattr(p, attr) for p in profiles}
         if len(values) > 1:
             raise ValueError(f"the profiles disagree on {attr}: {', '.join(map(str, sorted(values)))}")
@@ -130,6 +131,7 @@ def deployment(candidate: Candidate, profiles: Sequence[ProfileFile], settings: 
         max_batch_tokens=candidate.chunk_tokens, max_running=candidate.max_running,
         threads=threads[kinds[0]] if len(set(threads.values())) == 1 else 0,
         quantization=weights[kinds[0]] if len(set(weights.values())) == 1 else "none",
+        kv_cache_dtype=ref.kv_cache_dtype,
     )  # fmt: skip
     routing = AdmissionConfig(ttft_ms=settings.slo.ttft_ms, itl_ms=settings.slo.itl_ms)
     counts = {k: getattr(candidate, k) for k in ("prefill", "decode", "colocated")}

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdfabric.control import KINDS
 from pdfabric.profile_file import ANY
-from pdfabric.worker_config import QUANTIZATIONS, worker_default
+from pdfabric.worker_config import KV_CACHE_DTYPES, QUANTIZATIONS, worker_default
 
 if TYPE_CHECKING:
     from pdfabric.engine.profiler import ProfilingRun
@@ -68,6 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=QUANTIZATIONS,
         default="none",
         help="how the linear weights are held, as a worker's setting (recorded in the profile)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="what the KV cache stores a row as, as a worker's setting (recorded in the profile)",
     )
     parser.add_argument("--device", default=w("device"), help="auto (cuda when present), cpu, cuda or cuda:N")
     parser.add_argument(
@@ -192,6 +198,7 @@ def profile(args: argparse.Namespace, transports: list[str]) -> tuple[ProfileFil
         model=args.model, dtype=args.dtype, block_size=args.block_size, kv_memory_mb=args.kv_memory_mb,
         max_batch_tokens=args.max_batch_tokens, max_running=args.max_running, device=args.device,
         threads=args.threads, profile_seconds=args.seconds, quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )  # fmt: skip
     started = time.perf_counter()
     engine = build_engine(cfg)
@@ -231,7 +238,7 @@ def profile(args: argparse.Namespace, transports: list[str]) -> tuple[ProfileFil
     pf = ProfileFile(
         model=args.model,
         profile=fitted,
-        kv_bytes_per_token=mcfg.kv_bytes_per_token,
+        kv_bytes_per_token=engine.spec.kv_bytes_per_token,
         block_size=cfg.block_size,
         max_batch_tokens=measured.max_prefill_tokens or cfg.max_batch_tokens,
         max_running=measured.max_batch or cfg.max_running,
@@ -242,6 +249,7 @@ def profile(args: argparse.Namespace, transports: list[str]) -> tuple[ProfileFil
         threads=torch.get_num_threads() if runner.device.type == "cpu" else 0,
         dtype=mcfg.dtype,
         weights=cfg.quantization,
+        kv_cache_dtype=cfg.kv_cache_dtype,
         weight_bytes=runner.weight_bytes,
         kv_bytes_per_s=rates,
         seconds=round(time.perf_counter() - started, 3),

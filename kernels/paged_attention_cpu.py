@@ -17,10 +17,10 @@ place instead of packing it every call: decode rows read the cache twice as fast
 are the same to the bit. An int8 cache (``kv_int8_ref``; ``ModelRunner(kv_cache_dtype="int8")``, written by
 ``store_kv_tiled`` too) is read in place by the same kernel's int8 twin (``csrc/kv_int8.h``: scores on
 VPDPBUSD against the query quantized per row, P V over the values widened to bfloat16): half the bytes
-from memory, and the same bits for a position in a decode step and in any prompt chunk. Float32 chunks go to its plain-C
-twin ``csrc/paged_prefill_f32_cpu.c``. Other prompt chunks (bfloat16 on a CPU without AVX512-BF16,
-float16) gather their cached blocks and run that fused attention in the cache's dtype, causal
-without a mask when the chunk is the whole prompt. ``paged_attention_ref`` stays the
+from memory, and the same bits for a position in a decode step and in any prompt chunk. Float32
+chunks go to its plain-C twin ``csrc/paged_prefill_f32_cpu.c``. Other prompt chunks (bfloat16 on a
+CPU without AVX512-BF16, float16) gather their cached blocks and run that fused attention in the
+cache's dtype, causal without a mask when the chunk is the whole prompt. ``paged_attention_ref`` stays the
 float32 oracle all of these are tested against.
 """
 

@@ -44,6 +44,7 @@ class ProfileFile:
     dtype: str = ""
     weights: str = "none"  # how the linear weights were held (a worker's quantization setting)
     weight_bytes: int = 0  # the weights as held in memory (what [worker] memory_mb leaves KV beside)
+    kv_cache_dtype: str = "auto"  # what the KV cache stored a row as (a worker's kv_cache_dtype setting)
     kv_bytes_per_s: dict[str, float] = field(default_factory=dict)  # transport name -> measured rate
     seconds: float = 0.0  # how long profiling took
     steps: int = 0  # timed steps behind the fit
@@ -67,7 +68,15 @@ class ProfileFile:
         ad, bd, cd = p.decode
         hw = pf.device_name or pf.device
         threads = f", {pf.threads} threads" if pf.threads else ""
-        held = [d for d in (pf.dtype, "" if pf.weights == "none" else f"{pf.weights} weights") if d]
+        held = [
+            d
+            for d in (
+                pf.dtype,
+                "" if pf.weights == "none" else f"{pf.weights} weights",
+                "" if pf.kv_cache_dtype == "auto" else f"{pf.kv_cache_dtype} KV cache",
+            )
+            if d
+        ]
         dtype = f" ({', '.join(held)})" if held else ""
         lines = [
             f"profile of {pf.model}{dtype} on {pf.device} ({hw}{threads}), role {pf.role}: "
@@ -169,7 +178,7 @@ def live_profiles(health: dict[str, Any]) -> dict[str, ProfileFile]:
                 max_batch_tokens=w["max_batch_tokens"], max_running=w["max_running"],
                 max_model_len=w["max_model_len"], role=w["kind"], device="live",
                 device_name=f"worker {w['id']}, from /health", weights=w.get("weights", "none"),
-                weight_bytes=w.get("weight_bytes", 0),
+                weight_bytes=w.get("weight_bytes", 0), kv_cache_dtype=w.get("kv_cache_dtype", "auto"),
                 kv_bytes_per_s={k: v for k, v in rates.items() if v > 0},
                 steps=w["profile"]["prefill_samples"] + w["profile"]["decode_samples"],
             )  # fmt: skip
