@@ -90,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=KV_CACHE_DTYPES,
         help="what workers store a KV-cache row as: auto (the model's dtype, the default) or int8 (int8 "
         "values and a float32 scale per token and kv head: half the KV memory and half the bytes decode "
-        "attention reads; bfloat16 models on CPUs with AVX512-BF16)",
+        "attention reads; bfloat16 models on CPUs with AVX512-BF16 and AVX512-VNNI)",
     )
     parser.add_argument(
         "--speculative",

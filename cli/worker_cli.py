@@ -83,8 +83,7 @@ OVERRIDES: tuple[tuple[str, type, str], ...] = (
 _QUOTED = ("model", "pool", "block_size", "kv_memory_mb", "max_batch_tokens", "max_running", "kv_host",
            "heartbeat_s", "drain_timeout_s", "device", "profile_seconds", "kv_transport",
            "prefix_caching", "linears", "kv_encryption", "quantization", "kv_cache_dtype", "speculative",
-           "speculative_k",
-           "speculative_below", "draft_quantization", "draft_layers")  # fmt: skip
+           "speculative_k", "speculative_below", "draft_quantization", "draft_layers")  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

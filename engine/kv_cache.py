@@ -12,9 +12,8 @@ import torch
 
 from pdfabric.engine.config import ModelConfig
 from pdfabric.engine.loader import DTYPES
+from pdfabric.kernels.kv_int8_ref import SCALE_BYTES
 from pdfabric.worker_config import KV_CACHE_DTYPES
-
-_SCALE_BYTES = 4  # kernels.kv_int8_ref.SCALE_BYTES: a float32 scale after each int8 row
 
 
 def allocate_kv_cache(
@@ -26,7 +25,7 @@ def allocate_kv_cache(
 ) -> list[torch.Tensor]:
     """Zeroed cache tensors, one per layer, in the model's dtype or (``"int8"``) int8 rows with scales."""
     if kv_cache_dtype == "int8":
-        shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim + _SCALE_BYTES)
+        shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim + SCALE_BYTES)
         dtype = torch.int8
     elif kv_cache_dtype == "auto":
         shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -39,5 +38,5 @@ def allocate_kv_cache(
 def kv_bytes_per_token(cfg: ModelConfig, kv_cache_dtype: str = "auto") -> int:
     """Bytes of K and V one token takes across all layers, scales included."""
     if kv_cache_dtype == "int8":
-        return 2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim + _SCALE_BYTES)
+        return 2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim + SCALE_BYTES)
     return cfg.kv_bytes_per_token

@@ -89,8 +89,8 @@ class ModelRunner:
             self.kv_tiled and int8_kv_supported(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size)
         ):
             raise ValueError(
-                "kv_cache_dtype 'int8' needs a bfloat16 model on a CPU with AVX512-BF16, the C kernels, "
-                "64-dim heads (or a multiple) and blocks of a multiple of 16 tokens"
+                "kv_cache_dtype 'int8' needs a bfloat16 model on a CPU with AVX512-BF16 and AVX512-VNNI, "
+                "the C kernels, heads of a multiple of 64 dims and blocks of a multiple of 16 tokens"
             )
         self.kv_caches = allocate_kv_cache(cfg, num_blocks, block_size, self.device, kv_cache_dtype)
 
