@@ -56,7 +56,12 @@ static inline float quantize_row_int8(const uint16_t *x, int n, int8_t *q, int s
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
             r = _mm512_min_ps(_mm512_max_ps(r, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f));
         }
-        _mm_storeu_si128((__m128i *)lanes, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(r)));
+        const __m128i packed = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(r));
+        if (step == 1) {
+            _mm_storeu_si128((__m128i *)(q + i), packed);
+            continue;
+        }
+        _mm_storeu_si128((__m128i *)lanes, packed);
         for (int u = 0; u < 16; u++) q[(int64_t)(i + u) * step] = lanes[u];
     }
     return scale;
@@ -263,7 +268,9 @@ static void attend_tile_int8(const job_t *j, int h, int t0, const int8_view_t *v
         if (r >= rows) continue;
         const uint16_t *src = j->q + (int64_t)(t0 + r / group) * j->q_stride + (int64_t)(h * group + r % group) * d;
         f[r] = quantize_row_int8(src, d, q8 + (int64_t)r * d, 1) * j->scale;
-        for (int c = 0; c < d; c++) corr[r] += 128 * q8[(int64_t)r * d + c];
+        int32_t sum = 0;
+        for (int c = 0; c < d; c++) sum += q8[(int64_t)r * d + c];
+        corr[r] = 128 * sum;
     }
     for (int m = 0; m < rows_padded; m += MR)
         for (int b = 0; b < panels; b++)
