@@ -186,30 +186,6 @@ static inline void qk_int8(const int8_t *q, const float *f, const int32_t *corr,
     }
 }
 
-/* Softmax weights of one row of scores s[0:n] (n >= 1), each times its key's value scale (those of
- * block b's keys just before vs[b]), into probs[0:width] in bfloat16, zero past n; returns 1 / (the
- * weights' float32 sum). */
-static float softmax_int8_row(const float *s, const int8_t *const *vs, int bs, uint16_t *probs, int n, int width) {
-    __m512 top = _mm512_set1_ps(-INFINITY);
-    for (int t = 0; t < n; t += 16) {
-        const __mmask16 live = n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1);
-        top = _mm512_mask_max_ps(top, live, top, _mm512_loadu_ps(s + t));
-    }
-    const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-    __m512 sum = _mm512_setzero_ps();
-    int t = 0;
-    for (; t < n; t += 16) {
-        const __mmask16 live = n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1);
-        const __m512 w = _mm512_maskz_mov_ps(live, exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(s + t), peak)));
-        sum = _mm512_add_ps(sum, w);
-        const float *vscale = (const float *)vs[t / bs] - bs + t % bs;
-        const __m512 p = _mm512_maskz_mul_ps(live, w, _mm512_loadu_ps(vscale));
-        _mm256_storeu_si256((__m256i *)(probs + t), (__m256i)_mm512_cvtneps_pbh(p));
-    }
-    memset(probs + t, 0, (size_t)(width - t) * sizeof *probs);
-    return 1.0f / _mm512_reduce_add_ps(sum);
-}
-
 /* 32 int8 values (16 dims of a key pair, the even key's in the low half of each word) as 32 bfloat16,
  * exactly. */
 static inline __m512bh int8_to_bf16(const int8_t *src) {
@@ -278,8 +254,8 @@ static void attend_tile_int8(const job_t *j, int h, int t0, const int8_view_t *v
                     lds);
     for (int r = 0; r < rows_padded; r++) {
         if (r < rows)
-            inv[r] = softmax_int8_row(scores + r * lds, view->vs, j->block_size, probs + r * lds,
-                                      past + t0 + r / group + 1, (int)lds);
+            inv[r] = softmax_row(scores + r * lds, probs + r * lds, past + t0 + r / group + 1, (int)lds, view->vs,
+                                 j->block_size);
         else
             memset(probs + r * lds, 0, (size_t)lds * sizeof *probs);
     }

@@ -79,8 +79,10 @@ static inline __m512 exp_nonpositive16(__m512 x) {
 }
 
 /* Softmax weights of one row of scores s[0:n] (n >= 1) into probs[0:width] in bfloat16, zero past n;
- * returns 1 / (their float32 sum). width is a multiple of 16 and s is readable up to it. */
-static float softmax_row(const float *s, uint16_t *probs, int n, int width) {
+ * returns 1 / (their float32 sum). width is a multiple of 16 and s is readable up to it. With vs (an
+ * int8 cache's value segments, kv_int8.h), each weight is first multiplied by its key's value scale:
+ * block b's keys' scales lie just before vs[b], bs of them. */
+static float softmax_row(const float *s, uint16_t *probs, int n, int width, const int8_t *const *vs, int bs) {
     __m512 top = _mm512_set1_ps(-INFINITY);
     for (int t = 0; t < n; t += 16) {
         const __mmask16 live = n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1);
@@ -93,7 +95,9 @@ static float softmax_row(const float *s, uint16_t *probs, int n, int width) {
         const __mmask16 live = n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1);
         const __m512 w = _mm512_maskz_mov_ps(live, exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(s + t), peak)));
         sum = _mm512_add_ps(sum, w);
-        _mm256_storeu_si256((__m256i *)(probs + t), (__m256i)_mm512_cvtneps_pbh(w));
+        /* a stale row's scale (NaN, say) past n is masked out, never multiplied in */
+        const __m512 p = vs == NULL ? w : _mm512_maskz_mul_ps(live, w, _mm512_loadu_ps((const float *)vs[t / bs] - bs + t % bs));
+        _mm256_storeu_si256((__m256i *)(probs + t), (__m256i)_mm512_cvtneps_pbh(p));
     }
     memset(probs + t, 0, (size_t)(width - t) * sizeof *probs);
     return 1.0f / _mm512_reduce_add_ps(sum);
@@ -330,7 +334,7 @@ static void attend_tile(const job_t *j, int h, int t0, const kv_view_t *view, fl
     /* exact softmax per row over its causal range; probabilities past the range are zero */
     for (int r = 0; r < rows_padded; r++) {
         if (r < rows)
-            inv[r] = softmax_row(scores + r * lds, probs + r * lds, past + t0 + r / group + 1, (int)lds);
+            inv[r] = softmax_row(scores + r * lds, probs + r * lds, past + t0 + r / group + 1, (int)lds, NULL, 0);
         else
             memset(probs + r * lds, 0, (size_t)lds * sizeof *probs);
     }
