@@ -83,17 +83,24 @@ def sample(
     for row, (p, index) in enumerate(zip(params, indices, strict=True)):
         if not p.greedy:
             tokens[row] = _sample_row(scores[row], p, index)
-    # The model's own log-probabilities, before any change: logit minus the row's log-normaliser.
-    norms = torch.logsumexp(logits, dim=-1).tolist()  # [S]
-    chosen = logits.gather(1, torch.tensor(tokens, dtype=torch.long, device=logits.device)[:, None])
-    chosen = chosen[:, 0].tolist()
+    # The model's own log-probabilities, before any change: logit minus the row's log-normaliser, for
+    # the rows that asked (the normaliser reads the whole row); 0.0 for the others.
+    asked = [row for row, p in enumerate(params) if p.token_logprob or p.logprobs]
+    logprob = [0.0] * len(params)
+    norms = [0.0] * len(params)
+    if asked:
+        rows = logits if len(asked) == len(params) else logits[asked]
+        picked = torch.tensor([tokens[row] for row in asked], dtype=torch.long, device=logits.device)
+        chosen = rows.gather(1, picked[:, None])[:, 0].tolist()
+        for row, norm, value in zip(asked, torch.logsumexp(rows, dim=-1).tolist(), chosen, strict=True):
+            norms[row], logprob[row] = norm, value - norm
     out: list[Sampled] = []
     for row, p in enumerate(params):
         top: tuple[tuple[int, float], ...] = ()
         if p.logprobs:
             values, ids = logits[row].topk(p.logprobs)
             top = tuple(zip(ids.tolist(), (values - norms[row]).tolist(), strict=True))
-        out.append(Sampled(tokens[row], chosen[row] - norms[row], top))
+        out.append(Sampled(tokens[row], logprob[row], top))
     return out
 
 

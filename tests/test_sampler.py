@@ -173,3 +173,27 @@ def test_noise_is_a_function_of_the_token_id_alone() -> None:
     assert torch.equal(exponential_noise(77, some), full[some])
     assert not torch.equal(exponential_noise(78, some), full[some])
     assert 0.95 < float(full.mean()) < 1.05 and float(full.min()) > 0
+
+
+def test_a_token_logprob_is_computed_only_for_rows_that_ask() -> None:
+    logits = _logits(4)
+    norms = torch.logsumexp(logits, -1)
+    asked, silent = SamplingParams(), SamplingParams(token_logprob=False)
+    out = sample(logits, [silent, asked, SamplingParams(token_logprob=False, logprobs=2)], [0, 0, 0])
+    assert [s.token_id for s in out] == logits.argmax(-1).tolist()  # the same picks
+    assert out[0].logprob == 0.0 and out[0].top_logprobs == ()
+    assert out[1].logprob == pytest.approx(float(logits[1].max() - norms[1]))
+    # top log-probabilities need the normaliser, so such a row gets its token's too
+    assert out[2].logprob == pytest.approx(float(logits[2].max() - norms[2]))
+    assert out[2].top_logprobs[0][1] == pytest.approx(out[2].logprob)
+    assert [s.logprob for s in sample(logits, [silent] * 3, [0, 0, 0])] == [0.0] * 3
+
+
+def test_the_router_asks_for_token_logprobs_where_a_response_needs_them() -> None:
+    from pdfabric.router.front.openai_api import parse_request
+
+    base = {"model": "m", "prompt": "hi", "max_tokens": 2}
+    params = lambda body: parse_request(body, False, ("m",), 100).sampling_params(2, 0)  # noqa: E731
+    assert not params(base).token_logprob
+    assert params({**base, "logprobs": 0}).token_logprob
+    assert params({**base, "best_of": 3, "n": 1, "temperature": 1.0}).token_logprob

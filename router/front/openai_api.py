@@ -93,6 +93,8 @@ class ParsedRequest:
             prompt_logprobs=self.echo and self.logprobs is not None,
             grammar=self.grammar,
             speculative_k=self.speculative_k,
+            # a picked token's log-probability: returned, or what best_of ranks outputs by
+            token_logprob=self.logprobs is not None or self.best_of > self.n,
         )
 
 
