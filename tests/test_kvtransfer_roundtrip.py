@@ -96,7 +96,7 @@ KINDS = ["zmq-tcp", "zmq-ipc", "shm"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int8])  # int8 rows
 def test_round_trip_dtypes(pair_factory, kind: str, dtype: torch.dtype) -> None:
     pair = pair_factory(kind, dtype, checksum=True)
     pair.transfer("a", 5, layerwise=False, scattered=False)
