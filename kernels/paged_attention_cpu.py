@@ -105,6 +105,7 @@ def tiled_kv_supported(
     )
 
 
+@functools.cache  # asked on every attention call over an int8 cache
 def int8_kv_supported(q_heads: int, kv_heads: int, head_dim: int, block_size: int) -> bool:
     """Whether an int8 cache of this shape can be served on this CPU: where a bfloat16 cache would be
     tiled (``tiled_kv_supported``), by a library that has the int8 entry points."""
