@@ -24,7 +24,7 @@ from pdfabric.kvtransfer.frames import layout_of
 
 BF16 = torch.bfloat16
 needs_int8 = pytest.mark.skipif(
-    not int8_kv_supported(4, 1, 64, 16), reason="needs a CPU with AVX512-BF16 and a C compiler"
+    not int8_kv_supported(4, 1, 64, 16), reason="needs AVX512-BF16, AVX512-VNNI and a C compiler"
 )
 
 CASES = [  # (q_heads, kv_heads, head_dim, block_size, query_lens, seq_lens)
