@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import statistics
 import sys
-import time
-from collections.abc import Callable
 
+from pdfabric.bench.floors import copy_rate, cpu_name, gemm_rate, median_time, read_rate
 from pdfabric.worker_config import KV_CACHE_DTYPES, QUANTIZATIONS
 
 LINEAR_KINDS = ("invariant", "onednn")  # kernels/linear_cpu.py's, named here so --help imports no torch
@@ -97,74 +94,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
 
 
-def _times(fn: Callable[[], object], repeats: int) -> list[float]:
-    """Seconds of each of ``repeats`` calls of ``fn``, after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return times
-
-
-def _median_time(fn: Callable[[], object], repeats: int) -> float:
-    return statistics.median(_times(fn, repeats))
-
-
-def _best_time(fn: Callable[[], object], repeats: int) -> float:
-    return min(_times(fn, repeats))
-
-
-def _gemm_rate(dtype: object, repeats: int) -> float:
-    """The best FLOP/s of square matrix products (1024 to 4096) in ``dtype``, plain and packed."""
-    import torch
-
-    from pdfabric.kernels.linear_cpu import PackedLinear, can_pack
-
-    best = 0.0
-    for n in (1024, 2048, 4096):
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        best = max(best, 2 * n**3 / _best_time(lambda a=a, b=b: a @ b, max(repeats, 5)))
-        layer = torch.nn.Linear(n, n, bias=False, dtype=dtype)
-        if can_pack(layer, "onednn"):  # on some CPUs (MKL on AMD) faster than a @ b
-            packed = PackedLinear(layer)
-            best = max(best, 2 * n**3 / _best_time(lambda a=a, f=packed: f(a), max(repeats, 5)))
-    return best
-
-
-def _read_rate(repeats: int, nbytes: int = 512 * 2**20) -> float:
-    """Memory read bandwidth: bytes summed per second over a buffer far larger than the caches."""
-    import torch
-
-    src = torch.ones(nbytes // 4, dtype=torch.float32)
-    return nbytes / _best_time(lambda: src.sum(), max(2 * repeats, 10))
-
-
-def _copy_rate(repeats: int, nbytes: int = 256 * 2**20) -> float:
-    """Memory traffic of a large copy, bytes read plus bytes written per second (best of tries)."""
-    import torch
-
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    return 2 * nbytes / _best_time(lambda: dst.copy_(src), max(2 * repeats, 10))
-
-
-def _cpu_name() -> str:
-    """The CPU's model name and whether it multiplies bfloat16 natively, for the record."""
-    from pdfabric.kernels.cpu_build import cpu_has_half_math
-
-    name = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{name} ({'native bf16' if cpu_has_half_math() else 'no native bf16'})"
-
-
 def _progress(msg: str) -> None:
     print(f"\r\033[K{msg}", end="", file=sys.stderr, flush=True)
 
@@ -208,10 +137,10 @@ def run(args: argparse.Namespace) -> int:
         runner.decoder = None
 
     _progress("floors: GEMM")
-    gemm_flops = _gemm_rate(dtype, args.repeats)
+    gemm_flops = gemm_rate(dtype, args.repeats)
     _progress("floors: memory")
-    copy_bw = _copy_rate(args.repeats)
-    read_bw = _read_rate(args.repeats)
+    copy_bw = copy_rate(args.repeats)
+    read_bw = read_rate(args.repeats)
 
     results: dict[str, object] = {
         "model": str(args.model),
@@ -222,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
         "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,
         "decoder": "c" if runner.decoder is not None else "ops",
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "gemm_flops": gemm_flops,
         "copy_bytes_per_s": copy_bw,
         "read_bytes_per_s": read_bw,
@@ -234,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
     for length in prefill_lens:
         _progress(f"prefill {length} tokens")
         entry = StepEntry(token * length, 0, tuple(range(-(-length // block))))
-        t = _median_time(lambda e=entry: runner.step([e]), args.repeats)
+        t = median_time(lambda e=entry: runner.step([e]), args.repeats)
         # Matmul FLOPs (2 per parameter per token) plus attention (QK^T and PV, causal half).
         attn = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * length * length
         flops = 2 * matmul_params * length + attn
@@ -256,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
             runner.step([StepEntry(token * args.context, 0, table, needs_logits=False)])
             entries.append(StepEntry(token, args.context, table))
         batches[bs] = entries
-        t = _median_time(lambda es=entries: runner.step(es), args.repeats)
+        t = median_time(lambda es=entries: runner.step(es), args.repeats)
         kv_bytes = bs * (args.context + 1) * kv_bytes_per_token(cfg, args.kv_cache_dtype)
         floor = (weight_bytes + kv_bytes) / read_bw
         results["decode"].append(
