@@ -63,18 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "worker will get (0: torch's default, all cores)",
     )
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
-    parser.add_argument(
-        "--quantization",
-        choices=QUANTIZATIONS,
-        default="none",
-        help="how the linear weights are held, as a worker's setting (recorded in the profile)",
-    )
-    parser.add_argument(
-        "--kv-cache-dtype",
-        choices=KV_CACHE_DTYPES,
-        default="auto",
-        help="what the KV cache stores a row as, as a worker's setting (recorded in the profile)",
-    )
+    held = (("quantization", QUANTIZATIONS, "linear weights"), ("kv_cache_dtype", KV_CACHE_DTYPES, "KV rows"))
+    for name, choices, what in held:  # a worker's settings of those names, recorded in the profile
+        text = f"how the {what} are held, as a worker's {name} (recorded in the profile)"
+        parser.add_argument("--" + name.replace("_", "-"), choices=choices, default=w(name), help=text)
     parser.add_argument("--device", default=w("device"), help="auto (cuda when present), cpu, cuda or cuda:N")
     parser.add_argument(
         "--max-batch-tokens",
