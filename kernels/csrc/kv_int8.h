@@ -186,42 +186,6 @@ static inline void qk_int8(const int8_t *q, const float *f, const int32_t *corr,
     }
 }
 
-/* 32 int8 values (16 dims of a key pair, the even key's in the low half of each word) as 32 bfloat16,
- * exactly. */
-static inline __m512bh int8_to_bf16(const int8_t *src) {
-    const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src)));
-    const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 16))));
-    return _mm512_cvtne2ps_pbh(b, a);
-}
-
-/* pv_block over int8 values: o[m][c0:c0+DIM_STEP] = sum over key pairs of P's pair (probabilities
- * times value scales) times the values' pair, for MR rows; segment i at vs[i] laid out [key pair][dim][2]. */
-static inline void pv_int8(const uint32_t *p, int64_t ldp, int key_pairs, const int8_t *const *vs, int seg_pairs,
-                           int d, int c0, float *o, int ldo) {
-    __m512 acc[MR][4];
-    for (int m = 0; m < MR; m++)
-        for (int x = 0; x < 4; x++) acc[m][x] = _mm512_setzero_ps();
-    for (int k0 = 0; k0 < key_pairs; k0 += seg_pairs) {
-        const int8_t *seg = vs[k0 / seg_pairs] + 2 * c0, *next = vs[k0 / seg_pairs + 1] + 2 * c0;
-        const int end = key_pairs - k0 < seg_pairs ? key_pairs - k0 : seg_pairs;
-        for (int i = 0; i < end; i++) {
-            const int8_t *vr = seg + (int64_t)i * 2 * d;
-            for (int x = 0; x < 2; x++) _mm_prefetch((const char *)(next + (int64_t)i * 2 * d + 64 * x), _MM_HINT_T0);
-            const __m512bh b0 = int8_to_bf16(vr), b1 = int8_to_bf16(vr + 32);
-            const __m512bh b2 = int8_to_bf16(vr + 64), b3 = int8_to_bf16(vr + 96);
-            for (int m = 0; m < MR; m++) {
-                const __m512bh a = (__m512bh)_mm512_set1_epi32((int)p[m * ldp + k0 + i]);
-                acc[m][0] = _mm512_dpbf16_ps(acc[m][0], a, b0);
-                acc[m][1] = _mm512_dpbf16_ps(acc[m][1], a, b1);
-                acc[m][2] = _mm512_dpbf16_ps(acc[m][2], a, b2);
-                acc[m][3] = _mm512_dpbf16_ps(acc[m][3], a, b3);
-            }
-        }
-    }
-    for (int m = 0; m < MR; m++)
-        for (int x = 0; x < 4; x++) _mm512_storeu_ps(o + m * ldo + c0 + 16 * x, acc[m][x]);
-}
-
 /* attend_tile over an int8 cache: each query row is quantized as a cached row is (its own scale), so
  * Q K^T runs on VPDPBUSD; the softmax folds each value's scale into its probability, and P V runs on
  * VDPBF16PS over the values widened exactly to bfloat16. qbuf: MR-padded rows of d bytes plus two
@@ -263,20 +227,21 @@ static void attend_tile_int8(const job_t *j, int h, int t0, const int8_view_t *v
     if (rows_padded > MR && widened != NULL) {
         /* several row blocks read every value: widen them once, then the bfloat16 P V (the same sums) */
         const int seg = view->seg_pairs;
-        for (int i = 0; i < key_pairs; i++)
+        for (int i = 0; i < key_pairs; i++) {
+            const char *pair = (const char *)view->vs[i / seg] + (int64_t)(i % seg) * 2 * d;
             for (int c = 0; c < 2 * d; c += 32)
-                _mm512_storeu_si512(widened + (int64_t)i * d + c / 2,
-                                    (__m512i)int8_to_bf16(view->vs[i / seg] + (int64_t)(i % seg) * 2 * d + c));
-        const uint32_t *one[2] = {widened, widened};
+                _mm512_storeu_si512(widened + (int64_t)i * d + c / 2, (__m512i)value_pairs(pair + c, 1));
+        }
+        const void *one[2] = {widened, widened};
         for (int m = 0; m < rows_padded; m += MR)
             for (int c0 = 0; c0 < d; c0 += DIM_STEP)
                 pv_block((const uint32_t *)(probs + m * lds), lds / 2, key_pairs, one, key_pairs, d, c0,
-                         o + (int64_t)m * d, d);
+                         o + (int64_t)m * d, d, 0);
     } else {
         for (int m = 0; m < rows_padded; m += MR)
             for (int c0 = 0; c0 < d; c0 += DIM_STEP)
-                pv_int8((const uint32_t *)(probs + m * lds), lds / 2, key_pairs, view->vs, view->seg_pairs, d, c0,
-                        o + (int64_t)m * d, d);
+                pv_block((const uint32_t *)(probs + m * lds), lds / 2, key_pairs, (const void *const *)view->vs,
+                         view->seg_pairs, d, c0, o + (int64_t)m * d, d, 1);
     }
     write_rows(j, h, t0, rows, group, o, inv);
 }

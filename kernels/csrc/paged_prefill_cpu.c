@@ -267,22 +267,35 @@ static inline void qk_block(const uint32_t *q, int pairs, const uint32_t *const 
         for (int x = 0; x < 4; x++) _mm512_storeu_ps(s + m * lds + 16 * x, _mm512_mul_ps(acc[m][x], sc));
 }
 
+/* 16 dims of a key pair's values (two bfloat16 a word, the even key's low) at v, as VDPBF16PS takes
+ * them: read as they are, or (int8) 32 int8 values widened exactly to bfloat16. */
+static inline __m512bh value_pairs(const char *v, int int8) {
+    if (!int8) return (__m512bh)_mm512_loadu_si512(v);
+    const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)v)));
+    const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(v + 16))));
+    return _mm512_cvtne2ps_pbh(b, a);
+}
+
 /* o[m][c0:c0+DIM_STEP] = sum over key pairs of P's pair times the values' pair, for MR rows. Key pairs
- * come in segments of seg_pairs, segment i at vs[i] laid out [key pair][dim]; the sum runs over the
- * pairs in order whatever the segments. */
-static inline void pv_block(const uint32_t *p, int64_t ldp, int key_pairs, const uint32_t *const *vs, int seg_pairs,
-                            int d, int c0, float *o, int ldo) {
+ * come in segments of seg_pairs, segment i at vs[i] laid out [key pair][dim] (bfloat16, or int8 where
+ * int8: an int8 cache's values, widened as they are read); the sum runs over the pairs in order
+ * whatever the segments. */
+static inline __attribute__((always_inline)) void pv_block(const uint32_t *p, int64_t ldp, int key_pairs,
+                                                           const void *const *vs, int seg_pairs, int d, int c0,
+                                                           float *o, int ldo, int int8) {
+    const int64_t value = int8 ? 1 : 2, row = 2 * (int64_t)d * value; /* bytes a value, a key pair */
     __m512 acc[MR][4];
     for (int m = 0; m < MR; m++)
         for (int x = 0; x < 4; x++) acc[m][x] = _mm512_setzero_ps();
     for (int k0 = 0; k0 < key_pairs; k0 += seg_pairs) {
-        const uint32_t *seg = vs[k0 / seg_pairs] + c0, *next = vs[k0 / seg_pairs + 1] + c0;
+        const char *seg = (const char *)vs[k0 / seg_pairs] + 2 * c0 * value;
+        const char *next = (const char *)vs[k0 / seg_pairs + 1] + 2 * c0 * value;
         const int end = key_pairs - k0 < seg_pairs ? key_pairs - k0 : seg_pairs;
         for (int i = 0; i < end; i++) {
-            const uint32_t *vr = seg + (int64_t)i * d;
-            for (int x = 0; x < 4; x++) _mm_prefetch((const char *)(next + (int64_t)i * d + 16 * x), _MM_HINT_T0);
-            const __m512bh b0 = (__m512bh)_mm512_loadu_si512(vr), b1 = (__m512bh)_mm512_loadu_si512(vr + 16);
-            const __m512bh b2 = (__m512bh)_mm512_loadu_si512(vr + 32), b3 = (__m512bh)_mm512_loadu_si512(vr + 48);
+            const char *vr = seg + i * row;
+            for (int64_t x = 0; x < 2 * value; x++) _mm_prefetch(next + i * row + 64 * x, _MM_HINT_T0);
+            const __m512bh b0 = value_pairs(vr, int8), b1 = value_pairs(vr + 32 * value, int8);
+            const __m512bh b2 = value_pairs(vr + 64 * value, int8), b3 = value_pairs(vr + 96 * value, int8);
             for (int m = 0; m < MR; m++) {
                 const __m512bh a = (__m512bh)_mm512_set1_epi32((int)p[m * ldp + k0 + i]);
                 acc[m][0] = _mm512_dpbf16_ps(acc[m][0], a, b0);
@@ -341,8 +354,8 @@ static void attend_tile(const job_t *j, int h, int t0, const kv_view_t *view, fl
     const int key_pairs = (keys + 1) / 2;
     for (int m = 0; m < rows_padded; m += MR)
         for (int c0 = 0; c0 < d; c0 += DIM_STEP)
-            pv_block((const uint32_t *)(probs + m * lds), lds / 2, key_pairs, view->vs, view->seg_pairs, d, c0,
-                     o + (int64_t)m * d, d);
+            pv_block((const uint32_t *)(probs + m * lds), lds / 2, key_pairs, (const void *const *)view->vs,
+                     view->seg_pairs, d, c0, o + (int64_t)m * d, d, 0);
     write_rows(j, h, t0, rows, group, o, inv);
 }
 
