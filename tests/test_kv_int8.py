@@ -21,6 +21,8 @@ from pdfabric.kernels.attention_ref import paged_attention_ref, store_kv_ref
 from pdfabric.kernels.paged_attention_cpu import int8_kv_supported, paged_attention_cpu, store_kv_tiled
 from pdfabric.kernels.testing import make_batch
 from pdfabric.kvtransfer.frames import layout_of
+from pdfabric.sampling_params import SamplingParams
+from tests.test_gguf import packaged
 
 BF16 = torch.bfloat16
 needs_int8 = pytest.mark.skipif(
@@ -159,3 +161,22 @@ def test_an_int8_cache_is_refused_where_no_kernel_reads_it() -> None:
         ModelRunner(LlamaForCausalLM(cfg), num_blocks=4, block_size=16, kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         allocate_kv_cache(cfg, 4, 16, "cpu", "fp8")
+
+
+@needs_int8
+@packaged
+def test_speculation_over_an_int8_cache_gives_plain_decodings_tokens() -> None:
+    """Checking proposals runs several tokens of a sequence as a prompt chunk, plain decoding one a
+    step: over an int8 cache on SmolLM2 both must give the same greedy tokens."""
+    from pdfabric.engine.generate import ReferenceEngine
+    from tests.test_speculate import run
+
+    reference = ReferenceEngine("smollm2-135m", kv_cache_dtype="int8")
+    prompts = [([3, 4, 5, 6, 7, 8] * 12)[: 20 + 7 * i] for i in range(3)] + [list(range(1000, 1040))]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    got, seqs, core, _ = run(
+        reference, prompts, params, speculative="ngram", speculative_k=6, speculative_below=8
+    )
+    assert core.scheduler.proposer is not None and sum(s.accepted for s in seqs) > 0  # some kept
+    assert got == [reference.generate(p, params).token_ids for p in prompts]
+    assert core.tables.pool.num_free == core.tables.pool.num_blocks

@@ -57,7 +57,7 @@ def run(
     each step reported as taking ``step_seconds``, against ``profile``); returns each request's
     output, the core and its deltas."""
     spec = core_spec("colocated", blocks, worker_id="c", max_model_len=2048, **config)
-    served = ModelRunner(reference.model, blocks, 16)
+    served = ModelRunner(reference.model, blocks, 16, kv_cache_dtype=reference.runner.kv_cache_dtype)
     if proposer is not None and not hasattr(proposer, "propose"):
         proposer = proposer(served)
     core = ColocatedCore(spec, FixedProfile(profile or WorkerProfile()), "", proposer)
