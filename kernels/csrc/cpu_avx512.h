@@ -5,6 +5,13 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#include <stdint.h>
+
+/* 16 bfloat16 values at p as float32 (lanes outside live read as 0). */
+static inline __m512 widen_bf16x16(const uint16_t *p, __mmask16 live) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
 
 /* The 16 x 16 transpose of 32-bit words: r[i] holds row i on entry and column i on return. */
 static inline void transpose16(__m512i r[16]) {
@@ -29,6 +36,17 @@ static inline void transpose16(__m512i r[16]) {
         r[12 + c] = _mm512_shuffle_i32x4(x1, y1, 0xdd);
     }
 }
+
+#if defined(__AVX512VNNI__)
+typedef int32_t __attribute__((may_alias)) quad_t; /* four int8 values read as one word */
+
+/* acc + the products of a's unsigned and b's signed bytes, four a lane (VPDPBUSD). In assembly: GCC 12
+ * wraps the intrinsic in register copies that doubled the loops' instructions. */
+static inline __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+    return acc;
+}
+#endif /* __AVX512VNNI__ */
 
 #endif /* __AVX512F__ */
 #endif /* PDFABRIC_CPU_AVX512_H */

@@ -30,11 +30,6 @@
 #if defined(HAVE_AVX512_BF16) && defined(__AVX512VNNI__)
 #define HAVE_INT8_KV 1
 
-/* 16 bfloat16 values as float32 */
-static inline __m512 bf16x16(const uint16_t *x) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16));
-}
-
 /* Bytes of one kv head's rows in one block, and of one 16-key group of them (scales, then values). */
 static inline int64_t int8_head_bytes(int block_size, int head_dim) {
     return (int64_t)block_size * (head_dim + INT8_SCALE_BYTES);
@@ -46,13 +41,13 @@ static inline int64_t int8_group_bytes(int head_dim) { return 16 * (int64_t)(hea
 static inline float quantize_row_int8(const uint16_t *x, int n, int8_t *q, int step) {
     __m512 top = _mm512_setzero_ps();
     for (int i = 0; i < n; i += 16)
-        top = _mm512_max_ps(top, _mm512_abs_ps(bf16x16(x + i)));
+        top = _mm512_max_ps(top, _mm512_abs_ps(widen_bf16x16(x + i, 0xffff)));
     const float scale = _mm512_reduce_max_ps(top) / 127.0f;
     for (int i = 0; i < n; i += 16) {
         int8_t lanes[16];
         __m512 r = _mm512_setzero_ps();
         if (scale > 0.0f) {
-            r = _mm512_roundscale_ps(_mm512_div_ps(bf16x16(x + i), _mm512_set1_ps(scale)),
+            r = _mm512_roundscale_ps(_mm512_div_ps(widen_bf16x16(x + i, 0xffff), _mm512_set1_ps(scale)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
             r = _mm512_min_ps(_mm512_max_ps(r, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f));
         }
@@ -103,15 +98,6 @@ int pd_store_kv_int8(const void *key, int64_t key_stride, const void *value, int
         }
     }
     return 0;
-}
-
-typedef int32_t __attribute__((may_alias)) quad_t; /* four int8 values read as one word */
-
-/* acc + the products of a's unsigned and b's signed bytes, four a lane (VPDPBUSD; in assembly, as
- * linear_w8a8.h's, since GCC 12 wraps the intrinsic in register copies). */
-static inline __m512i kv_dpbusd(__m512i acc, __m512i a, __m512i b) {
-    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
-    return acc;
 }
 
 /* Key groups past a sequence's last block: zero scales, so whatever their values, their scores are 0. */
@@ -169,10 +155,10 @@ static inline void qk_int8(const int8_t *q, const float *f, const int32_t *corr,
         const __m512i b2 = _mm512_loadu_si512(g[2] + 64 + c * 64), b3 = _mm512_loadu_si512(g[3] + 64 + c * 64);
         for (int m = 0; m < MR; m++) {
             const __m512i a = _mm512_set1_epi32(*(const quad_t *)(q + m * d + c * 4));
-            acc[m][0] = kv_dpbusd(acc[m][0], b0, a);
-            acc[m][1] = kv_dpbusd(acc[m][1], b1, a);
-            acc[m][2] = kv_dpbusd(acc[m][2], b2, a);
-            acc[m][3] = kv_dpbusd(acc[m][3], b3, a);
+            acc[m][0] = dpbusd(acc[m][0], b0, a);
+            acc[m][1] = dpbusd(acc[m][1], b1, a);
+            acc[m][2] = dpbusd(acc[m][2], b2, a);
+            acc[m][3] = dpbusd(acc[m][3], b3, a);
         }
     }
     for (int m = 0; m < MR; m++) {

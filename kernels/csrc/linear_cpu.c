@@ -55,6 +55,7 @@
 #endif
 #endif
 
+#include "cpu_avx512.h" /* widen_bf16x16; quad_t and dpbusd for linear_w8a8.h */
 #include "cpu_scalar.h"
 
 #define COLS 64          /* output columns per panel: four 16-lane vectors */
@@ -200,11 +201,6 @@ static inline __m256i round_bf16x16(__m512 v) {
     const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40)));
     return _mm512_cvtepi32_epi16(r);
-}
-
-static inline __m512 widen_bf16x16(const uint16_t *p, __mmask16 live) {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
 /* store_tile's bfloat16 rows, 16 columns at a time: the same roundings as the scalar loop. */

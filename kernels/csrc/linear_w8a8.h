@@ -65,17 +65,6 @@ typedef struct {
     int dtype;
 } w8_job_t;
 
-#if defined(__AVX512VNNI__)
-typedef int32_t __attribute__((may_alias)) quad_t; /* four int8 inputs read as one word (as pair_t) */
-
-/* acc + the products of a's unsigned and b's signed bytes, four a lane (VPDPBUSD). In assembly: GCC 12
- * wraps the intrinsic in register copies that doubled the loop's instructions. */
-static inline __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
-    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
-    return acc;
-}
-#endif
-
 /* Row x (k inputs of `dtype`) quantized into q, each group's scale into xs and starting sum into start. */
 static void quantize_row(const void *x, int dtype, int64_t k, int8_t *q, float *xs, int32_t *start) {
     const uint16_t *xb = (const uint16_t *)x;
