@@ -32,7 +32,7 @@ SPECULATIVE = ("off", "ngram", "draft")  # speculative decoding's proposers
 # How linear weights may be held (kernels/linear_cpu.py), named here so that configs import no torch
 QUANTIZATIONS = ("none", "int8", "int4", "gguf", "w8a8")
 # What a KV-cache row is stored as (engine/kv_cache.py): "auto", the model's dtype; "int8", int8 values
-# and a float32 scale per token and kv head (bfloat16 models on CPUs with AVX512-BF16)
+# and a float32 scale per token and kv head (bfloat16 models on CPUs with AVX512-BF16 and AVX512-VNNI)
 KV_CACHE_DTYPES = ("auto", "int8")
 
 
