@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict, deque
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -53,9 +53,15 @@ def chain_hashes(
 
 class BlockPool:
     """A free list of block ids ``0 .. num_blocks - 1`` with reference counts, and the prefix cache
-    over them."""
+    over them. ``on_evict(blocks, hashes)``: told of cached blocks ``allocate`` is about to reuse, while
+    their KV is still there (a host store copies them out, ``prefix_cache.HostTier``)."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        on_evict: Callable[[list[int], list[bytes]], None] | None = None,
+    ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
         self.num_blocks = num_blocks
@@ -67,6 +73,7 @@ class BlockPool:
         self._idle: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody holds, oldest first
         self._stored: list[bytes] = []  # hashes cached since ``take_events``
         self._evicted: list[bytes] = []  # hashes dropped since ``take_events``
+        self.on_evict = on_evict
 
     @property
     def num_free(self) -> int:
@@ -88,12 +95,17 @@ class BlockPool:
         if not self.can_allocate(n):
             return None
         blocks = [self._free.popleft() for _ in range(min(n, len(self._free)))]
+        evicted: list[bytes] = []
         while len(blocks) < n:
             b, _ = self._idle.popitem(last=False)
             h = self._hash_of.pop(b)
             del self._block_of[h]
-            self._evicted.append(h)
+            evicted.append(h)
             blocks.append(b)
+        if evicted:
+            self._evicted += evicted
+            if self.on_evict is not None:
+                self.on_evict(blocks[len(blocks) - len(evicted) :], evicted)
         for b in blocks:
             self._refs[b] = 1
         return blocks
@@ -107,6 +119,10 @@ class BlockPool:
             self._block_of[prefix_hash] = block
             self._hash_of[block] = prefix_hash
             self._stored.append(prefix_hash)
+
+    def cached_blocks(self) -> tuple[list[int], list[bytes]]:
+        """Every cached block and its prefix hash (what a host store keeps when the worker stops)."""
+        return list(self._hash_of), list(self._hash_of.values())
 
     def take_events(self) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
         """The hashes cached and the hashes dropped since the last call (for the router's view of

@@ -4,22 +4,49 @@ prefix, and a sequence's blocks go into the cache as they fill. No torch here.
 The block pool keeps the cache itself (``block_pool.py``: full blocks by their chained prompt hash,
 salted by the model, reference-counted, evicted least recently used); ``PrefixCache`` decides what a
 sequence looks up and records, and counts the prompt tokens queried and found.
+
+Beyond the pool a ``HostTier`` (the host's KV store, ``kvtransfer/host_store.py``) may hold more: the
+pool's evicted blocks go to it (``BlockPool.on_evict``), and a prompt whose cached prefix ends in the
+pool continues in the tier, read into fresh blocks before the step that needs them.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Protocol
 
 from pdfabric.engine.block_pool import BlockTables, cacheable_blocks, chain_hashes
 from pdfabric.engine.sequence import Sequence
 
 
+class HostTier(Protocol):
+    """KV blocks kept beyond a worker's pool, by the pool's prefix hashes."""
+
+    def save(self, blocks: list[int], hashes: list[bytes]) -> None:
+        """Takes a copy of the blocks' KV now (they are about to be reused) and keeps it under
+        ``hashes``, without making the caller wait for the keeping."""
+        ...
+
+    def find(self, hashes: Seq[bytes]) -> int:
+        """How many leading ``hashes`` it holds."""
+        ...
+
+    def load(self, hashes: Seq[bytes], blocks: list[int]) -> int:
+        """Reads the KV of ``hashes`` into ``blocks``; how many leading ones it read and checked (the
+        rest are not to be used)."""
+        ...
+
+
 class PrefixCache:
     """Prefix caching for one scheduler's sequences; ``salt`` None: off (nothing is looked up or kept)."""
 
-    def __init__(self, tables: BlockTables, salt: bytes | None) -> None:
+    def __init__(self, tables: BlockTables, salt: bytes | None, tier: HostTier | None = None) -> None:
         self.tables = tables
         self.salt = salt
+        self.tier = tier
         self.prompt_tokens = 0  # prompt tokens scheduled for the first time (prefix cache queries)
-        self.hit_tokens = 0  # of those, found in the cache
+        self.hit_tokens = 0  # of those, found in the cache (the pool or the tier)
+        self.tier_hit_tokens = 0  # of those, read from the tier
 
     def attach(self, seq: Sequence) -> None:
         """A waiting sequence without blocks starts from the cached blocks of its longest cached
@@ -30,14 +57,36 @@ class PrefixCache:
             seq.prefix_hit = 0
             return
         pool = self.tables.pool
-        blocks = pool.lookup(self.hashes(seq, cacheable_blocks(seq.num_tokens, pool.block_size)))
+        hashes = self.hashes(seq, cacheable_blocks(seq.num_tokens, pool.block_size))
+        blocks = pool.lookup(hashes)
+        pool.acquire(blocks)
+        loaded: list[int] = []
+        if self.tier is not None and len(blocks) < len(hashes):
+            loaded = self._load(hashes[len(blocks) :])
         if seq.prefix_hit is None:
-            seq.prefix_hit = min(len(blocks) * pool.block_size, len(seq.prompt_ids))
+            seq.prefix_hit = min((len(blocks) + len(loaded)) * pool.block_size, len(seq.prompt_ids))
             self.hit_tokens += seq.prefix_hit
+            self.tier_hit_tokens += min(len(loaded) * pool.block_size, seq.prefix_hit)
+        blocks += loaded
         if blocks:
-            pool.acquire(blocks)
             self.tables.attach(seq.request_id, blocks)
         seq.num_cached, seq.recorded = len(blocks) * pool.block_size, len(blocks)
+
+    def _load(self, hashes: list[bytes]) -> list[int]:
+        """Fresh blocks holding the leading ``hashes`` the tier has (as many as the pool can supply),
+        cached in the pool: a prompt that cannot run yet and gives them back leaves them cached."""
+        assert self.tier is not None
+        pool = self.tables.pool
+        n = min(self.tier.find(hashes[: pool.num_free]), pool.num_free)
+        if not n:
+            return []
+        blocks = pool.allocate(n)
+        assert blocks is not None
+        good = self.tier.load(hashes[:n], blocks)
+        for b, h in zip(blocks[:good], hashes, strict=False):
+            pool.cache(b, h)
+        pool.free(blocks[good:])
+        return blocks[:good]
 
     def hashes(self, seq: Sequence, n: int) -> list[bytes]:
         """The prefix hashes of the sequence's first ``n`` full blocks."""

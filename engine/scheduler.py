@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from pdfabric.engine.block_pool import BlockTables, blocks_for, cacheable_blocks
-from pdfabric.engine.prefix_cache import PrefixCache
+from pdfabric.engine.prefix_cache import HostTier, PrefixCache
 from pdfabric.engine.sequence import SeqState, Sequence, TopLogprobs, branch_id, branch_params
 from pdfabric.engine.speculate import PromptLookup, Proposer, Wanted
 from pdfabric.profile import StepShape
@@ -70,10 +70,15 @@ class Chunk:
 
 class Scheduler:
     def __init__(
-        self, tables: BlockTables, config: SchedulerConfig, proposer: Proposer | None = None
+        self,
+        tables: BlockTables,
+        config: SchedulerConfig,
+        proposer: Proposer | None = None,
+        tier: HostTier | None = None,
     ) -> None:
         """``proposer`` guesses decoding sequences' next tokens when ``config.speculate_k`` is on
-        (default: prompt lookup)."""
+        (default: prompt lookup); ``tier``: where cached prefixes continue beyond the pool (with
+        prefix caching on)."""
         self.tables = tables
         self.config = config
         self.proposer = proposer or PromptLookup()
@@ -83,7 +88,7 @@ class Scheduler:
         self.handoff: dict[str, Sequence] = {}
         self._by_id: dict[str, Sequence] = {}
         self._groups: dict[str, set[str]] = {}  # a request with branches -> its live sequences' ids
-        self.prefix = PrefixCache(tables, config.prefix_salt)
+        self.prefix = PrefixCache(tables, config.prefix_salt, tier)
         self.proposed_tokens = 0  # tokens speculation proposed (engine/speculate.py)
         self.preemptions = 0  # running sequences sent back to wait, their blocks freed
         self.accepted_tokens = 0  # of those, kept

@@ -134,6 +134,12 @@ class ServeConfig:
         return replace(self.worker, kind=kind, worker_id=worker_id, model=self.model, dtype=self.dtype)
 
 
+# The tables a deployment's TOML file may have
+TABLES = frozenset(
+    {"serve", "worker", "speculative", "kv_store", "routing", "workers", "models", "ray", "autoscale"}
+)
+
+
 def load_serve_config(path: str | Path | None, overrides: dict[str, Any]) -> ServeConfig:
     """Reads a TOML deployment config (``[serve]``, ``[worker]``, ``[speculative]``, ``[routing]``,
     ``[[workers]]`` and ``[[models]]``, see ``pdfabric.model_versions``) and applies CLI overrides
@@ -143,8 +149,7 @@ def load_serve_config(path: str | Path | None, overrides: dict[str, Any]) -> Ser
     if path is not None:
         with open(path, "rb") as f:
             data = tomllib.load(f)
-        known = {"serve", "worker", "speculative", "routing", "workers", "models", "ray", "autoscale"}
-        unknown = set(data) - known
+        unknown = set(data) - TABLES
         if unknown:
             raise ValueError(f"{path}: unknown table(s) {', '.join(sorted(unknown))}")
     tables = {"worker", "groups", "routing", "predictor", "models", "ray", "autoscale"}
@@ -164,7 +169,8 @@ def load_serve_config(path: str | Path | None, overrides: dict[str, Any]) -> Ser
     if any(k in serve or k in given for k in counts) or "workers" in data or "models" in data:
         serve.update({k: serve.get(k, 0) for k in counts})
     try:
-        worker.update(_speculative(data.get("speculative", {}), worker))
+        worker.update(_worker_table("speculative", data.get("speculative", {}), SPECULATIVE_KEYS, worker))
+        worker.update(_worker_table("kv_store", data.get("kv_store", {}), KV_STORE_KEYS, worker))
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
     for key, value in given.items():
@@ -197,19 +203,26 @@ SPECULATIVE_KEYS = {
 }  # fmt: skip
 
 
-def _speculative(table: Any, worker: dict[str, Any]) -> dict[str, Any]:
-    """The ``[speculative]`` table (``method = "ngram" | "draft" | "off"``, ``k``, ``below``,
-    ``draft_model``, ``draft_quantization``, ``draft_layers``) as the ``[worker]`` settings it stands
-    for; a setting given in both tables is an error, the command line's flags override either."""
+# [kv_store] keys and the [worker] keys they set
+KV_STORE_KEYS = {
+    k: f"kv_store_{k}" for k in ("ram_mb", "ram_dir", "disk_dir", "disk_mb", "disk_admission", "queue_mb")
+}
+
+
+def _worker_table(name: str, table: Any, keys: dict[str, str], worker: dict[str, Any]) -> dict[str, Any]:
+    """A table that names ``[worker]`` settings by shorter keys (``[speculative]``: ``method``, ``k``,
+    ``below``, ``draft_model``, ``draft_quantization``, ``draft_layers``; ``[kv_store]``: ``ram_mb``,
+    ``ram_dir``, ``disk_dir``, ``disk_mb``, ``disk_admission``, ``queue_mb``) as those settings; a
+    setting given in both tables is an error, the command line's flags override either."""
     if not isinstance(table, dict):
-        raise ValueError("[speculative] must be a table")
-    bad = set(table) - set(SPECULATIVE_KEYS)
+        raise ValueError(f"[{name}] must be a table")
+    bad = set(table) - set(keys)
     if bad:
-        raise ValueError(f"unknown key(s) in [speculative]: {', '.join(sorted(bad))}")
-    settings = {SPECULATIVE_KEYS[k]: v for k, v in table.items()}
+        raise ValueError(f"unknown key(s) in [{name}]: {', '.join(sorted(bad))}")
+    settings = {keys[k]: v for k, v in table.items()}
     twice = sorted(k for k in settings if k in worker)
     if twice:
-        raise ValueError(f"set in both [speculative] and [worker]: {', '.join(twice)}")
+        raise ValueError(f"set in both [{name}] and [worker]: {', '.join(twice)}")
     return settings
 
 

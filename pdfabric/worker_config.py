@@ -34,6 +34,8 @@ QUANTIZATIONS = ("none", "int8", "int4", "gguf", "w8a8")
 # What a KV-cache row is stored as (engine/kv_cache.py): "auto", the model's dtype; "int8", int8 values
 # and a float32 scale per token and kv head (bfloat16 models on CPUs with AVX512-BF16 and AVX512-VNNI)
 KV_CACHE_DTYPES = ("auto", "int8")
+# Which blocks the host KV store's disk tier takes (kvtransfer/host_store.py)
+STORE_ADMISSIONS = ("reused", "all")
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,17 @@ class WorkerConfig:
     draft_model: str = ""
     draft_quantization: str = "int4"
     draft_layers: int = 0
+    # The host KV store (the [kv_store] table; docs/kvtransfer.md#the-host-kv-store): blocks the pool
+    # evicts go to a RAM tier (a directory in shared memory, "": /dev/shm/pdfabric-kv-store) and a
+    # disk tier, shared by the host's workers and kept across restarts; a prompt's cached prefix
+    # continues there. 0 MiB: that tier is off. The disk takes a block the RAM tier lets go if it was
+    # read back or offered twice ("reused"), or every one ("all"). Saves queue at most queue_mb.
+    kv_store_ram_mb: int = 0
+    kv_store_ram_dir: str = ""
+    kv_store_disk_dir: str = ""
+    kv_store_disk_mb: int = 0
+    kv_store_disk_admission: str = "reused"
+    kv_store_queue_mb: int = 64
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -142,6 +155,26 @@ class WorkerConfig:
             )
         if self.linears not in LINEARS:
             raise ValueError(f"linears must be one of {', '.join(LINEARS)}, got {self.linears!r}")
+        self._check_kv_store()
+
+    def _check_kv_store(self) -> None:
+        if self.kv_store_ram_mb < 0 or self.kv_store_disk_mb < 0 or self.kv_store_queue_mb < 1:
+            raise ValueError(
+                "kv_store ram_mb and disk_mb must be >= 0 and queue_mb >= 1, got "
+                f"{self.kv_store_ram_mb}, {self.kv_store_disk_mb}, {self.kv_store_queue_mb}"
+            )
+        if bool(self.kv_store_disk_mb) != bool(self.kv_store_disk_dir):
+            raise ValueError("kv_store disk_dir and disk_mb go together (the disk tier's place and size)")
+        if self.kv_store_disk_admission not in STORE_ADMISSIONS:
+            raise ValueError(
+                f"kv_store disk_admission must be one of {', '.join(STORE_ADMISSIONS)}, "
+                f"got {self.kv_store_disk_admission!r}"
+            )
+
+    @property
+    def kv_store(self) -> bool:
+        """Whether this worker uses the host KV store (it needs prefix caching)."""
+        return self.prefix_caching and bool(self.kv_store_ram_mb or self.kv_store_disk_mb)
 
     def to_json(self) -> str:
         """Every field, as the one JSON object ``worker_config_from_json`` reads back."""

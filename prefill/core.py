@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from pdfabric.control import HandedOff, Prefill, TokenDelta
+from pdfabric.engine.prefix_cache import HostTier
 from pdfabric.engine.sequence import SeqState, Sequence
 from pdfabric.engine.speculate import Proposer
 from pdfabric.kvtransfer.state import TransferResult
@@ -31,9 +32,14 @@ class PrefillCore(WorkerCore):
     on_prefilled = "handoff"
 
     def __init__(
-        self, spec: CoreSpec, profile: ProfileSource, kv_endpoint: str = "", proposer: Proposer | None = None
+        self,
+        spec: CoreSpec,
+        profile: ProfileSource,
+        kv_endpoint: str = "",
+        proposer: Proposer | None = None,
+        store: HostTier | None = None,
     ) -> None:
-        super().__init__(spec, profile, kv_endpoint)  # a prefill worker never speculates
+        super().__init__(spec, profile, kv_endpoint, store=store)  # a prefill worker never speculates
         # request -> (endpoint, remote blocks, leading local blocks the decode worker has cached)
         self._targets: dict[str, tuple[str, tuple[int, ...], int]] = {}
 

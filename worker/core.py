@@ -41,6 +41,7 @@ from pdfabric.control import (
     TokenDelta,
 )
 from pdfabric.engine.block_pool import BlockPool, BlockTables, prefix_salt
+from pdfabric.engine.prefix_cache import HostTier
 from pdfabric.engine.scheduler import Chunk, Pick, Scheduler, SchedulerConfig, step_shape
 from pdfabric.engine.sequence import SeqState, Sequence
 from pdfabric.engine.speculate import Proposer, SpeculationGain
@@ -112,23 +113,33 @@ class WorkerCore:
     on_prefilled = "decode"
 
     def __init__(
-        self, spec: CoreSpec, profile: ProfileSource, kv_endpoint: str = "", proposer: Proposer | None = None
+        self,
+        spec: CoreSpec,
+        profile: ProfileSource,
+        kv_endpoint: str = "",
+        proposer: Proposer | None = None,
+        store: HostTier | None = None,
     ) -> None:
         """``proposer``: what guesses tokens for speculation with ``speculative = "draft"`` (the draft
-        model, ``engine/draft.py``); with ``"ngram"``, prompt lookup."""
+        model, ``engine/draft.py``); with ``"ngram"``, prompt lookup. ``store``: the host's KV store,
+        which takes the blocks the pool evicts and serves the prefixes it holds (with prefix caching
+        on; ``kvtransfer/host_store.py``)."""
         self.spec = spec
         self.worker_id = spec.worker_id
         self.kv_endpoint = kv_endpoint
         self.profile = profile
         c = spec.config
-        self.tables = BlockTables(BlockPool(spec.num_blocks, c.block_size))
+        store = store if c.prefix_caching else None
+        self.store = store
+        evict = store.save if store is not None else None
+        self.tables = BlockTables(BlockPool(spec.num_blocks, c.block_size, on_evict=evict))
         sched = SchedulerConfig(
             max_batch_tokens=c.max_batch_tokens, max_running=c.max_running, max_model_len=spec.max_model_len,
             on_prefilled=self.on_prefilled, prefix_salt=prefix_salt(c.model) if c.prefix_caching else None,
             speculate_k=c.speculative_k if self._speculates(c.speculative, proposer) else 0,
             speculate_below=c.speculative_below,
         )  # fmt: skip
-        self.scheduler = Scheduler(self.tables, sched, proposer)
+        self.scheduler = Scheduler(self.tables, sched, proposer, store)
         self.speculation = SpeculationGain()  # what speculating steps gained over plain ones
         self.kv_rates = KVRates()
         self._recent_ms: deque[float] = deque(maxlen=32)

@@ -15,10 +15,13 @@ from pdfabric.worker.spec import CoreSpec, ProfileSource
 from pdfabric.worker_config import WorkerConfig
 
 if TYPE_CHECKING:
+    from pdfabric.engine.prefix_cache import HostTier
     from pdfabric.engine.runner import ModelRunner
+    from pdfabric.engine.speculate import Proposer
 
-# A kind's core: built from the worker's spec, its profile source and its KV endpoint ("": none).
-CoreFactory = Callable[[CoreSpec, ProfileSource, str], WorkerCore]
+# A kind's core: built from the worker's spec, its profile source, its KV endpoint ("": none), the
+# draft model's proposer and the host KV store (None: none).
+CoreFactory = Callable[[CoreSpec, ProfileSource, str, "Proposer | None", "HostTier | None"], WorkerCore]
 # A kind's KV side, opened over the model runner's caches (it may move them, as a decode worker's
 # receiver moves them into shared memory) for the worker named by the str, speaking to peers that
 # hold the cluster secret (None: plain ZeroMQ); the side owns what it opens and closes it.

@@ -26,6 +26,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import zmq
@@ -33,6 +34,8 @@ import zmq
 from pdfabric.cluster_secret import ClusterSecret
 from pdfabric.control import Drain, Shutdown
 from pdfabric.engine.stepper import Stepper
+from pdfabric.kvtransfer.frames import layout_of
+from pdfabric.kvtransfer.host_store import HostKVStore, store_salt
 from pdfabric.kvtransfer.transport import host_id
 from pdfabric.profile import ProfileBuilder
 from pdfabric.wire import WireError, decode, encode
@@ -43,8 +46,6 @@ from pdfabric.worker.spec import CoreSpec
 from pdfabric.worker_config import WorkerConfig
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from pdfabric.engine.draft import DraftModel
     from pdfabric.engine.grammar import Grammars
     from pdfabric.engine.runner import ModelRunner
@@ -81,9 +82,11 @@ class Worker:
         self._running = True
         self._drain_until = float("inf")
         self.kv = None if kind.open_kv is None else kind.open_kv(cfg, self.worker_id, engine.runner, secret)
+        self.store = open_store(cfg, engine) if cfg.kv_store else None  # after the KV side moved the caches
         self.core = kind.core(
-            engine.spec, self.profile, self.kv.endpoint if self.kv is not None else "", engine.proposer
-        )
+            engine.spec, self.profile, self.kv.endpoint if self.kv is not None else "", engine.proposer,
+            self.store,
+        )  # fmt: skip
 
     # --- loop -----------------------------------------------------------------------------------
 
@@ -157,6 +160,9 @@ class Worker:
             self.close()
 
     def close(self) -> None:
+        if self.store is not None:  # what the pool holds is kept for the next start
+            self.store.flush(*self.core.tables.pool.cached_blocks())
+            self.store.close()
         if self.kv is not None:
             self.kv.close()
         self.sock.close(linger=1000)
@@ -227,6 +233,7 @@ class Engine:
     profile: ProfileBuilder
     grammars: Grammars | None = None  # None: the model directory has no tokenizer.json
     proposer: DraftModel | None = None  # speculative = "draft": the draft model (engine/draft.py)
+    model_dir: Path | None = None  # the checkpoint's directory
 
 
 def build_engine(cfg: WorkerConfig) -> Engine:
@@ -262,7 +269,15 @@ def build_engine(cfg: WorkerConfig) -> Engine:
     proposer = None
     if cfg.speculative == "draft" and cfg.kind != "prefill":  # prefill workers never speculate
         proposer = build_draft(cfg, path, runner)
-    return Engine(runner, spec, ProfileBuilder(), grammars, proposer)
+    return Engine(runner, spec, ProfileBuilder(), grammars, proposer, path)
+
+
+def open_store(cfg: WorkerConfig, engine: Engine) -> HostKVStore:
+    """The host KV store as this worker sees it: its tiers, and keys salted by its model and layout."""
+    runner = engine.runner
+    layout = layout_of(runner.kv_caches, runner.kv_tiled)
+    salt = store_salt(cfg, engine.model_dir or Path(cfg.model), layout)
+    return HostKVStore(cfg, salt, lambda: runner.kv_caches, runner.kv_tiled)
 
 
 def build_draft(cfg: WorkerConfig, target: Path, served: ModelRunner) -> DraftModel:

@@ -1,0 +1,265 @@
+"""The host's KV store: the blocks a worker's pool evicts, kept in RAM (a directory in shared memory)
+and on disk, for every worker on the host and across restarts (docs/kvtransfer.md#the-host-kv-store).
+
+A block's life in it:
+
+1. ``save(blocks, hashes)``: the pool is about to reuse cached blocks. Their KV is copied out at once
+   into one host buffer and queued for the writer thread, which writes each block to the RAM tier
+   (without one, to the disk tier, if the admission rule takes it). The queue is bounded in bytes: a
+   save that finds it full is dropped and counted; the step never waits for a write.
+2. The RAM tier over its capacity moves its least recently used blocks down to the disk tier, those
+   the admission rule takes (``"reused"``: blocks read back from the store, or offered twice), and
+   deletes the rest; the disk tier deletes its least recently used.
+3. ``find(hashes)`` and ``load(hashes, blocks)``: a prompt's cached prefix continues here. Each block is
+   read (RAM first, then disk), checked and written into the worker's blocks; a disk hit is copied
+   back up to RAM by the writer.
+
+A block's key is its prefix hash (the pool's, salted by the model name) hashed again with the store's
+salt, which names what makes KV bytes differ: the checkpoint (its files' names, sizes and times), the
+served version, dtype, weight format, linear kernels, KV cache dtype and layout. A block of another
+model, version or layout has another key and is never read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import queue
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from pdfabric.kvtransfer.frames import host, layout_of
+from pdfabric.kvtransfer.messages import KVLayout
+from pdfabric.kvtransfer.store_tier import TierDir, TierStats
+from pdfabric.worker_config import WorkerConfig
+
+log = logging.getLogger("pdfabric.kvtransfer.host_store")
+
+GHOSTS = 1 << 16  # keys remembered as offered once, for the "reused" admission rule
+HOT = 1 << 16  # keys remembered as read back from the store
+
+
+def default_ram_dir() -> Path:
+    """Where the RAM tier lives unless configured: shared memory (``/dev/shm``), else the temp dir."""
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    return base / "pdfabric-kv-store"
+
+
+def store_salt(cfg: WorkerConfig, model_dir: Path, layout: KVLayout) -> bytes:
+    """What every key of a worker's blocks is salted with: everything that makes its KV bytes differ."""
+    files = sorted(p for p in model_dir.iterdir() if p.is_file()) if model_dir.is_dir() else []
+    checkpoint = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    what = {
+        "model": str(model_dir.resolve()), "checkpoint": checkpoint, "served": cfg.served,
+        "dtype": cfg.dtype, "quantization": cfg.quantization, "linears": cfg.linears,
+        "kv_cache_dtype": cfg.kv_cache_dtype, "layout": asdict(layout),
+    }  # fmt: skip
+    return hashlib.blake2b(json.dumps(what, sort_keys=True).encode(), digest_size=16).digest()
+
+
+@dataclass
+class StoreStats:
+    """The store's counts as one process sees them (``pdfabric_kv_store_*`` metrics)."""
+
+    ram: TierStats
+    disk: TierStats
+    dropped: int = 0  # saves dropped because the write queue was full
+    load_seconds: float = 0.0  # time spent reading hits into the cache
+
+
+class HostKVStore:
+    """The RAM and disk tiers of one host, seen by one worker (a ``prefix_cache.HostTier``).
+
+    ``caches()`` gives the worker's cache tensors at the time of the call (a decode worker moves them
+    into shared memory after the store is made)."""
+
+    def __init__(
+        self,
+        cfg: WorkerConfig,
+        salt: bytes,
+        caches: Callable[[], list[torch.Tensor]],
+        tiled: bool = False,
+    ) -> None:
+        if not cfg.kv_store_ram_mb and not cfg.kv_store_disk_mb:
+            raise ValueError("a host KV store needs kv_store_ram_mb or kv_store_disk_mb")
+        self.salt = salt
+        self.caches = caches
+        self.layout = layout_of(caches(), tiled)
+        self.payload_bytes = self.layout.transfer_bytes(1)
+        ram_dir = Path(cfg.kv_store_ram_dir) if cfg.kv_store_ram_dir else default_ram_dir()
+        ram_mb, disk_mb = cfg.kv_store_ram_mb, cfg.kv_store_disk_mb
+        self.ram = TierDir("ram", ram_dir, ram_mb << 20) if ram_mb else None
+        self.disk = TierDir("disk", cfg.kv_store_disk_dir, disk_mb << 20) if disk_mb else None
+        self.admit_all = cfg.kv_store_disk_admission == "all"
+        self.queue_bytes = cfg.kv_store_queue_mb << 20
+        self.dropped = 0
+        self.load_seconds = 0.0
+        self._ghosts: OrderedDict[bytes, None] = OrderedDict()  # writer thread only
+        self._hot: OrderedDict[bytes, None] = OrderedDict()
+        self._pending = 0  # bytes queued and not yet written
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[tuple[list[bytes], torch.Tensor, bool] | None] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write_loop, name="kv-store-writer", daemon=True)
+        self._writer.start()
+
+    def key(self, prefix_hash: bytes) -> bytes:
+        return hashlib.blake2b(self.salt + prefix_hash, digest_size=16).digest()
+
+    # --- the worker's side (its loop's thread) -----------------------------------------------------
+
+    def save(self, blocks: list[int], hashes: list[bytes]) -> None:
+        keys = [self.key(h) for h in hashes]
+        keep = [i for i, k in enumerate(keys) if not self._has(k)]
+        if not keep:
+            return
+        if self._reserve(len(keep)):
+            self._queue.put(([keys[i] for i in keep], self._gather([blocks[i] for i in keep]), False))
+
+    def find(self, hashes: Sequence[bytes]) -> int:
+        n = 0
+        for h in hashes:
+            if not self._has(self.key(h)):
+                break
+            n += 1
+        return n
+
+    def load(self, hashes: Sequence[bytes], blocks: list[int]) -> int:
+        start = time.perf_counter()
+        payloads: list[bytes] = []
+        promote: dict[int, bytes] = {}  # disk hits to copy up to RAM, by their row
+        for h in hashes[: len(blocks)]:
+            key = self.key(h)
+            data = self.ram.read(key, self.payload_bytes) if self.ram is not None else None
+            if data is None and self.disk is not None:
+                data = self.disk.read(key, self.payload_bytes)
+                if data is not None and self.ram is not None:
+                    promote[len(payloads)] = key
+            if data is None:
+                break
+            payloads.append(data)
+            _remember(self._hot, key, HOT)
+        if payloads:
+            buf = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
+            buf = buf.view(len(payloads), self.layout.num_layers, 2, -1)
+            self._scatter(buf, blocks[: len(payloads)])
+            if promote and self._reserve(len(promote)):
+                self._queue.put((list(promote.values()), buf[list(promote)], True))
+        self.load_seconds += time.perf_counter() - start
+        return len(payloads)
+
+    def flush(self, blocks: list[int], hashes: list[bytes], timeout_s: float = 10.0) -> None:
+        """Saves the worker's cached blocks (it is stopping) and waits, at most ``timeout_s``, for every
+        queued write; more than the queue holds is saved in turns."""
+        deadline = time.monotonic() + timeout_s
+        step = max(1, self.queue_bytes // self.payload_bytes)
+        for i in range(0, len(blocks), step):
+            self._wait_idle(deadline)
+            self.save(blocks[i : i + step], hashes[i : i + step])
+        self._wait_idle(deadline)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._writer.join(timeout=10.0)
+
+    def stats(self) -> StoreStats:
+        empty = TierStats()
+        return StoreStats(
+            self.ram.stats if self.ram else empty, self.disk.stats if self.disk else empty, self.dropped,
+            self.load_seconds,
+        )  # fmt: skip
+
+    def _reserve(self, n: int) -> bool:
+        """Room in the write queue for ``n`` blocks (taken), or ``False`` (counted as dropped)."""
+        nbytes = n * self.payload_bytes
+        with self._lock:
+            if self._pending + nbytes > self.queue_bytes:
+                self.dropped += n
+                return False
+            self._pending += nbytes
+            return True
+
+    def _wait_idle(self, deadline: float) -> None:
+        while self._pending and time.monotonic() < deadline and self._writer.is_alive():
+            time.sleep(0.005)
+
+    def _has(self, key: bytes) -> bool:
+        return (self.ram is not None and self.ram.has(key)) or (self.disk is not None and self.disk.has(key))
+
+    def _gather(self, blocks: list[int]) -> torch.Tensor:
+        """The blocks' KV as host bytes, ``[n, layers, 2, bytes of a block's keys]``."""
+        caches = self.caches()
+        idx = torch.tensor(blocks, dtype=torch.int64, device=caches[0].device)
+        out = torch.empty((len(blocks), len(caches), 2, self.layout.block_bytes), dtype=torch.uint8)
+        for layer, cache in enumerate(caches):
+            # cache: [2, num_blocks, block_size, H, D]; its blocks' bytes: [2, n, block bytes]
+            picked = cache.index_select(1, idx).view(torch.uint8).reshape(2, len(blocks), -1)
+            out[:, layer].copy_(host(picked).transpose(0, 1))
+        return out
+
+    def _scatter(self, buf: torch.Tensor, blocks: list[int]) -> None:
+        """Writes ``buf`` (``_gather``'s shape) into the worker's ``blocks``."""
+        caches = self.caches()
+        idx = torch.tensor(blocks, dtype=torch.int64, device=caches[0].device)
+        for layer, cache in enumerate(caches):
+            src = buf[:, layer].transpose(0, 1).contiguous().to(cache.device)  # [2, n, block bytes]
+            src = src.view(cache.dtype).view(2, len(blocks), *cache.shape[2:])
+            cache.index_copy_(1, idx, src)
+
+    # --- the writer thread -------------------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            keys, buf, promoted = item
+            try:
+                for key, row in zip(keys, buf, strict=True):
+                    self._write(key, memoryview(row.reshape(-1).numpy()), promoted)
+            except Exception:  # a writer that dies would leave every later save queued forever
+                log.exception("host KV store: writing %d blocks failed", len(keys))
+            finally:
+                with self._lock:
+                    self._pending -= len(keys) * self.payload_bytes
+
+    def _write(self, key: bytes, payload: memoryview, promoted: bool) -> None:
+        """One block: into RAM (a disk hit copied up, or a save), else onto disk if admitted."""
+        if self.ram is not None:
+            if self.ram.write(key, payload) and self.ram.over():
+                self._spill()
+        elif self.disk is not None and self._admit(key):
+            if self.disk.write(key, payload) and self.disk.over():
+                self.disk.evict()
+
+    def _spill(self) -> None:
+        """The RAM tier's least recently used blocks go down to the disk tier (those admitted)."""
+        assert self.ram is not None
+        for path in self.ram.oldest():
+            key = TierDir.key_of(path)
+            if self.disk is not None and key is not None and self._admit(key):
+                payload = self.ram.take(path, key, self.payload_bytes)
+                if payload is not None and self.disk.write(key, payload) and self.disk.over():
+                    self.disk.evict()
+            self.ram.remove(path)
+
+    def _admit(self, key: bytes) -> bool:
+        """The disk tier's admission rule: every block, or (``"reused"``) a block read back from the
+        store or offered a second time, so that one-off prompts do not churn the disk."""
+        if self.admit_all or key in self._hot or key in self._ghosts:
+            self._ghosts.pop(key, None)
+            return True
+        _remember(self._ghosts, key, GHOSTS)
+        return False
+
+
+def _remember(keys: OrderedDict[bytes, None], key: bytes, limit: int) -> None:
+    """Adds ``key`` as the newest of at most ``limit`` keys."""
+    keys[key] = None
+    keys.move_to_end(key)
+    if len(keys) > limit:
+        keys.popitem(last=False)

@@ -1,0 +1,205 @@
+"""One tier of the host KV store: a directory of block files, bounded in bytes. No torch here.
+
+A block is one file, ``<key in hex>.kv``: a header (magic, the block's key, the payload's length and
+crc32), then the payload. It is written under a temporary name and renamed into place, so a reader
+sees a whole file or none: a process killed mid-write leaves only a temporary file, which the next
+store opened on the directory removes. A file that fails its checks on reading (another key, another
+length, a wrong crc32: a torn write after a power loss, a corrupted disk) is deleted and reported as
+a miss, never served.
+
+Several processes may share a directory (every worker on a host): each keeps a running estimate of
+the bytes in it, and when its estimate passes the capacity it lists the directory and deletes the
+least recently used files (by modification time, which a read refreshes) down to ``LOW_WATER`` of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+MAGIC = b"PDKVBLK1"
+HEADER = struct.Struct("<8s16sQI4x")  # magic, key, payload bytes, crc32 of the payload, padding
+SUFFIX = ".kv"
+TMP_PREFIX = ".tmp-"
+LOW_WATER = 0.9  # an eviction pass brings a tier down to this share of its capacity
+
+
+@dataclass
+class TierStats:
+    """What one tier did (counted by the process that did it)."""
+
+    hits: int = 0  # blocks read and checked
+    bytes_read: int = 0
+    writes: int = 0  # blocks written
+    bytes_written: int = 0
+    evictions: int = 0  # blocks deleted to stay within capacity
+    bad: int = 0  # files that failed their checks (deleted)
+    write_errors: int = 0  # writes that failed (a full disk, ...): the block is not kept
+
+
+class TierDir:
+    """A directory of block files of at most ``capacity`` bytes (headers included)."""
+
+    def __init__(self, name: str, path: str | Path, capacity: int) -> None:
+        if capacity <= 0:
+            raise ValueError(f"{name} tier capacity must be positive, got {capacity}")
+        self.name = name
+        self.path = Path(path)
+        self.capacity = capacity
+        self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.stats = TierStats()
+        self._remove_dead_temporaries()
+        self.used = sum(size for _, size, _ in self._listing())
+        self._counter = 0
+
+    def file(self, key: bytes) -> Path:
+        return self.path / f"{key.hex()}{SUFFIX}"
+
+    def has(self, key: bytes) -> bool:
+        return os.path.exists(self.file(key))
+
+    def read(self, key: bytes, payload_bytes: int) -> bytes | None:
+        """The payload kept under ``key``, checked (and its recency refreshed), or ``None``."""
+        payload = self.take(self.file(key), key, payload_bytes)
+        if payload is not None:
+            with contextlib.suppress(OSError):
+                os.utime(self.file(key))
+            self.stats.hits += 1
+            self.stats.bytes_read += payload_bytes
+        return payload
+
+    def take(self, path: Path, key: bytes, payload_bytes: int) -> bytes | None:
+        """The checked payload of the block file at ``path`` (a file that fails its checks is
+        deleted), or ``None``; no recency or hit is counted (a tier moving its blocks down reads so)."""
+        try:
+            with open(path, "rb") as f:
+                data = f.read(HEADER.size + payload_bytes + 1)
+        except FileNotFoundError:
+            return None
+        except OSError:
+            self.stats.bad += 1
+            return None
+        if not _valid(data, key, payload_bytes):
+            self.stats.bad += 1
+            with contextlib.suppress(OSError):
+                path.unlink()
+            return None
+        return data[HEADER.size :]
+
+    def write(self, key: bytes, payload: bytes | memoryview) -> bool:
+        """Keeps ``payload`` under ``key`` (write, then publish by renaming); ``False`` if the write
+        failed (the tier then makes room, so that the next one may succeed)."""
+        payload = memoryview(payload).cast("B")
+        header = HEADER.pack(MAGIC, key, len(payload), zlib.crc32(payload))
+        self._counter += 1
+        tmp = self.path / f"{TMP_PREFIX}{os.getpid()}-{self._counter}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(header)
+                f.write(payload)
+            os.replace(tmp, self.file(key))
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            self.stats.write_errors += 1
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                self.evict(int(self.capacity * (1 - LOW_WATER)))
+            return False
+        size = len(header) + len(payload)
+        self.stats.writes += 1
+        self.stats.bytes_written += len(payload)
+        self.used += size
+        return True
+
+    def over(self) -> bool:
+        return self.used > self.capacity
+
+    def oldest(self, at_least: int = 0) -> list[Path]:
+        """The files to remove to come down to ``LOW_WATER`` of capacity (and to free ``at_least``
+        bytes), least recently used first; the directory is listed afresh, since other processes
+        write to it too."""
+        listing = sorted(self._listing())
+        self.used = sum(size for _, size, _ in listing)
+        excess = max(self.used - int(self.capacity * LOW_WATER), at_least)
+        out: list[Path] = []
+        for _, size, path in listing:
+            if excess <= 0:
+                break
+            out.append(path)
+            excess -= size
+        return out
+
+    def remove(self, path: Path) -> None:
+        """Deletes one of ``oldest``'s files (gone already: another process took it)."""
+        try:
+            size = path.stat().st_size
+            path.unlink()
+        except OSError:
+            return
+        self.used -= size
+        self.stats.evictions += 1
+
+    def evict(self, at_least: int = 0) -> None:
+        """Removes least recently used files down to ``LOW_WATER`` of capacity (and at least
+        ``at_least`` bytes)."""
+        for path in self.oldest(at_least):
+            self.remove(path)
+
+    @staticmethod
+    def key_of(path: Path) -> bytes | None:
+        """The key a block file's name gives (``None`` for anything else)."""
+        name = path.name
+        if not name.endswith(SUFFIX):
+            return None
+        try:
+            return bytes.fromhex(name[: -len(SUFFIX)])
+        except ValueError:
+            return None
+
+    def _listing(self) -> list[tuple[float, int, Path]]:
+        """(modification time, size, path) of every block file."""
+        out = []
+        with os.scandir(self.path) as entries:
+            for e in entries:
+                if e.name.endswith(SUFFIX):
+                    try:
+                        st = e.stat()
+                    except OSError:
+                        continue
+                    out.append((st.st_mtime, st.st_size, Path(e.path)))
+        return out
+
+    def _remove_dead_temporaries(self) -> None:
+        """Deletes the temporary files of writers that are gone (killed mid-write)."""
+        with os.scandir(self.path) as entries:
+            for e in entries:
+                if not e.name.startswith(TMP_PREFIX):
+                    continue
+                pid = e.name[len(TMP_PREFIX) :].split("-", 1)[0]
+                if not pid.isdigit() or not _alive(int(pid)):
+                    with contextlib.suppress(OSError):
+                        os.unlink(e.path)
+
+
+def _valid(data: bytes, key: bytes, payload_bytes: int) -> bool:
+    if len(data) != HEADER.size + payload_bytes:
+        return False
+    magic, stored_key, length, crc = HEADER.unpack_from(data)
+    if magic != MAGIC or stored_key != key or length != payload_bytes:
+        return False
+    return zlib.crc32(memoryview(data)[HEADER.size :]) == crc
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

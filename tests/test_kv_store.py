@@ -1,0 +1,310 @@
+"""The host KV store: block files checked on reading, tiers bounded and least-recently-used, crash
+safety (a writer killed mid-write leaves nothing readable as valid), the admission rule, and with the
+real model: prompts whose prefixes the pool evicted, or that a restarted worker never computed, read
+them from the store and give the reference's tokens, with no block leaked."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdfabric.control import Generate, StepOutputs, TokenDelta
+from pdfabric.decode.core import ColocatedCore
+from pdfabric.engine.block_pool import chain_hashes
+from pdfabric.kvtransfer.host_store import HostKVStore
+from pdfabric.kvtransfer.store_tier import HEADER, TMP_PREFIX, TierDir
+from pdfabric.profile import WorkerProfile
+from pdfabric.sampling_params import SamplingParams
+from pdfabric.worker.spec import FixedProfile
+from pdfabric.worker_config import WorkerConfig
+from tests.core_helpers import core_spec
+from tests.test_worker_core import _tokens
+
+KEY = bytes(range(16))
+
+
+def _files(path: Path) -> list[Path]:
+    return sorted(path.glob("*.kv"))
+
+
+def test_a_block_file_reads_back_only_whole_and_unchanged(tmp_path: Path) -> None:
+    tier = TierDir("ram", tmp_path, 1 << 20)
+    payload = os.urandom(1000)
+    assert tier.write(KEY, payload) and tier.read(KEY, 1000) == payload
+    assert tier.read(KEY, 999) is None  # another length than the layout's: never served
+    assert tier.read(b"\x01" * 16, 1000) is None and tier.stats.bad == 1  # the miss is not bad
+    tier.write(KEY, payload)
+    path = tier.file(KEY)
+    data = bytearray(path.read_bytes())
+    data[HEADER.size + 500] ^= 1  # one bit flipped on disk
+    path.write_bytes(data)
+    assert tier.read(KEY, 1000) is None and not path.exists() and tier.stats.bad == 2  # dropped
+    tier.write(KEY, payload)
+    path.write_bytes(path.read_bytes()[:-10])  # torn
+    assert tier.read(KEY, 1000) is None and not path.exists()
+    other = bytes(16)
+    tier.write(other, payload)
+    tier.file(other).rename(tier.file(KEY))  # a file under another block's name
+    assert tier.read(KEY, 1000) is None
+
+
+def test_a_tier_stays_within_its_capacity_dropping_the_least_recently_used(tmp_path: Path) -> None:
+    tier = TierDir("disk", tmp_path, 10 * (HEADER.size + 1000))
+    keys = [bytes([i]) * 16 for i in range(12)]
+    for i, key in enumerate(keys):
+        tier.write(key, bytes([i]) * 1000)
+        os.utime(tier.file(key), (1000 + i, 1000 + i))  # written one after the other
+        if i == 5:
+            tier.read(keys[0], 1000)  # read back: the most recent now
+            os.utime(tier.file(keys[0]), (1005.5, 1005.5))
+        if tier.over():
+            tier.evict()
+    held = {TierDir.key_of(p) for p in _files(tmp_path)}
+    assert keys[0] in held and keys[1] not in held and keys[11] in held
+    assert tier.used <= tier.capacity and tier.stats.evictions >= 2
+    assert TierDir("disk", tmp_path, tier.capacity).used == tier.used  # a new process counts the same
+
+
+def test_a_failed_write_keeps_nothing_and_makes_room(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = TierDir("disk", tmp_path, 4 * (HEADER.size + 100))
+    for i in range(4):
+        tier.write(bytes([i]) * 16, bytes(100))
+    real_replace = os.replace
+
+    def full(src: str, dst: str) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    assert not tier.write(KEY, bytes(100))
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert not tier.has(KEY) and tier.stats.write_errors == 1
+    assert not list(tmp_path.glob(f"{TMP_PREFIX}*"))  # the temporary file is gone
+    assert len(_files(tmp_path)) < 4  # room was made for the next write
+    assert tier.write(KEY, bytes(100)) and tier.read(KEY, 100) == bytes(100)
+
+
+_WRITER = """
+import os, sys
+from pdfabric.kvtransfer.store_tier import TierDir
+tier = TierDir("disk", sys.argv[1], 1 << 30)
+print("ready", flush=True)
+i = 0
+while True:
+    tier.write(i.to_bytes(16, "little"), bytes([i % 251]) * 200_000)
+    i += 1
+"""
+
+
+def test_a_writer_killed_mid_write_leaves_no_block_that_reads_as_valid(tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path)], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+        time.sleep(0.3)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    tier = TierDir("disk", tmp_path, 1 << 30)  # the next start: dead writers' temporaries removed
+    assert not list(tmp_path.glob(f"{TMP_PREFIX}*"))
+    files = _files(tmp_path)
+    assert files
+    for path in files:
+        key = TierDir.key_of(path)
+        assert key is not None
+        i = int.from_bytes(key, "little")
+        assert tier.read(key, 200_000) == bytes([i % 251]) * 200_000
+
+
+def _caches(num_blocks: int = 8) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(2, num_blocks, 4, 2, 8, generator=gen).to(torch.bfloat16) for _ in range(3)]
+
+
+def _store(caches: list[torch.Tensor], tmp_path: Path, salt: bytes = b"s", **kw: object) -> HostKVStore:
+    kw.setdefault("kv_store_ram_mb", 1)
+    kw.setdefault("kv_store_ram_dir", str(tmp_path / "ram"))
+    cfg = WorkerConfig(kind="colocated", **kw)  # type: ignore[arg-type]
+    return HostKVStore(cfg, salt, lambda: caches)
+
+
+def _settle(store: HostKVStore) -> None:
+    store.flush([], [])
+
+
+def test_saved_blocks_load_into_other_blocks_and_only_under_their_salt(tmp_path: Path) -> None:
+    caches = _caches()
+    store = _store(caches, tmp_path)
+    try:
+        hashes = [b"a" * 16, b"b" * 16, b"c" * 16]
+        store.save([5, 1, 6], hashes)
+        _settle(store)
+        assert store.find([*hashes, b"d" * 16]) == 3 and store.find([b"d" * 16, *hashes]) == 0
+        before = [c.clone() for c in caches]
+        assert store.load(hashes[:2], [2, 3]) == 2
+        for cache, old in zip(caches, before, strict=True):
+            assert torch.equal(cache[:, 2], old[:, 5]) and torch.equal(cache[:, 3], old[:, 1])
+            assert torch.equal(cache[:, 4], old[:, 4])  # nothing else written
+        other = _store(caches, tmp_path, salt=b"another model")
+        assert other.find(hashes) == 0 and other.load(hashes, [0, 1, 2]) == 0
+        other.close()
+        assert store.stats().ram.hits == 2 and store.stats().ram.writes == 3
+    finally:
+        store.close()
+
+
+def test_a_full_write_queue_drops_saves_instead_of_waiting(tmp_path: Path) -> None:
+    caches = _caches()
+    store = _store(caches, tmp_path, kv_store_queue_mb=1)
+    store.queue_bytes = store.payload_bytes  # room for one block
+    store._lock.acquire()  # the writer cannot finish: the queue stays full
+    try:
+        store._pending = store.payload_bytes
+        store._lock.release()
+        store.save([0, 1], [b"a" * 16, b"b" * 16])
+        assert store.dropped == 2
+    finally:
+        store._pending = 0
+        store.close()
+
+
+def test_the_disk_takes_what_ram_lets_go_by_the_admission_rule(tmp_path: Path) -> None:
+    caches = _caches(64)
+    one = (2 * 3 * 4 * 2 * 8 * 2) + HEADER.size  # a block file: 3 layers of keys and values
+    hashes = [bytes([i]) * 16 for i in range(40)]
+    for admission in ("all", "reused"):
+        disk = tmp_path / f"disk-{admission}"
+        store = _store(caches, tmp_path / admission, kv_store_disk_dir=str(disk), kv_store_disk_mb=1,
+                       kv_store_disk_admission=admission)  # fmt: skip
+        assert store.ram is not None
+        store.ram.capacity = 10 * one
+        try:
+            store.save(list(range(20)), hashes[:20])
+            _settle(store)
+            assert len(_files(tmp_path / admission / "ram")) <= 10
+            on_disk = len(_files(disk))
+            if admission == "all":
+                assert on_disk >= 10 and store.find(hashes[:20]) == 20  # nothing lost, RAM or disk
+            else:
+                assert on_disk == 0  # each offered once: none admitted
+                assert store.load(hashes[15:17], [40, 41]) == 2  # read back: admitted when they leave
+                store.save(list(range(10)), hashes[:10])  # those that left RAM, offered again
+                store.save(list(range(20, 40)), hashes[20:40])  # pushes everything out of RAM
+                _settle(store)
+                held = {TierDir.key_of(p) for p in _files(disk)}
+                assert {store.key(h) for h in hashes[:10] + hashes[15:17]} <= held
+                assert not {store.key(h) for h in hashes[10:15] + hashes[17:20]} & held
+        finally:
+            store.close()
+    restarted = _store(caches, tmp_path / "all", kv_store_disk_dir=str(tmp_path / "disk-all"),
+                       kv_store_disk_mb=1)  # fmt: skip
+    try:
+        assert restarted.find(hashes[:20]) == 20 and restarted.load(hashes[:20], list(range(20, 40))) == 20
+    finally:
+        restarted.close()
+
+
+# --- with the real model --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny() -> tuple:
+    from pdfabric.engine.generate import ReferenceEngine
+
+    return ReferenceEngine("tiny"), Path(ReferenceEngine("tiny").path)
+
+
+def _worker(path: Path, tmp_path: Path, num_blocks: int) -> tuple:
+    from pdfabric.engine.loader import load_model
+    from pdfabric.engine.runner import ModelRunner
+    from pdfabric.engine.stepper import Stepper
+
+    runner = ModelRunner(load_model(path), num_blocks, 16)
+    cfg = dict(block_size=16, max_model_len=2048, max_running=4, max_batch_tokens=64, model="tiny",
+               prefix_caching=True, kv_store_ram_mb=4, kv_store_ram_dir=str(tmp_path / "ram"),
+               kv_store_disk_dir=str(tmp_path / "disk"), kv_store_disk_mb=8)  # fmt: skip
+    spec = core_spec("colocated", num_blocks, **cfg)
+    store = HostKVStore(spec.config, b"tiny", lambda: runner.kv_caches, runner.kv_tiled)
+    return ColocatedCore(spec, FixedProfile(WorkerProfile()), store=store), Stepper(runner), store
+
+
+def _serve(core: ColocatedCore, stepper: object, requests: dict[str, tuple[int, ...]]) -> list[TokenDelta]:
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    for rid, prompt in requests.items():
+        core.handle(Generate(rid, prompt, params, ()))
+    deltas: list[TokenDelta] = []
+    while core.has_work:
+        step = core.schedule()
+        assert step is not None
+        out = core.complete(step, stepper.run(step.chunks, core.tables), 0.01)  # type: ignore[attr-defined]
+        deltas += [d for m in out if isinstance(m, StepOutputs) for d in m.deltas]
+    return deltas
+
+
+def test_prefixes_the_pool_evicted_or_a_restart_lost_come_back_from_the_store_token_exact(
+    tiny: tuple, tmp_path: Path
+) -> None:
+    reference, path = tiny
+    prompts = {f"p{i}": tuple(range(10 + i, 10 + i + 100)) for i in range(4)}  # 7 full blocks each
+    want = {r: reference.generate(list(p), SamplingParams(max_tokens=8, ignore_eos=True)).token_ids
+            for r, p in prompts.items()}  # fmt: skip
+    core, stepper, store = _worker(path, tmp_path, num_blocks=12)  # one prompt at a time fits
+    try:
+        first = _serve(core, stepper, prompts)
+        _settle(store)  # the evicted blocks written (a later prompt may miss them otherwise)
+        again: list[TokenDelta] = []
+        for rid, prompt in prompts.items():  # one at a time: each finds the pool to itself
+            again += _serve(core, stepper, {f"{rid}-again": prompt})
+            _settle(store)
+        for rid in prompts:
+            assert _tokens(first, rid) == want[rid] and _tokens(again, f"{rid}-again") == want[rid]
+        hits = {d.request_id: d.cached_tokens for d in again if d.index == 0}
+        assert all(hits[f"{r}-again"] == 96 for r in prompts)  # 6 blocks each, from the pool or the store
+        assert core.scheduler.prefix.tier_hit_tokens >= 3 * 96  # the pool held one prompt's blocks
+        pool = core.tables.pool
+        assert pool.num_free == pool.num_blocks
+        store.flush(*pool.cached_blocks())  # the worker stops
+    finally:
+        store.close()
+    core, stepper, store = _worker(path, tmp_path, num_blocks=12)  # a new process: an empty pool
+    try:
+        restarted: list[TokenDelta] = []
+        for rid, prompt in prompts.items():
+            restarted += _serve(core, stepper, {rid: prompt})
+        for rid in prompts:
+            assert _tokens(restarted, rid) == want[rid]
+        assert core.scheduler.prefix.tier_hit_tokens == 4 * 96
+        assert core.tables.pool.num_free == core.tables.pool.num_blocks
+    finally:
+        store.close()
+
+
+def test_a_block_that_fails_its_check_is_recomputed_not_served(tiny: tuple, tmp_path: Path) -> None:
+    reference, path = tiny
+    prompt = tuple(range(30, 130))
+    want = reference.generate(list(prompt), SamplingParams(max_tokens=8, ignore_eos=True)).token_ids
+    core, stepper, store = _worker(path, tmp_path, num_blocks=12)
+    try:
+        _serve(core, stepper, {"a": prompt})
+        store.flush(*core.tables.pool.cached_blocks())
+    finally:
+        store.close()
+    hashes = chain_hashes(prompt, 16, core.scheduler.config.prefix_salt or b"")
+    files = [Path(tmp_path / "ram" / f"{store.key(h).hex()}.kv") for h in hashes]
+    data = bytearray(files[3].read_bytes())
+    data[-1] ^= 0x40  # the fourth block corrupted
+    files[3].write_bytes(data)
+    core, stepper, store = _worker(path, tmp_path, num_blocks=12)
+    try:
+        out = _serve(core, stepper, {"b": prompt})
+        assert _tokens(out, "b") == want
+        assert [d.cached_tokens for d in out if d.index == 0] == [48]  # three blocks, then recomputed
+        assert store.stats().ram.bad == 1 and not files[3].exists()  # dropped, and not written again
+    finally:
+        store.close()
