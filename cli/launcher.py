@@ -93,6 +93,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "attention reads; bfloat16 models on CPUs with AVX512-BF16 and AVX512-VNNI)",
     )
     parser.add_argument(
+        "--kv-store-ram-mb",
+        type=int,
+        help="the host KV store's RAM tier, MiB (default 0: off): blocks a worker's pool evicts are kept "
+        "in shared memory for every worker on the host, and across restarts (docs/kvtransfer.md)",
+    )
+    parser.add_argument("--kv-store-disk-dir", help="the host KV store's disk tier: its directory")
+    parser.add_argument(
+        "--kv-store-disk-mb", type=int, help="the disk tier's size, MiB (with --kv-store-disk-dir)"
+    )
+    parser.add_argument(
         "--speculative",
         choices=SPECULATIVE,
         help="speculative decoding on decode and colocated workers: ngram proposes tokens from each "
@@ -166,6 +176,9 @@ def run(args: argparse.Namespace) -> int:
             "profile_seconds",
             "quantization",
             "kv_cache_dtype",
+            "kv_store_ram_mb",
+            "kv_store_disk_dir",
+            "kv_store_disk_mb",
             "speculative",
             "draft_model",
             "draft_quantization",

@@ -29,6 +29,7 @@ from pdfabric.worker_config import (
     LINEARS,
     QUANTIZATIONS,
     SPECULATIVE,
+    STORE_ADMISSIONS,
     WorkerConfig,
     worker_config_from_json,
     worker_default,
@@ -68,6 +69,15 @@ OVERRIDES: tuple[tuple[str, type, str], ...] = (
     ("served", str, "the model version it serves, NAME@VERSION, for a router with [[models]]"),
     ("quantization", str, "linear weights: none (the model's dtype), int8 (CPUs), int4, gguf or w8a8 (CPUs)"),
     ("kv_cache_dtype", str, "KV-cache rows: auto (the model dtype) or int8 (a scale per row; bf16, CPUs)"),
+    ("kv_store_ram_mb", int, "the host KV store's RAM tier, MiB (0: off)"),
+    ("kv_store_ram_dir", str, "the RAM tier's directory (default: /dev/shm/pdfabric-kv-store)"),
+    ("kv_store_disk_dir", str, "the host KV store's disk tier: its directory"),
+    ("kv_store_disk_mb", int, "the disk tier's size, MiB (0: off)"),
+    (
+        "kv_store_disk_admission",
+        str,
+        "which blocks the disk tier takes: reused (read back or offered twice) or all",
+    ),
     (
         "speculative",
         str,
@@ -100,7 +110,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         choices = {"kind": KINDS, "dtype": DTYPES, "kv_transport": KV_TRANSPORTS, "linears": LINEARS,
                    "speculative": SPECULATIVE, "quantization": QUANTIZATIONS,
-                   "kv_cache_dtype": KV_CACHE_DTYPES, "draft_quantization": QUANTIZATIONS}  # fmt: skip
+                   "kv_cache_dtype": KV_CACHE_DTYPES, "draft_quantization": QUANTIZATIONS,
+                   "kv_store_disk_admission": STORE_ADMISSIONS}  # fmt: skip
         choices = choices.get(name)
         parse = _on_off if type_ is bool else type_
         o.add_argument(flag, type=parse, choices=choices, help=text + default)
