@@ -36,6 +36,10 @@ class HostTier(Protocol):
         rest are not to be used)."""
         ...
 
+    def counters(self) -> dict[str, float]:
+        """What it did since it started, by name (``Heartbeat.kv_store``)."""
+        ...
+
 
 class PrefixCache:
     """Prefix caching for one scheduler's sequences; ``salt`` None: off (nothing is looked up or kept)."""

@@ -169,6 +169,13 @@ class HostKVStore:
         self._queue.put(None)
         self._writer.join(timeout=10.0)
 
+    def counters(self) -> dict[str, float]:
+        s = self.stats()
+        out: dict[str, float] = {"dropped": s.dropped, "load_seconds": s.load_seconds}
+        for tier, stats in (("ram", s.ram), ("disk", s.disk)):
+            out.update({f"{tier}_{name}": value for name, value in asdict(stats).items()})
+        return out
+
     def stats(self) -> StoreStats:
         empty = TierStats()
         return StoreStats(

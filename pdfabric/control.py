@@ -81,6 +81,10 @@ class Heartbeat:
     # while it speculates (at most speculate_below sequences decoding), how many times faster a
     # sequence gets its tokens than plain decode steps of its profile would give them (1: not measured)
     speculation: float = 1.0
+    # the host KV store as this worker used it since it started (empty: no store): per tier ("ram_",
+    # "disk_") hits, bytes_read, writes, bytes_written, evictions, bad, write_errors; and dropped
+    # (saves the full write queue dropped), load_seconds, hit_tokens (prompt tokens read from it)
+    kv_store: dict[str, float] = field(default_factory=dict)
 
 
 @message(3)

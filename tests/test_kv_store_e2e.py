@@ -5,13 +5,14 @@ the single-process reference, with every block back in the pools."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import aiohttp
 
 from pdfabric.engine.generate import ReferenceEngine
 from pdfabric.sampling_params import SamplingParams
-from tests.fabric import serve_process, wait_blocks_free, wait_healthy
+from tests.fabric import metric_values, serve_process, wait_blocks_free, wait_healthy
 
 
 async def _complete(url: str, prompt: list[int]) -> tuple[list[int], int]:
@@ -44,3 +45,8 @@ def test_a_restarted_deployment_reads_what_it_served_from_the_host_store(tmp_pat
             got, cached = asyncio.run(asyncio.wait_for(_complete(url, prompt), 60))
             assert got == tokens and cached == 96
         wait_blocks_free(url)
+        time.sleep(0.5)  # a heartbeat or two after the last request
+        hit_tokens = metric_values(url, "pdfabric_kv_store_hit_tokens_total")
+        hits = metric_values(url, "pdfabric_kv_store_hits_total")
+        assert sum(hit_tokens.values()) >= 3 * 96, hit_tokens  # the prefill worker's, and the decode's
+        assert sum(v for k, v in hits.items() if 'tier="ram"' in k) * 16 == sum(hit_tokens.values())

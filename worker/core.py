@@ -266,7 +266,13 @@ class WorkerCore:
             accepted_tokens=s.accepted_tokens,
             speculative_checks=s.checks,
             speculation=self.speculation.gain(profile.decode_step_seconds),
+            kv_store=self._store_counters(),
         )
+
+    def _store_counters(self) -> dict[str, float]:
+        if self.store is None:
+            return {}
+        return {**self.store.counters(), "hit_tokens": self.scheduler.prefix.tier_hit_tokens}
 
     @property
     def has_work(self) -> bool:

@@ -90,6 +90,48 @@ class _WorkerGauges(Collector):
             count.add_metric([pool, kind], n)
         yield from (free, total, running, queued, count, prompt, hits, refused)
         yield from (proposed, accepted, checks, speedup)
+        yield from self._store()
+
+    def _store(self) -> Iterator[CounterMetricFamily]:
+        """The host KV store as each worker that has one used it (``Heartbeat.kv_store``)."""
+        labels, tiered = ["worker", "pool", "kind"], ["worker", "pool", "kind", "tier"]
+        families = {
+            name: CounterMetricFamily(f"pdfabric_kv_store_{name}", text, labels=tiered)
+            for name, text in STORE_TIER_COUNTERS.items()
+        }
+        flat = {
+            name: CounterMetricFamily(f"pdfabric_kv_store_{name}", text, labels=labels)
+            for name, text in STORE_COUNTERS.items()
+        }
+        for w in self.fleet.workers.values():
+            got = w.load.kv_store if w.load is not None else {}
+            if not got:
+                continue
+            key = [w.worker_id, w.reg.pool, w.reg.kind]
+            for name, family in families.items():
+                for tier in ("ram", "disk"):
+                    family.add_metric([*key, tier], got.get(f"{tier}_{name}", 0.0))
+            for name, family in flat.items():
+                family.add_metric(key, got.get(name, 0.0))
+        yield from families.values()
+        yield from flat.values()
+
+
+# The host KV store's counters per worker and tier, and per worker (docs/kvtransfer.md)
+STORE_TIER_COUNTERS = {
+    "hits": "KV blocks read from a host KV store tier and checked",
+    "bytes_read": "Bytes of KV read from a host KV store tier",
+    "writes": "KV blocks a worker wrote to a host KV store tier",
+    "bytes_written": "Bytes of KV a worker wrote to a host KV store tier",
+    "evictions": "Blocks a worker deleted from a host KV store tier to keep it within its size",
+    "bad": "Block files that failed their checks on reading (deleted; the block is recomputed)",
+    "write_errors": "Block writes that failed (a full disk): the block is not kept",
+}
+STORE_COUNTERS = {
+    "dropped": "Evicted blocks not saved because the host KV store's write queue was full",
+    "load_seconds": "Seconds spent reading host KV store hits into the KV cache",
+    "hit_tokens": "Prompt tokens whose KV was read from the host KV store",
+}
 
 
 class _Waiting(Collector):
