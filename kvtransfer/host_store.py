@@ -155,7 +155,7 @@ class HostKVStore:
         self.load_seconds += time.perf_counter() - start
         return len(payloads)
 
-    def flush(self, blocks: list[int], hashes: list[bytes], timeout_s: float = 10.0) -> None:
+    def flush(self, blocks: list[int], hashes: list[bytes], timeout_s: float = 8.0) -> None:
         """Saves the worker's cached blocks (it is stopping) and waits, at most ``timeout_s``, for every
         queued write; more than the queue holds is saved in turns."""
         deadline = time.monotonic() + timeout_s

@@ -52,3 +52,23 @@ def test_a_speculative_table_sets_the_workers_speculation(tmp_path: Path) -> Non
         path.write_text(text)
         with pytest.raises(ValueError, match=error):
             load_serve_config(path, {})
+
+
+def test_a_kv_store_table_sets_the_workers_host_store(tmp_path: Path) -> None:
+    path = tmp_path / "store.toml"
+    path.write_text('[kv_store]\nram_mb = 512\ndisk_dir = "/d"\ndisk_mb = 1024\ndisk_admission = "all"\n')
+    w = load_serve_config(path, {}).worker
+    got = (w.kv_store_ram_mb, w.kv_store_disk_dir, w.kv_store_disk_mb, w.kv_store_disk_admission)
+    assert got == (512, "/d", 1024, "all")
+    assert w.kv_store and not load_serve_config(None, {}).worker.kv_store
+    assert load_serve_config(path, {"kv_store_ram_mb": 64}).worker.kv_store_ram_mb == 64  # flags win
+    for text, error in (
+        ("[kv_store]\nram_mb = 1\n[worker]\nkv_store_ram_mb = 2\n", "set in both"),
+        ("[kv_store]\nram_gb = 3\n", "unknown key"),
+        ('[kv_store]\ndisk_dir = "/d"\n', "disk_dir and disk_mb go together"),
+        ("[kv_store]\nram_mb = -1\n", "must be >= 0"),
+        ('[kv_store]\nram_mb = 1\ndisk_admission = "lru"\n', "disk_admission must be one of"),
+    ):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=error):
+            load_serve_config(path, {})
