@@ -159,10 +159,13 @@ class _Run:
                 if details.get("cached_tokens") is not None:
                     st.cached_tokens = int(details["cached_tokens"])
                 for choice in chunk.get("choices") or []:
+                    st.first_choice_ms = now_ms if st.first_choice_ms is None else st.first_choice_ms
                     st.finish = choice.get("finish_reason") or st.finish
                     if self.cfg.keep_output and choice.get("token_ids") is not None:
                         st.token_ids.extend(choice["token_ids"])
         st.terminal = st.finish is not None
+        if not st.events and st.usage and st.first_choice_ms is not None:
+            st.events.append(st.first_choice_ms)  # its tokens decode to no text (a special token)
         if not st.events:
             return ERROR, "stream ended without any token"
         if st.finish is None:
@@ -196,6 +199,7 @@ class _Stream:
     terminal: bool = False  # a finish reason or an error event arrived
     text: list[str] = field(default_factory=list)  # kept only with ClientConfig.keep_output
     token_ids: list[int] = field(default_factory=list)
+    first_choice_ms: float | None = None  # when the first chunk with a choice came, text or not
 
 
 async def replay(

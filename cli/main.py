@@ -37,6 +37,11 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     ),
     (("bench", "transfer"), "pdfabric.bench.transfer", "KV transfer bandwidth per transport beside memcpy"),
     (
+        ("bench", "store"),
+        "pdfabric.bench.store_bench",
+        "the host KV store's tiers beside memcpy and file I/O",
+    ),
+    (
         ("bench", "perplexity"),
         "pdfabric.bench.perplexity",
         "how well a model predicts a held text, per weight format",

@@ -38,7 +38,7 @@ import torch
 
 from pdfabric.kvtransfer.frames import host, layout_of
 from pdfabric.kvtransfer.messages import KVLayout
-from pdfabric.kvtransfer.store_tier import TierDir, TierStats
+from pdfabric.kvtransfer.store_tier import HEADER, TierDir, TierStats
 from pdfabric.worker_config import WorkerConfig
 
 log = logging.getLogger("pdfabric.kvtransfer.host_store")
@@ -121,7 +121,7 @@ class HostKVStore:
         if not keep:
             return
         if self._reserve(len(keep)):
-            self._queue.put(([keys[i] for i in keep], self._gather([blocks[i] for i in keep]), False))
+            self._queue.put(([keys[i] for i in keep], self.gather([blocks[i] for i in keep]), False))
 
     def find(self, hashes: Sequence[bytes]) -> int:
         n = 0
@@ -133,27 +133,28 @@ class HostKVStore:
 
     def load(self, hashes: Sequence[bytes], blocks: list[int]) -> int:
         start = time.perf_counter()
-        payloads: list[bytes] = []
-        promote: dict[int, bytes] = {}  # disk hits to copy up to RAM, by their row
-        for h in hashes[: len(blocks)]:
-            key = self.key(h)
-            data = self.ram.read(key, self.payload_bytes) if self.ram is not None else None
-            if data is None and self.disk is not None:
-                data = self.disk.read(key, self.payload_bytes)
-                if data is not None and self.ram is not None:
-                    promote[len(payloads)] = key
-            if data is None:
-                break
-            payloads.append(data)
+        hashes = hashes[: len(blocks)]
+        files = torch.empty((len(hashes), HEADER.size + self.payload_bytes), dtype=torch.uint8)
+        rows = files.numpy()
+        promote: list[int] = []  # disk hits to copy up to RAM
+        n = 0
+        for key in map(self.key, hashes):
+            row = memoryview(rows[n])
+            if not (self.ram is not None and self.ram.read_into(key, row)):
+                if self.disk is None or not self.disk.read_into(key, row):
+                    break
+                if self.ram is not None:
+                    promote.append(n)
             _remember(self._hot, key, HOT)
-        if payloads:
-            buf = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
-            buf = buf.view(len(payloads), self.layout.num_layers, 2, -1)
-            self._scatter(buf, blocks[: len(payloads)])
+            n += 1
+        if n:
+            payload = files[:n, HEADER.size :].view(n, self.layout.num_layers, 2, -1)
+            self._scatter(payload, blocks[:n])
             if promote and self._reserve(len(promote)):
-                self._queue.put((list(promote.values()), buf[list(promote)], True))
+                keys = [self.key(hashes[i]) for i in promote]
+                self._queue.put((keys, payload[promote].contiguous(), True))
         self.load_seconds += time.perf_counter() - start
-        return len(payloads)
+        return n
 
     def flush(self, blocks: list[int], hashes: list[bytes], timeout_s: float = 8.0) -> None:
         """Saves the worker's cached blocks (it is stopping) and waits, at most ``timeout_s``, for every
@@ -200,7 +201,7 @@ class HostKVStore:
     def _has(self, key: bytes) -> bool:
         return (self.ram is not None and self.ram.has(key)) or (self.disk is not None and self.disk.has(key))
 
-    def _gather(self, blocks: list[int]) -> torch.Tensor:
+    def gather(self, blocks: list[int]) -> torch.Tensor:
         """The blocks' KV as host bytes, ``[n, layers, 2, bytes of a block's keys]``."""
         caches = self.caches()
         idx = torch.tensor(blocks, dtype=torch.int64, device=caches[0].device)
@@ -211,14 +212,13 @@ class HostKVStore:
             out[:, layer].copy_(host(picked).transpose(0, 1))
         return out
 
-    def _scatter(self, buf: torch.Tensor, blocks: list[int]) -> None:
-        """Writes ``buf`` (``_gather``'s shape) into the worker's ``blocks``."""
+    def _scatter(self, payload: torch.Tensor, blocks: list[int]) -> None:
+        """Writes ``payload`` (``gather``'s shape; a view will do) into the worker's ``blocks``."""
         caches = self.caches()
         idx = torch.tensor(blocks, dtype=torch.int64, device=caches[0].device)
         for layer, cache in enumerate(caches):
-            src = buf[:, layer].transpose(0, 1).contiguous().to(cache.device)  # [2, n, block bytes]
-            src = src.view(cache.dtype).view(2, len(blocks), *cache.shape[2:])
-            cache.index_copy_(1, idx, src)
+            src = payload[:, layer].transpose(0, 1).to(cache.device)  # [2, n, block bytes]
+            cache.view(torch.uint8).view(2, cache.shape[1], -1).index_copy_(1, idx, src)
 
     # --- the writer thread -------------------------------------------------------------------------
 

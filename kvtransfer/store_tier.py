@@ -65,31 +65,44 @@ class TierDir:
 
     def read(self, key: bytes, payload_bytes: int) -> bytes | None:
         """The payload kept under ``key``, checked (and its recency refreshed), or ``None``."""
-        payload = self.take(self.file(key), key, payload_bytes)
-        if payload is not None:
-            with contextlib.suppress(OSError):
-                os.utime(self.file(key))
-            self.stats.hits += 1
-            self.stats.bytes_read += payload_bytes
-        return payload
+        buf = bytearray(HEADER.size + payload_bytes)
+        return bytes(memoryview(buf)[HEADER.size :]) if self.read_into(key, memoryview(buf)) else None
+
+    def read_into(self, key: bytes, buf: memoryview) -> bool:
+        """Reads the block file of ``key`` into ``buf`` (its header, then the payload: ``buf`` is as
+        long as the whole file must be) and checks it; refreshes its recency. ``False``: a miss, or a
+        file that failed its checks (deleted)."""
+        if not self._load_into(self.file(key), key, buf):
+            return False
+        with contextlib.suppress(OSError):
+            os.utime(self.file(key))
+        self.stats.hits += 1
+        self.stats.bytes_read += len(buf) - HEADER.size
+        return True
 
     def take(self, path: Path, key: bytes, payload_bytes: int) -> bytes | None:
-        """The checked payload of the block file at ``path`` (a file that fails its checks is
-        deleted), or ``None``; no recency or hit is counted (a tier moving its blocks down reads so)."""
+        """The checked payload of the block file at ``path``, or ``None``; no recency or hit is
+        counted (a tier moving its blocks down reads so)."""
+        buf = bytearray(HEADER.size + payload_bytes)
+        return bytes(memoryview(buf)[HEADER.size :]) if self._load_into(path, key, memoryview(buf)) else None
+
+    def _load_into(self, path: Path, key: bytes, buf: memoryview) -> bool:
+        """Reads the file at ``path`` into ``buf`` and checks it; a file that fails is deleted."""
         try:
-            with open(path, "rb") as f:
-                data = f.read(HEADER.size + payload_bytes + 1)
+            with open(path, "rb", buffering=0) as f:
+                n = f.readinto(buf)
+                whole = n == len(buf) and not f.read(1)
         except FileNotFoundError:
-            return None
+            return False
         except OSError:
             self.stats.bad += 1
-            return None
-        if not _valid(data, key, payload_bytes):
+            return False
+        if not (whole and _valid(buf, key, len(buf) - HEADER.size)):
             self.stats.bad += 1
             with contextlib.suppress(OSError):
                 path.unlink()
-            return None
-        return data[HEADER.size :]
+            return False
+        return True
 
     def write(self, key: bytes, payload: bytes | memoryview) -> bool:
         """Keeps ``payload`` under ``key`` (write, then publish by renaming); ``False`` if the write
@@ -186,13 +199,11 @@ class TierDir:
                         os.unlink(e.path)
 
 
-def _valid(data: bytes, key: bytes, payload_bytes: int) -> bool:
-    if len(data) != HEADER.size + payload_bytes:
-        return False
+def _valid(data: memoryview, key: bytes, payload_bytes: int) -> bool:
     magic, stored_key, length, crc = HEADER.unpack_from(data)
     if magic != MAGIC or stored_key != key or length != payload_bytes:
         return False
-    return zlib.crc32(memoryview(data)[HEADER.size :]) == crc
+    return zlib.crc32(data[HEADER.size :]) == crc
 
 
 def _alive(pid: int) -> bool:

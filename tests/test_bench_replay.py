@@ -46,6 +46,7 @@ class FakeServer:
     cut_after: int = 0
     cached: int | None = None  # prompt tokens it says came from its prefix cache (None: it does not say)
     models: tuple[str, ...] = ("fake",)  # what GET /v1/models lists
+    token_text: str = "ab"  # what each token decodes to ("": a special token, no text)
     seen: list[dict[str, Any]] = field(default_factory=list)
 
     async def list_models(self, request: web.Request) -> web.Response:
@@ -79,7 +80,7 @@ class FakeServer:
             if sent:
                 await asyncio.sleep(self.itl_s * k)
             sent += k
-            choice: dict[str, Any] = {"index": 0, "text": "ab" * k,
+            choice: dict[str, Any] = {"index": 0, "text": self.token_text * k,
                                       "finish_reason": "length" if sent == total else None}
             if body.get("return_token_ids"):
                 choice["token_ids"] = list(range(sent - k, sent))
@@ -199,6 +200,19 @@ def test_kept_output_and_a_stream_cut_without_a_finish_reason() -> None:
         assert r.status == ERROR and r.terminal is False and r.output_tokens == 3
         assert r.error == "stream ended without a finish reason" and r.text is None
         assert "text" not in r.to_json() and r.to_json()["terminal"] is False
+
+
+def test_a_token_without_text_still_arrives_when_the_usage_counts_it() -> None:
+    """A one-token answer whose token decodes to no text (a special token) is a first token, timed
+    when its chunk came; without a usage count nothing says a token came, and it is an error."""
+    wl = _workload(2, rate=50.0, n_out=1)
+    for usage, status in ((True, OK), (False, ERROR)):
+        with serving(FakeServer(ttft_s=0.05, token_text="", usage=usage)) as url:
+            cfg = ClientConfig(url=url, model="fake", max_run_s=10)
+            res = asyncio.run(replay(wl, cfg, PromptBuilder(PromptConfig())))
+        assert [r.status for r in res.records] == [status, status]
+        if status == OK:
+            assert all(r.output_tokens == 1 and 30 < r.ttft_ms < 1000 for r in res.records)
 
 
 def test_replay_command_writes_report(tmp_path: Path) -> None:
