@@ -43,6 +43,8 @@ from pdfabric.worker_config import WorkerConfig
 
 log = logging.getLogger("pdfabric.kvtransfer.host_store")
 
+CHUNK = 16  # blocks per staging buffer, and per read of a hit
+WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)  # the widest that divides a block's bytes
 GHOSTS = 1 << 16  # keys remembered as offered once, for the "reused" admission rule
 HOT = 1 << 16  # keys remembered as read back from the store
 
@@ -99,13 +101,17 @@ class HostKVStore:
         self.ram = TierDir("ram", ram_dir, ram_mb << 20) if ram_mb else None
         self.disk = TierDir("disk", cfg.kv_store_disk_dir, disk_mb << 20) if disk_mb else None
         self.admit_all = cfg.kv_store_disk_admission == "all"
-        self.queue_bytes = cfg.kv_store_queue_mb << 20
+        # Blocks move between the cache and the store in staging buffers of CHUNK blocks, reused so
+        # that their pages are touched once: at most queue_mb of them wait for the writer.
+        self.buffers = max(1, (cfg.kv_store_queue_mb << 20) // (CHUNK * self.payload_bytes))
+        self._made = 0  # staging buffers allocated so far
+        self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()  # written, ready for reuse
+        self._word = next(w for w in WORDS if self.layout.block_bytes % w.itemsize == 0)
+        self._loading = torch.empty((CHUNK, HEADER.size + self.payload_bytes), dtype=torch.uint8)
         self.dropped = 0
         self.load_seconds = 0.0
         self._ghosts: OrderedDict[bytes, None] = OrderedDict()  # writer thread only
         self._hot: OrderedDict[bytes, None] = OrderedDict()
-        self._pending = 0  # bytes queued and not yet written
-        self._lock = threading.Lock()
         self._queue: queue.SimpleQueue[tuple[list[bytes], torch.Tensor, bool] | None] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_loop, name="kv-store-writer", daemon=True)
         self._writer.start()
@@ -118,10 +124,14 @@ class HostKVStore:
     def save(self, blocks: list[int], hashes: list[bytes]) -> None:
         keys = [self.key(h) for h in hashes]
         keep = [i for i, k in enumerate(keys) if not self._has(k)]
-        if not keep:
-            return
-        if self._reserve(len(keep)):
-            self._queue.put(([keys[i] for i in keep], self.gather([blocks[i] for i in keep]), False))
+        for start in range(0, len(keep), CHUNK):
+            part = keep[start : start + CHUNK]
+            buf = self._buffer()
+            if buf is None:
+                self.dropped += len(keep) - start
+                return
+            self.gather([blocks[i] for i in part], buf[: len(part)])
+            self._queue.put(([keys[i] for i in part], buf, False))
 
     def find(self, hashes: Sequence[bytes]) -> int:
         n = 0
@@ -133,34 +143,21 @@ class HostKVStore:
 
     def load(self, hashes: Sequence[bytes], blocks: list[int]) -> int:
         start = time.perf_counter()
-        hashes = hashes[: len(blocks)]
-        files = torch.empty((len(hashes), HEADER.size + self.payload_bytes), dtype=torch.uint8)
-        rows = files.numpy()
-        promote: list[int] = []  # disk hits to copy up to RAM
         n = 0
-        for key in map(self.key, hashes):
-            row = memoryview(rows[n])
-            if not (self.ram is not None and self.ram.read_into(key, row)):
-                if self.disk is None or not self.disk.read_into(key, row):
-                    break
-                if self.ram is not None:
-                    promote.append(n)
-            _remember(self._hot, key, HOT)
-            n += 1
-        if n:
-            payload = files[:n, HEADER.size :].view(n, self.layout.num_layers, 2, -1)
-            self._scatter(payload, blocks[:n])
-            if promote and self._reserve(len(promote)):
-                keys = [self.key(hashes[i]) for i in promote]
-                self._queue.put((keys, payload[promote].contiguous(), True))
+        for first in range(0, min(len(hashes), len(blocks)), CHUNK):
+            chunk = hashes[first : first + CHUNK]
+            got = self._load_chunk(chunk, blocks[first : first + len(chunk)])
+            n += got
+            if got < len(chunk):
+                break
         self.load_seconds += time.perf_counter() - start
         return n
 
     def flush(self, blocks: list[int], hashes: list[bytes], timeout_s: float = 8.0) -> None:
         """Saves the worker's cached blocks (it is stopping) and waits, at most ``timeout_s``, for every
-        queued write; more than the queue holds is saved in turns."""
+        queued write; more than the staging buffers hold is saved in turns."""
         deadline = time.monotonic() + timeout_s
-        step = max(1, self.queue_bytes // self.payload_bytes)
+        step = self.buffers * CHUNK
         for i in range(0, len(blocks), step):
             self._wait_idle(deadline)
             self.save(blocks[i : i + step], hashes[i : i + step])
@@ -184,41 +181,73 @@ class HostKVStore:
             self.load_seconds,
         )  # fmt: skip
 
-    def _reserve(self, n: int) -> bool:
-        """Room in the write queue for ``n`` blocks (taken), or ``False`` (counted as dropped)."""
-        nbytes = n * self.payload_bytes
-        with self._lock:
-            if self._pending + nbytes > self.queue_bytes:
-                self.dropped += n
-                return False
-            self._pending += nbytes
-            return True
-
-    def _wait_idle(self, deadline: float) -> None:
-        while self._pending and time.monotonic() < deadline and self._writer.is_alive():
-            time.sleep(0.005)
-
-    def _has(self, key: bytes) -> bool:
-        return (self.ram is not None and self.ram.has(key)) or (self.disk is not None and self.disk.has(key))
-
-    def gather(self, blocks: list[int]) -> torch.Tensor:
-        """The blocks' KV as host bytes, ``[n, layers, 2, bytes of a block's keys]``."""
+    def gather(self, blocks: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """The blocks' KV as host bytes, ``[n, layers, 2, bytes of a block's keys]`` (into ``out``)."""
         caches = self.caches()
+        n = len(blocks)
+        if out is None:
+            out = torch.empty((n, len(caches), 2, self.layout.block_bytes), dtype=torch.uint8)
         idx = torch.tensor(blocks, dtype=torch.int64, device=caches[0].device)
-        out = torch.empty((len(blocks), len(caches), 2, self.layout.block_bytes), dtype=torch.uint8)
+        words = out.view(self._word)  # copies move words, not bytes: several times faster
         for layer, cache in enumerate(caches):
-            # cache: [2, num_blocks, block_size, H, D]; its blocks' bytes: [2, n, block bytes]
-            picked = cache.index_select(1, idx).view(torch.uint8).reshape(2, len(blocks), -1)
-            out[:, layer].copy_(host(picked).transpose(0, 1))
+            # cache: [2, num_blocks, block_size, H, D] -> the blocks' words: [2, n, words of a block]
+            picked = cache.view(self._word).view(2, cache.shape[1], -1).index_select(1, idx)
+            words[:, layer].copy_(host(picked).transpose(0, 1))
         return out
+
+    def _load_chunk(self, hashes: Sequence[bytes], blocks: list[int]) -> int:
+        """Reads up to CHUNK blocks (RAM first, then disk) into the cache's ``blocks``; how many of
+        the leading ones were there and checked."""
+        rows = self._loading.numpy()
+        promote: list[int] = []  # disk hits to copy up to RAM
+        n = 0
+        for key in map(self.key, hashes):
+            row = memoryview(rows[n])
+            if not (self.ram is not None and self.ram.read_into(key, row)):
+                if self.disk is None or not self.disk.read_into(key, row):
+                    break
+                if self.ram is not None:
+                    promote.append(n)
+            _remember(self._hot, key, HOT)
+            n += 1
+        if not n:
+            return 0
+        payload = self._loading[:n, HEADER.size :].view(n, self.layout.num_layers, 2, -1)
+        self._scatter(payload, blocks[:n])
+        buf = self._buffer() if promote else None
+        if buf is not None:
+            buf[: len(promote)].copy_(payload[promote])
+            self._queue.put(([self.key(hashes[i]) for i in promote], buf, True))
+        return n
 
     def _scatter(self, payload: torch.Tensor, blocks: list[int]) -> None:
         """Writes ``payload`` (``gather``'s shape; a view will do) into the worker's ``blocks``."""
         caches = self.caches()
         idx = torch.tensor(blocks, dtype=torch.int64, device=caches[0].device)
+        words = payload.view(self._word)
         for layer, cache in enumerate(caches):
-            src = payload[:, layer].transpose(0, 1).to(cache.device)  # [2, n, block bytes]
-            cache.view(torch.uint8).view(2, cache.shape[1], -1).index_copy_(1, idx, src)
+            src = words[:, layer].transpose(0, 1).to(cache.device)  # [2, n, words of a block]
+            cache.view(self._word).view(2, cache.shape[1], -1).index_copy_(1, idx, src)
+
+    def _buffer(self) -> torch.Tensor | None:
+        """A free staging buffer ``[CHUNK, layers, 2, block bytes]``, or ``None`` when all of them
+        wait for the writer (the caller drops what it would have saved)."""
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            pass
+        if self._made >= self.buffers:
+            return None
+        self._made += 1
+        return torch.empty((CHUNK, self.layout.num_layers, 2, self.layout.block_bytes), dtype=torch.uint8)
+
+    def _wait_idle(self, deadline: float) -> None:
+        """Waits until the writer has written everything queued (or ``deadline``)."""
+        while self._free.qsize() < self._made and time.monotonic() < deadline and self._writer.is_alive():
+            time.sleep(0.005)
+
+    def _has(self, key: bytes) -> bool:
+        return (self.ram is not None and self.ram.has(key)) or (self.disk is not None and self.disk.has(key))
 
     # --- the writer thread -------------------------------------------------------------------------
 
@@ -226,13 +255,12 @@ class HostKVStore:
         while (item := self._queue.get()) is not None:
             keys, buf, promoted = item
             try:
-                for key, row in zip(keys, buf, strict=True):
+                for key, row in zip(keys, buf, strict=False):  # the buffer's first len(keys) rows
                     self._write(key, memoryview(row.reshape(-1).numpy()), promoted)
             except Exception:  # a writer that dies would leave every later save queued forever
                 log.exception("host KV store: writing %d blocks failed", len(keys))
             finally:
-                with self._lock:
-                    self._pending -= len(keys) * self.payload_bytes
+                self._free.put(buf)
 
     def _write(self, key: bytes, payload: memoryview, promoted: bool) -> None:
         """One block: into RAM (a disk hit copied up, or a save), else onto disk if admitted."""
