@@ -16,8 +16,8 @@ A block's life in it:
 
 A block's key is its prefix hash (the pool's, salted by the model name) hashed again with the store's
 salt, which names what makes KV bytes differ: the checkpoint (its files' names, sizes and times), the
-served version, dtype, weight format, linear kernels, KV cache dtype and layout. A block of another
-model, version or layout has another key and is never read.
+served version, weight format, linear kernels, KV cache dtype and layout (element type included). Another
+model, version or layout has other keys, so its blocks are never read.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def store_salt(cfg: WorkerConfig, model_dir: Path, layout: KVLayout) -> bytes:
     checkpoint = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
     what = {
         "model": str(model_dir.resolve()), "checkpoint": checkpoint, "served": cfg.served,
-        "dtype": cfg.dtype, "quantization": cfg.quantization, "linears": cfg.linears,
+        "quantization": cfg.quantization, "linears": cfg.linears,
         "kv_cache_dtype": cfg.kv_cache_dtype, "layout": asdict(layout),
     }  # fmt: skip
     return hashlib.blake2b(json.dumps(what, sort_keys=True).encode(), digest_size=16).digest()

@@ -310,3 +310,27 @@ def test_a_block_that_fails_its_check_is_recomputed_not_served(tiny: tuple, tmp_
         assert store.stats().ram.bad == 1 and not files[3].exists()  # dropped, and not written again
     finally:
         store.close()
+
+
+def test_the_store_salt_names_what_makes_kv_bytes_differ(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from pdfabric.kvtransfer.host_store import store_salt
+    from pdfabric.kvtransfer.messages import KVLayout
+
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    cfg = WorkerConfig(kind="prefill", model="m")
+    layout = KVLayout(30, 16, 3, 64, "bfloat16", 2, tiled=True)
+    salt = store_salt(cfg, tmp_path, layout)
+    assert store_salt(replace(cfg, kind="decode"), tmp_path, layout) == salt  # the kinds share blocks
+    others = [
+        store_salt(replace(cfg, quantization="int8"), tmp_path, layout),
+        store_salt(replace(cfg, kv_cache_dtype="int8"), tmp_path, layout),
+        store_salt(replace(cfg, served="m@v2"), tmp_path, layout),
+        store_salt(replace(cfg, linears="onednn"), tmp_path, layout),
+        store_salt(cfg, tmp_path, replace(layout, tiled=False)),
+        store_salt(cfg, tmp_path, replace(layout, block_size=32)),
+    ]
+    (tmp_path / "model.safetensors").write_bytes(b"other weights")  # the checkpoint changed on disk
+    others.append(store_salt(cfg, tmp_path, layout))
+    assert len({salt, *others}) == len(others) + 1
