@@ -70,7 +70,7 @@ OVERRIDES: tuple[tuple[str, type, str], ...] = (
     ("quantization", str, "linear weights: none (the model's dtype), int8 (CPUs), int4, gguf or w8a8 (CPUs)"),
     ("kv_cache_dtype", str, "KV-cache rows: auto (the model dtype) or int8 (a scale per row; bf16, CPUs)"),
     ("kv_store_ram_mb", int, "the host KV store's RAM tier, MiB (0: off)"),
-    ("kv_store_ram_dir", str, "the RAM tier's directory (default: /dev/shm/pdfabric-kv-store)"),
+    ("kv_store_ram_dir", str, "the RAM tier's directory (default: /dev/shm/pdfabric-kv-store-UID)"),
     ("kv_store_disk_dir", str, "the host KV store's disk tier: its directory"),
     ("kv_store_disk_mb", int, "the disk tier's size, MiB (0: off)"),
     (

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import queue
 import tempfile
 import threading
@@ -50,9 +51,10 @@ HOT = 1 << 16  # keys remembered as read back from the store
 
 
 def default_ram_dir() -> Path:
-    """Where the RAM tier lives unless configured: shared memory (``/dev/shm``), else the temp dir."""
+    """Where the RAM tier lives unless configured: shared memory (``/dev/shm``), else the temp dir; one
+    per user (the directory is the user's alone)."""
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    return base / "pdfabric-kv-store"
+    return base / f"pdfabric-kv-store-{os.getuid()}"
 
 
 def store_salt(cfg: WorkerConfig, model_dir: Path, layout: KVLayout) -> bytes:

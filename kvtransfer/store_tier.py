@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import secrets
 import struct
 import zlib
 from dataclasses import dataclass
@@ -56,6 +57,7 @@ class TierDir:
         self._remove_dead_temporaries()
         self.used = sum(size for _, size, _ in self._listing())
         self._counter = 0
+        self._tag = secrets.token_hex(4)  # two tiers on one directory in one process never share a name
 
     def file(self, key: bytes) -> Path:
         return self.path / f"{key.hex()}{SUFFIX}"
@@ -110,7 +112,7 @@ class TierDir:
         payload = memoryview(payload).cast("B")
         header = HEADER.pack(MAGIC, key, len(payload), zlib.crc32(payload))
         self._counter += 1
-        tmp = self.path / f"{TMP_PREFIX}{os.getpid()}-{self._counter}"
+        tmp = self.path / f"{TMP_PREFIX}{os.getpid()}-{self._tag}-{self._counter}"
         try:
             with open(tmp, "wb") as f:
                 f.write(header)

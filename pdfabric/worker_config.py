@@ -93,7 +93,7 @@ class WorkerConfig:
     draft_quantization: str = "int4"
     draft_layers: int = 0
     # The host KV store (the [kv_store] table; docs/kvtransfer.md#the-host-kv-store): blocks the pool
-    # evicts go to a RAM tier (a directory in shared memory, "": /dev/shm/pdfabric-kv-store) and a
+    # evicts go to a RAM tier (a directory in shared memory, "": /dev/shm/pdfabric-kv-store-UID) and a
     # disk tier, shared by the host's workers and kept across restarts; a prompt's cached prefix
     # continues there. 0 MiB: that tier is off. The disk takes a block the RAM tier lets go if it was
     # read back or offered twice ("reused"), or every one ("all"). Saves queue at most queue_mb.
