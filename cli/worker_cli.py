@@ -78,6 +78,7 @@ OVERRIDES: tuple[tuple[str, type, str], ...] = (
         str,
         "which blocks the disk tier takes: reused (read back or offered twice) or all",
     ),
+    ("kv_store_queue_mb", int, "evicted blocks waiting to be written to the host KV store, MiB at most"),
     (
         "speculative",
         str,
