@@ -153,40 +153,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=32, help="max_tokens of the --once request")
 
 
+# The flags that override the config's [serve] and [worker] keys (and routing_policy, ray_address)
+OVERRIDES = (
+    "model", "dtype", "prefill", "decode", "colocated", "host", "port", "control_port", "kv_memory_mb",
+    "memory_mb", "num_blocks", "block_size", "max_batch_tokens", "max_running", "served_model_name",
+    "profile_seconds", "quantization", "kv_cache_dtype", "kv_store_ram_mb", "kv_store_disk_dir",
+    "kv_store_disk_mb", "speculative", "draft_model", "draft_quantization", "draft_layers", "routing_policy",
+    "ray_address",
+)  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    overrides = {
-        k: getattr(args, k)
-        for k in (
-            "model",
-            "dtype",
-            "prefill",
-            "decode",
-            "colocated",
-            "host",
-            "port",
-            "control_port",
-            "kv_memory_mb",
-            "memory_mb",
-            "num_blocks",
-            "block_size",
-            "max_batch_tokens",
-            "max_running",
-            "served_model_name",
-            "profile_seconds",
-            "quantization",
-            "kv_cache_dtype",
-            "kv_store_ram_mb",
-            "kv_store_disk_dir",
-            "kv_store_disk_mb",
-            "speculative",
-            "draft_model",
-            "draft_quantization",
-            "draft_layers",
-            "routing_policy",
-            "ray_address",
-        )
-    }
+    overrides = {k: getattr(args, k) for k in OVERRIDES}
     try:
         cfg = load_serve_config(args.config, overrides)
     except (ValueError, OSError) as exc:

@@ -23,6 +23,8 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdfabric.proc import alive
+
 MAGIC = b"PDKVBLK1"
 HEADER = struct.Struct("<8s16sQI4x")  # magic, key, payload bytes, crc32 of the payload, padding
 SUFFIX = ".kv"
@@ -196,7 +198,7 @@ class TierDir:
                 if not e.name.startswith(TMP_PREFIX):
                     continue
                 pid = e.name[len(TMP_PREFIX) :].split("-", 1)[0]
-                if not pid.isdigit() or not _alive(int(pid)):
+                if not pid.isdigit() or not alive(int(pid)):
                     with contextlib.suppress(OSError):
                         os.unlink(e.path)
 
@@ -206,13 +208,3 @@ def _valid(data: memoryview, key: bytes, payload_bytes: int) -> bool:
     if magic != MAGIC or stored_key != key or length != payload_bytes:
         return False
     return zlib.crc32(data[HEADER.size :]) == crc
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -37,6 +37,7 @@ from pdfabric.engine.stepper import Stepper
 from pdfabric.kvtransfer.frames import layout_of
 from pdfabric.kvtransfer.host_store import HostKVStore, store_salt
 from pdfabric.kvtransfer.transport import host_id
+from pdfabric.proc import alive
 from pdfabric.profile import ProfileBuilder
 from pdfabric.wire import WireError, decode, encode
 from pdfabric.worker.core import Out, WrongMessage
@@ -216,7 +217,7 @@ class Worker:
         hb = self.core.heartbeat(time.monotonic(), self.kv.refused_peers() if self.kv is not None else 0)
         if hb is None:
             return
-        if self.parent_pid and not _alive(self.parent_pid):
+        if self.parent_pid and not alive(self.parent_pid):
             log.warning("parent process %d is gone; exiting", self.parent_pid)
             self._running = False
             return
@@ -326,13 +327,3 @@ def _device(name: str) -> str:
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return name
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
