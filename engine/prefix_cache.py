@@ -22,6 +22,9 @@ from pdfabric.engine.sequence import Sequence
 class HostTier(Protocol):
     """KV blocks kept beyond a worker's pool, by the pool's prefix hashes."""
 
+    ident: str  # the same for every worker that shares it (the router's view keys on it)
+    capacity_blocks: int  # blocks it holds at most
+
     def save(self, blocks: list[int], hashes: list[bytes]) -> None:
         """Takes a copy of the blocks' KV now (they are about to be reused) and keeps it under
         ``hashes``, without making the caller wait for the keeping."""

@@ -103,6 +103,11 @@ class HostKVStore:
         self.ram = TierDir("ram", ram_dir, ram_mb << 20) if ram_mb else None
         self.disk = TierDir("disk", cfg.kv_store_disk_dir, disk_mb << 20) if disk_mb else None
         self.admit_all = cfg.kv_store_disk_admission == "all"
+        tiers = [str(t.path.resolve()) for t in (self.ram, self.disk) if t is not None]
+        self.ident = hashlib.blake2b(json.dumps([*tiers, salt.hex()]).encode(), digest_size=8).hexdigest()
+        self.capacity_blocks = sum(t.capacity for t in (self.ram, self.disk) if t is not None) // (
+            HEADER.size + self.payload_bytes
+        )
         # Blocks move between the cache and the store in staging buffers of CHUNK blocks, reused so
         # that their pages are touched once: at most queue_mb of them wait for the writer.
         self.buffers = max(1, (cfg.kv_store_queue_mb << 20) // (CHUNK * self.payload_bytes))

@@ -43,6 +43,10 @@ class Register:
     speculate_below: int = 0  # it speculates while at most this many sequences decode (0: never)
     weight_bytes: int = 0  # its model's weights as held in memory (quantized or not; 0: not measured)
     kv_cache_dtype: str = "auto"  # what its KV cache stores a row as (auto: the model's dtype, or int8)
+    # the host KV store it shares with the host's other workers (an id of its directories and key
+    # salt; "": none) and how many blocks that store holds at most
+    kv_store: str = ""
+    kv_store_blocks: int = 0
 
     def __post_init__(self) -> None:  # a registration the router could not serve with is refused
         if not self.worker_id or self.kind not in KINDS:
@@ -85,6 +89,7 @@ class Heartbeat:
     # "disk_") hits, bytes_read, writes, bytes_written, evictions, bad, write_errors; and dropped
     # (saves the full write queue dropped), load_seconds, hit_tokens (prompt tokens read from it)
     kv_store: dict[str, float] = field(default_factory=dict)
+    stored: tuple[bytes, ...] = ()  # prefix hashes it put in the host KV store since its last heartbeat
 
 
 @message(3)

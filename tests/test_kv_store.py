@@ -271,6 +271,10 @@ def test_prefixes_the_pool_evicted_or_a_restart_lost_come_back_from_the_store_to
         assert core.scheduler.prefix.tier_hit_tokens >= 3 * 96  # the pool held one prompt's blocks
         pool = core.tables.pool
         assert pool.num_free == pool.num_blocks
+        reg, hb = core.registration(), core.heartbeat(1e9)
+        assert (reg.kv_store, reg.kv_store_blocks) == (store.ident, store.capacity_blocks) and reg.kv_store
+        assert hb is not None and len(hb.stored) == 12  # the latest saved, at most a pool's worth
+        assert hb.kv_store["hit_tokens"] >= 3 * 96
         store.flush(*pool.cached_blocks())  # the worker stops
     finally:
         store.close()

@@ -424,3 +424,42 @@ def test_a_failover_scores_the_prompt_again_only_if_the_client_has_not_had_its_s
             core.on_message(_choice_delta(first, "r", 0, 0, (5,)))
         [msg] = [e.msg for e in core.worker_gone(first, "killed") if isinstance(e, Send)]
         assert isinstance(msg, Generate) and msg.params.prompt_logprobs is not first_delta_out
+
+
+def test_routing_counts_what_a_workers_host_kv_store_holds_and_the_time_to_read_it() -> None:
+    from dataclasses import replace
+
+    from pdfabric.router.routing.prefix_index import prompt_hashes
+
+    core, _ = core_with()
+    for wid, host in (("a0", "hostA"), ("a1", "hostA"), ("b0", "hostB")):  # a0 and a1 share a store
+        reg = Register(wid, "colocated", "default", "tiny", 4096, 16, 100, "", 1, 64, 512, 1000, PROFILE,
+                       host=host, kv_store="s1", kv_store_blocks=1000)  # fmt: skip
+        core.on_message(reg)
+    prompt = tuple(range(3, 103))  # 6 cacheable blocks
+    hashes = prompt_hashes(prompt, 16, "tiny")
+    core.on_message(replace(heartbeat("a0"), stored=hashes[2:]))  # a0 evicted blocks 2-5 to host A's store
+    core.on_message(replace(heartbeat("a1"), cached=hashes[:2]))  # a1's pool holds blocks 0-1
+    core.on_message(replace(heartbeat("b0"), cached=hashes[:3]))  # b0's pool holds blocks 0-2
+    by_id = {c.worker_id: c for c in core.routing.candidates(_ticket(core, prompt))}
+    assert (by_id["a1"].cached_tokens, by_id["a1"].store_tokens) == (96, 64)  # pool, then host store
+    assert (by_id["a0"].cached_tokens, by_id["a0"].store_tokens) == (0, 0)  # the store starts at block 2
+    assert (by_id["b0"].cached_tokens, by_id["b0"].store_tokens) == (48, 0)  # another host's store
+    assert by_id["a1"].store_seconds_per_token == 1000 / 1e9  # unmeasured: the default read rate
+    out = core.submit("r", prompt, PARAMS, (0,), "default", "interactive", LOOSE)
+    assert sends(out) == [("a1", Generate)] and out[1].choice.cached_tokens == 96
+    # A read rate measured so slow that reading 64 tokens costs more than computing them: b0 wins.
+    slow = {"ram_bytes_read": 1000.0, "load_seconds": 10.0}
+    core.on_message(replace(heartbeat("a1"), cached=(), kv_store=slow))
+    core.end("r")
+    out = core.submit("s", prompt, PARAMS, (0,), "default", "interactive", LOOSE)
+    assert sends(out) == [("b0", Generate)]
+    core.worker_gone("a0", "killed")  # the store outlives the worker that filled it
+    assert core.routing.registry.stores.cached_blocks("hostA/s1", hashes[2:]) == 4
+
+
+def _ticket(core: RouterCore, prompt: tuple[int, ...]):  # noqa: ANN202
+    from pdfabric.router.routing.admission import Ticket
+
+    key, prefix = core.routing.prefix_of(prompt)
+    return Ticket("t", "default", "interactive", LOOSE, len(prompt), 0.0, prefix=prefix, prefix_key=key)

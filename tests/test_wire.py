@@ -66,7 +66,7 @@ REGISTER = [1, "decode-0", "decode", "default", "tiny", 512, 16, 64, "tcp://h:1"
         (REGISTER[:7] + [-5] + REGISTER[8:], "num_blocks must be at least 1"),
         (REGISTER[:2] + ["router"] + REGISTER[3:], "a kind in"),
         (REGISTER[:5], "Register"),  # fields missing
-        (REGISTER + ["h", "m@v", "int4", 4, 1 << 20, "int8", "extra"], "at most"),  # one past the last field
+        (REGISTER + ["h", "m@v", "int4", 4, 1 << 20, "int8", "s", 9, "extra"], "at most"),  # a field too many
         ([999, 1, 2], "unknown message tag"),
         ([True, 1], "unknown message tag"),
     ],

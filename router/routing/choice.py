@@ -23,7 +23,7 @@ from pdfabric.router.routing.admission import AdmissionQueue, Ticket
 from pdfabric.router.routing.holders import Holders
 from pdfabric.router.routing.policies import rank_routes
 from pdfabric.router.routing.prefix_index import prompt_hashes
-from pdfabric.router.routing.registry import Registry, Route, WorkerInfo
+from pdfabric.router.routing.registry import Registry, Route, WorkerInfo, store_key
 from pdfabric.router.routing.routes import Budgets, Candidate, Choice, Ranking, WorkerLoad
 from pdfabric.routing_config import AdmissionConfig, PredictorConfig
 
@@ -61,11 +61,13 @@ def candidate(
     pending: Iterable[int] = (),
     prompt_rate: float = 0.0,
     cached_tokens: int = 0,
+    store_tokens: int = 0,
 ) -> Candidate:
     """The predictor's view of one worker: its latest profile and load plus ``pending`` prompts (token
     counts) sent since its last heartbeat and the ``prompt_rate`` (tokens/s) recently sent to it,
     under the lower of its own and its pool's limits; ``cached_tokens`` of the prompt being ranked
-    are in its prefix cache."""
+    are in its prefix cache, ``store_tokens`` of those only in its host KV store (read at the rate
+    its reads measured, ``store_read_rate``)."""
     reg = info.reg
     pool = config.pool(reg.kind, reg.pool)
     max_batch, chunk_tokens = pool.limits(reg.max_running, reg.max_batch_tokens)
@@ -79,8 +81,23 @@ def candidate(
         worker_id=reg.worker_id, kind=reg.kind, pool=reg.pool, profile=profile, load=load,
         max_batch=max_batch, chunk_tokens=chunk_tokens, kv_bytes_per_token=reg.kv_bytes_per_token,
         cost=pool.cost, host=reg.host, kv_rates=rates, cached_tokens=cached_tokens,
-        speculate_below=reg.speculate_below,
+        speculate_below=reg.speculate_below, store_tokens=store_tokens,
+        store_seconds_per_token=reg.kv_bytes_per_token / store_read_rate(info) if store_tokens else 0.0,
     )  # fmt: skip
+
+
+# A host KV store's read rate until a worker has measured its own (bytes/s): below what
+# ``pdfabric bench store`` measured on a 2-core VM (2.1-2.4 GB/s), so that an unmeasured store is not
+# preferred over computing for less than it costs
+STORE_READ_RATE = 1e9
+
+
+def store_read_rate(info: WorkerInfo) -> float:
+    """Bytes per second the worker's host KV store reads hits at, from its heartbeats' counters."""
+    got = info.load.kv_store if info.load is not None else {}
+    nbytes = got.get("ram_bytes_read", 0.0) + got.get("disk_bytes_read", 0.0)
+    seconds = got.get("load_seconds", 0.0)
+    return nbytes / seconds if nbytes > 0 and seconds > 0 else STORE_READ_RATE
 
 
 def route_of(registry: Registry, choice: Choice) -> Route | None:
@@ -124,7 +141,11 @@ class Routing:
         now = self.clock()
         return [
             candidate(
-                w, self.config, self.holders.pending(wid), self.prompt_rate(wid, now), self._cached(w, ticket)
+                w,
+                self.config,
+                self.holders.pending(wid),
+                self.prompt_rate(wid, now),
+                *self._cached(w, ticket),
             )
             for wid, w in self.registry.workers.items()
             if not w.draining  # a draining worker takes no new requests
@@ -141,10 +162,17 @@ class Routing:
             return key, prompt_hashes(prompt_ids, *key)
         return (0, ""), ()
 
-    def _cached(self, info: WorkerInfo, ticket: Ticket | None) -> int:
+    def _cached(self, info: WorkerInfo, ticket: Ticket | None) -> tuple[int, int]:
+        """Tokens of the ticket's prompt the worker holds: in its pool or its host KV store, and of
+        those, the ones only the store holds."""
         if ticket is None or not ticket.prefix or ticket.prefix_key != (info.reg.block_size, info.reg.model):
-            return 0
-        return self.registry.prefixes.cached_blocks(info.worker_id, ticket.prefix) * info.reg.block_size
+            return 0, 0
+        pool = self.registry.prefixes.cached_blocks(info.worker_id, ticket.prefix)
+        store = 0  # the blocks after the pool's that the store holds (the worker reads them next)
+        if info.reg.kv_store:
+            store = self.registry.stores.cached_blocks(store_key(info.reg), ticket.prefix[pool:])
+        bs = info.reg.block_size
+        return (pool + store) * bs, store * bs
 
     def prompt_rate(self, worker_id: str, now: float) -> float:
         """Prompt tokens per second sent to the worker over the last ``RATE_WINDOW_S`` (or since its

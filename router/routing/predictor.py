@@ -4,7 +4,9 @@ A route is a (decode, prefill) pair of disaggregated workers or one colocated wo
 P tokens, from each worker's fitted ``WorkerProfile`` and reported ``WorkerLoad``:
 
 1. prefill side (per prefill worker): queue wait = compute of the prompt tokens queued ahead of it,
-   compute = the prompt's own chunks, transfer = P * kv_bytes_per_token / measured bytes per second;
+   compute = the prompt's own chunks after its cached prefix, plus the read of the part of that
+   prefix only its host KV store holds (tokens * kv_bytes_per_token / the store's measured read
+   rate), transfer = P * kv_bytes_per_token / measured bytes per second;
    TTFT = (wait + compute + transfer) * (1 + safety_margin). The route fits if TTFT is within budget
    and the wait within ``max_queue_share`` of it, which keeps worker queues short so that a backlog
    waits in the router, where priorities and fair shares order it;
@@ -90,7 +92,7 @@ def rank(
         for d in decodes:
             rate = _link_rate(p.worker, d.worker, config)
             sent = prompt_len - d.worker.cached_tokens  # the decode worker's cached prefix stays put
-            transfer_ms = sent * p.worker.kv_bytes_per_token / rate * 1e3 * margin
+            transfer_ms = (sent * p.worker.kv_bytes_per_token / rate + _store_read(d.worker)) * 1e3 * margin
             own = p.compute_ms + transfer_ms
             miss = _judge(p.queue_ms, own, own, budgets.ttft_ms, config.max_queue_share, d)
             if miss is not None:
@@ -186,6 +188,7 @@ def _prefill_side(c: Candidate, prompt_len: int, margin: float) -> _Side:
     attention = queued_attention(load.queued_tokens, load.waiting)
     queued = c.profile.prefill_seconds(load.queued_tokens, c.chunk_tokens, attention)
     own = c.profile.prefill_seconds(prompt_len - c.cached_tokens, c.chunk_tokens)  # its cached prefix is free
+    own += _store_read(c)
     return _Side(c, queue_ms=queued * 1e3 * margin, compute_ms=own * 1e3 * margin)
 
 
@@ -225,7 +228,7 @@ def _colocated_side(
     queue_s = profile.prefill_seconds(load.queued_tokens, spare, attention)
     queue_s += math.ceil(load.queued_tokens / spare) * decode_s
     new = prompt_len - c.cached_tokens  # its cached prefix is not computed again
-    own_s = profile.prefill_seconds(new, spare) + math.ceil(new / spare) * decode_s
+    own_s = profile.prefill_seconds(new, spare) + math.ceil(new / spare) * decode_s + _store_read(c)
 
     def itl(batch: int, context: float) -> float:
         decode = profile.decode_step_seconds(batch, round(context))
@@ -236,8 +239,13 @@ def _colocated_side(
         return (own + min(share, config.colocated_prefill_share) * mixed) * 1e3 * margin
 
     side = _Side(c, queue_ms=queue_s * 1e3 * margin, compute_ms=own_s * 1e3 * margin)
-    idle_ms = profile.prefill_seconds(new, c.chunk_tokens) * 1e3 * margin
+    idle_ms = (profile.prefill_seconds(new, c.chunk_tokens) + _store_read(c)) * 1e3 * margin
     return _batch_side(c, prompt_len, budgets, config, itl, side), idle_ms
+
+
+def _store_read(c: Candidate) -> float:
+    """Seconds the worker takes to read the part of the prompt's prefix only its host store holds."""
+    return c.store_tokens * c.store_seconds_per_token
 
 
 def _chunk_share(decode_s: float, chunk_s: float, chunk_tokens: int, prompt_tokens_per_s: float) -> float:

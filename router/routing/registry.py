@@ -36,6 +36,9 @@ class Registry:
     def __init__(self) -> None:
         self.workers: dict[str, WorkerInfo] = {}
         self.prefixes = PrefixIndex()  # which prefixes each worker reported in its cache
+        # which prefixes each host KV store holds (by ``store_key``), as its workers reported saving
+        # them; kept while workers come and go, since the store outlives them
+        self.stores = PrefixIndex()
 
     def register(self, reg: Register) -> WorkerInfo:
         info = WorkerInfo(reg, time.monotonic())
@@ -51,6 +54,8 @@ class Registry:
         info.out_of_blocks = False  # the report was sent after the refusal: it says how full it is
         info.last_seen = time.monotonic()
         self.prefixes.update(hb.worker_id, hb.cached, hb.evicted, info.reg.num_blocks)
+        if info.reg.kv_store and hb.stored:
+            self.stores.update(store_key(info.reg), hb.stored, (), info.reg.kv_store_blocks)
         return True
 
     def remove(self, worker_id: str) -> WorkerInfo | None:
@@ -92,3 +97,8 @@ def has_route(registry: Registry, served: str | None = None) -> bool:
     workers = registry.workers.values() if served is None else registry.serving(served)
     kinds = {w.reg.kind for w in workers}
     return COLOCATED in kinds or (PREFILL in kinds and DECODE in kinds)
+
+
+def store_key(reg: Register) -> str:
+    """The host KV store a worker shares: its host and the store's id (its directories and salt)."""
+    return f"{reg.host}/{reg.kv_store}"

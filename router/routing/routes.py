@@ -78,6 +78,9 @@ class Candidate:
     host: str = ""  # its machine ("": unknown): a pair on one host moves KV over shared memory
     kv_rates: Mapping[str, float] = field(default_factory=dict)  # measured KV rate per transport
     cached_tokens: int = 0  # of the prompt being ranked, tokens in its prefix cache (as last reported)
+    # of those, tokens its host KV store holds and it must read first, and seconds a token's read takes
+    store_tokens: int = 0
+    store_seconds_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kind not in (PREFILL, DECODE, COLOCATED):
