@@ -32,7 +32,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -67,16 +67,6 @@ def store_salt(cfg: WorkerConfig, model_dir: Path, layout: KVLayout) -> bytes:
         "kv_cache_dtype": cfg.kv_cache_dtype, "layout": asdict(layout),
     }  # fmt: skip
     return hashlib.blake2b(json.dumps(what, sort_keys=True).encode(), digest_size=16).digest()
-
-
-@dataclass
-class StoreStats:
-    """The store's counts as one process sees them (``pdfabric_kv_store_*`` metrics)."""
-
-    ram: TierStats
-    disk: TierStats
-    dropped: int = 0  # saves dropped because the write queue was full
-    load_seconds: float = 0.0  # time spent reading hits into the cache
 
 
 class HostKVStore:
@@ -119,7 +109,7 @@ class HostKVStore:
         self.load_seconds = 0.0
         self._ghosts: OrderedDict[bytes, None] = OrderedDict()  # writer thread only
         self._hot: OrderedDict[bytes, None] = OrderedDict()
-        self._queue: queue.SimpleQueue[tuple[list[bytes], torch.Tensor, bool] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[list[bytes], torch.Tensor] | None] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_loop, name="kv-store-writer", daemon=True)
         self._writer.start()
 
@@ -138,7 +128,7 @@ class HostKVStore:
                 self.dropped += len(keep) - start
                 return
             self.gather([blocks[i] for i in part], buf[: len(part)])
-            self._queue.put(([keys[i] for i in part], buf, False))
+            self._queue.put(([keys[i] for i in part], buf))
 
     def find(self, hashes: Sequence[bytes]) -> int:
         n = 0
@@ -175,18 +165,11 @@ class HostKVStore:
         self._writer.join(timeout=10.0)
 
     def counters(self) -> dict[str, float]:
-        s = self.stats()
-        out: dict[str, float] = {"dropped": s.dropped, "load_seconds": s.load_seconds}
-        for tier, stats in (("ram", s.ram), ("disk", s.disk)):
-            out.update({f"{tier}_{name}": value for name, value in asdict(stats).items()})
+        out: dict[str, float] = {"dropped": self.dropped, "load_seconds": self.load_seconds}
+        for name, tier in (("ram", self.ram), ("disk", self.disk)):
+            stats = asdict(tier.stats if tier is not None else TierStats())
+            out.update({f"{name}_{field}": value for field, value in stats.items()})
         return out
-
-    def stats(self) -> StoreStats:
-        empty = TierStats()
-        return StoreStats(
-            self.ram.stats if self.ram else empty, self.disk.stats if self.disk else empty, self.dropped,
-            self.load_seconds,
-        )  # fmt: skip
 
     def gather(self, blocks: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
         """The blocks' KV as host bytes, ``[n, layers, 2, bytes of a block's keys]`` (into ``out``)."""
@@ -206,7 +189,7 @@ class HostKVStore:
         """Reads up to CHUNK blocks (RAM first, then disk) into the cache's ``blocks``; how many of
         the leading ones were there and checked."""
         rows = self._loading.numpy()
-        promote: list[int] = []  # disk hits to copy up to RAM
+        promote: dict[int, bytes] = {}  # disk hits to copy up to RAM: row -> key
         n = 0
         for key in map(self.key, hashes):
             row = memoryview(rows[n])
@@ -214,7 +197,7 @@ class HostKVStore:
                 if self.disk is None or not self.disk.read_into(key, row):
                     break
                 if self.ram is not None:
-                    promote.append(n)
+                    promote[n] = key
             _remember(self._hot, key, HOT)
             n += 1
         if not n:
@@ -223,8 +206,8 @@ class HostKVStore:
         self._scatter(payload, blocks[:n])
         buf = self._buffer() if promote else None
         if buf is not None:
-            buf[: len(promote)].copy_(payload[promote])
-            self._queue.put(([self.key(hashes[i]) for i in promote], buf, True))
+            buf[: len(promote)].copy_(payload[list(promote)])
+            self._queue.put((list(promote.values()), buf))
         return n
 
     def _scatter(self, payload: torch.Tensor, blocks: list[int]) -> None:
@@ -260,16 +243,16 @@ class HostKVStore:
 
     def _write_loop(self) -> None:
         while (item := self._queue.get()) is not None:
-            keys, buf, promoted = item
+            keys, buf = item
             try:
                 for key, row in zip(keys, buf, strict=False):  # the buffer's first len(keys) rows
-                    self._write(key, memoryview(row.reshape(-1).numpy()), promoted)
+                    self._write(key, memoryview(row.reshape(-1).numpy()))
             except Exception:  # a writer that dies would leave every later save queued forever
                 log.exception("host KV store: writing %d blocks failed", len(keys))
             finally:
                 self._free.put(buf)
 
-    def _write(self, key: bytes, payload: memoryview, promoted: bool) -> None:
+    def _write(self, key: bytes, payload: memoryview) -> None:
         """One block: into RAM (a disk hit copied up, or a save), else onto disk if admitted."""
         if self.ram is not None:
             if self.ram.write(key, payload) and self.ram.over():

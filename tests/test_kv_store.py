@@ -154,7 +154,7 @@ def test_saved_blocks_load_into_other_blocks_and_only_under_their_salt(tmp_path:
         other = _store(caches, tmp_path, salt=b"another model")
         assert other.find(hashes) == 0 and other.load(hashes, [0, 1, 2]) == 0
         other.close()
-        assert store.stats().ram.hits == 2 and store.stats().ram.writes == 3
+        assert store.ram is not None and (store.ram.stats.hits, store.ram.stats.writes) == (2, 3)
     finally:
         store.close()
 
@@ -273,7 +273,7 @@ def test_prefixes_the_pool_evicted_or_a_restart_lost_come_back_from_the_store_to
         assert pool.num_free == pool.num_blocks
         reg, hb = core.registration(), core.heartbeat(1e9)
         assert (reg.kv_store, reg.kv_store_blocks) == (store.ident, store.capacity_blocks) and reg.kv_store
-        assert hb is not None and len(hb.stored) == 12  # the latest saved, at most a pool's worth
+        assert hb is not None and len(hb.evicted) == 12  # the latest saved, at most a pool's worth
         assert hb.kv_store["hit_tokens"] >= 3 * 96
         store.flush(*pool.cached_blocks())  # the worker stops
     finally:
@@ -311,7 +311,8 @@ def test_a_block_that_fails_its_check_is_recomputed_not_served(tiny: tuple, tmp_
         out = _serve(core, stepper, {"b": prompt})
         assert _tokens(out, "b") == want
         assert [d.cached_tokens for d in out if d.index == 0] == [48]  # three blocks, then recomputed
-        assert store.stats().ram.bad == 1 and not files[3].exists()  # dropped, and not written again
+        assert store.ram is not None and store.ram.stats.bad == 1
+        assert not files[3].exists()  # dropped, and not written again
     finally:
         store.close()
 
