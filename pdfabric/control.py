@@ -89,7 +89,6 @@ class Heartbeat:
     # "disk_") hits, bytes_read, writes, bytes_written, evictions, bad, write_errors; and dropped
     # (saves the full write queue dropped), load_seconds, hit_tokens (prompt tokens read from it)
     kv_store: dict[str, float] = field(default_factory=dict)
-    stored: tuple[bytes, ...] = ()  # prefix hashes it put in the host KV store since its last heartbeat
 
 
 @message(3)

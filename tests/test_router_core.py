@@ -438,7 +438,7 @@ def test_routing_counts_what_a_workers_host_kv_store_holds_and_the_time_to_read_
         core.on_message(reg)
     prompt = tuple(range(3, 103))  # 6 cacheable blocks
     hashes = prompt_hashes(prompt, 16, "tiny")
-    core.on_message(replace(heartbeat("a0"), stored=hashes[2:]))  # a0 evicted blocks 2-5 to host A's store
+    core.on_message(replace(heartbeat("a0"), evicted=hashes[2:]))  # a0 evicted blocks 2-5 to host A's store
     core.on_message(replace(heartbeat("a1"), cached=hashes[:2]))  # a1's pool holds blocks 0-1
     core.on_message(replace(heartbeat("b0"), cached=hashes[:3]))  # b0's pool holds blocks 0-2
     by_id = {c.worker_id: c for c in core.routing.candidates(_ticket(core, prompt))}

@@ -131,8 +131,7 @@ class WorkerCore:
         c = spec.config
         store = store if c.prefix_caching else None
         self.store = store
-        self._stored: deque[bytes] = deque(maxlen=spec.num_blocks)  # saved to the store since a heartbeat
-        evict = self._save if store is not None else None
+        evict = store.save if store is not None else None
         self.tables = BlockTables(BlockPool(spec.num_blocks, c.block_size, on_evict=evict))
         sched = SchedulerConfig(
             max_batch_tokens=c.max_batch_tokens, max_running=c.max_running, max_model_len=spec.max_model_len,
@@ -162,12 +161,6 @@ class WorkerCore:
         if self.store is None:
             return reg
         return replace(reg, kv_store=self.store.ident, kv_store_blocks=self.store.capacity_blocks)
-
-    def _save(self, blocks: list[int], hashes: list[bytes]) -> None:
-        """Blocks the pool evicts go to the host store; their hashes go to the router's view of it."""
-        assert self.store is not None
-        self.store.save(blocks, hashes)
-        self._stored.extend(hashes)
 
     def handle(self, msg: object) -> Out:
         """A control message from the router. A draining worker refuses new requests: a reservation
@@ -277,13 +270,7 @@ class WorkerCore:
             speculative_checks=s.checks,
             speculation=self.speculation.gain(profile.decode_step_seconds),
             kv_store=self._store_counters(),
-            stored=self._take_stored(),
         )
-
-    def _take_stored(self) -> tuple[bytes, ...]:
-        stored = tuple(self._stored)
-        self._stored.clear()
-        return stored
 
     def _store_counters(self) -> dict[str, float]:
         if self.store is None:
