@@ -63,11 +63,19 @@
 #define ROW_BLOCK 96     /* rows per work item: a panel is read from cache this many rows at a time */
 #define K_CHUNK 64       /* input pairs per pass over a block's rows: 16 KiB of a bfloat16 panel */
 #ifndef PREFETCH_PAIRS
-#define PREFETCH_PAIRS 128 /* how far ahead (in pairs of inputs) the weight stream is asked for: 32 KiB */
+#define PREFETCH_PAIRS 64 /* how far ahead (in steps of inputs) the weight stream is asked for: 16 KiB in bf16 */
 #endif
 #ifndef PREFETCH_HINT
 #define PREFETCH_HINT 1 /* into the outer caches (prefetcht2): the stream outruns a first-level cache */
 #endif
+
+/* Asks for every 64-byte line of the `bytes` (a constant after inlining) weights one step reads,
+ * PREFETCH_PAIRS steps ahead. A line not asked for waits for memory when its step comes: asking for
+ * every other line of a bfloat16 step (256 bytes) left decode steps 25% slower at 8 to 32 rows. */
+static inline __attribute__((always_inline)) void prefetch_step(const void *w, const int bytes) {
+    const char *ahead = (const char *)w + (int64_t)PREFETCH_PAIRS * bytes;
+    for (int off = 0; off < bytes; off += 64) __builtin_prefetch(ahead + off, 0, PREFETCH_HINT);
+}
 #define WIDEN_ROWS 64 /* rows of a block from which grouped weights are widened once a chunk */
 #define SERIAL_MACS 32768 /* multiply-adds below which a call stays on one thread */
 
@@ -345,8 +353,7 @@ static inline __attribute__((always_inline)) void tile_bf16(const job_t *j, int6
         for (int c = 0; c < 4; c++) sum[r][c] = i0 ? _mm512_loadu_ps(acc + r * COLS + 16 * c) : _mm512_setzero_ps();
     for (int64_t i = i0; i < i1; i++) {
         const char *w = panel + i * row_bytes;
-        __builtin_prefetch(w + PREFETCH_PAIRS * row_bytes, 0, PREFETCH_HINT);
-        __builtin_prefetch(w + PREFETCH_PAIRS * row_bytes + row_bytes / 2, 0, PREFETCH_HINT);
+        prefetch_step(w, row_bytes);
         __m512bh b[4];
         for (int c = 0; c < 4; c++)
             b[c] = q8 ? widen_int8x32((const int8_t *)w + 32 * c) : (__m512bh)_mm512_loadu_si512(w + 64 * c);
@@ -418,8 +425,7 @@ static inline __attribute__((always_inline)) void tile_grouped_bf16(const job_t 
             if (wide) {
                 for (int c = 0; c < 4; c++) b[c] = (__m512bh)_mm512_loadu_si512(wide + ((i - i0) * COLS + 16 * c) * 2);
             } else {
-                __builtin_prefetch(w + PREFETCH_PAIRS * row_bytes, 0, PREFETCH_HINT);
-                if (bits == 8) __builtin_prefetch(w + PREFETCH_PAIRS * row_bytes + COLS, 0, PREFETCH_HINT);
+                prefetch_step(w, row_bytes);
                 for (int c = 0; c < 4; c++)
                     b[c] = bits == 4 ? widen_q4x32(w + 16 * c) : widen_int8x32((const int8_t *)w + 32 * c);
             }
@@ -453,7 +459,7 @@ static inline __attribute__((always_inline)) void tile_q8_f32(const job_t *j, in
         for (int c = 0; c < 4; c++) sum[r][c] = i0 ? _mm512_loadu_ps(acc + r * COLS + 16 * c) : _mm512_setzero_ps();
     for (int64_t i = i0; i < i1; i++) {
         const int8_t *w = panel + i * COLS;
-        __builtin_prefetch(w + PREFETCH_PAIRS * COLS, 0, PREFETCH_HINT);
+        prefetch_step(w, COLS);
         __m512 b[4];
         for (int c = 0; c < 4; c++)
             b[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 16 * c))));
@@ -489,10 +495,7 @@ static inline __attribute__((always_inline)) void tile_f32(const job_t *j, int64
         for (int c = 0; c < 4; c++) sum[r][c] = i0 ? _mm512_loadu_ps(acc + r * COLS + 16 * c) : _mm512_setzero_ps();
     for (int64_t i = i0; i < i1; i++) {
         const float *w = panel + i * COLS;
-        __builtin_prefetch(w + PREFETCH_PAIRS * COLS, 0, PREFETCH_HINT);
-        __builtin_prefetch(w + PREFETCH_PAIRS * COLS + 16, 0, PREFETCH_HINT);
-        __builtin_prefetch(w + PREFETCH_PAIRS * COLS + 32, 0, PREFETCH_HINT);
-        __builtin_prefetch(w + PREFETCH_PAIRS * COLS + 48, 0, PREFETCH_HINT);
+        prefetch_step(w, COLS * (int)sizeof(float));
         const __m512 b0 = _mm512_loadu_ps(w), b1 = _mm512_loadu_ps(w + 16);
         const __m512 b2 = _mm512_loadu_ps(w + 32), b3 = _mm512_loadu_ps(w + 48);
         for (int r = 0; r < rows; r++) {

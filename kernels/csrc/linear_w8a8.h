@@ -123,8 +123,7 @@ static inline __attribute__((always_inline)) void w8_tile_rows(const w8_job_t *j
         }
         for (int64_t i = g * W8_QUADS; i < (g + 1) * W8_QUADS; i++) {
             const uint8_t *w = panel + i * COLS * 4;
-            __builtin_prefetch(w + PREFETCH_PAIRS * COLS * 2, 0, PREFETCH_HINT);
-            __builtin_prefetch(w + PREFETCH_PAIRS * COLS * 2 + COLS * 2, 0, PREFETCH_HINT);
+            prefetch_step(w, COLS * 4);
             __m512i b[4];
             for (int c = 0; c < 4; c++) b[c] = _mm512_loadu_si512(w + 64 * c);
             for (int r = 0; r < rows; r++) {
