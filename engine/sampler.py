@@ -183,8 +183,8 @@ def exponential_noise(key: int, ids: torch.Tensor) -> torch.Tensor:
     """Exp(1) noise for the token ids ``ids``, a function of (``key``, token id) alone: a seeded draw
     is the same whichever candidates a row keeps, on any device and in any batch, and costs nothing
     for the tokens it does not keep. Computed on the CPU (splitmix64 of key and id, 53 bits)."""
-    # In place, into two buffers: a row's noise is a dozen passes over the vocabulary, which fresh
-    # tensors for each made twice as slow (the same integer and double operations either way).
+    # In place, into two buffers: a row's noise is a dozen passes over the vocabulary, and a fresh
+    # tensor for each made it a fifth slower (the same integer and double operations either way).
     x = ids.to("cpu", torch.int64) * _signed(_GOLDEN)
     x.add_(_signed(key & 0xFFFFFFFFFFFFFFFF))
     tmp = torch.empty_like(x)

@@ -62,18 +62,18 @@
 #define ROWS 6           /* rows per register tile: 6 x 4 accumulators */
 #define ROW_BLOCK 96     /* rows per work item: a panel is read from cache this many rows at a time */
 #define K_CHUNK 64       /* input pairs per pass over a block's rows: 16 KiB of a bfloat16 panel */
-#ifndef PREFETCH_PAIRS
-#define PREFETCH_PAIRS 64 /* how far ahead (in steps of inputs) the weight stream is asked for: 16 KiB in bf16 */
+#ifndef PREFETCH_STEPS
+#define PREFETCH_STEPS 64 /* how far ahead (in steps: input pairs in bf16) weights are asked for: 16 KiB in bf16 */
 #endif
 #ifndef PREFETCH_HINT
 #define PREFETCH_HINT 1 /* into the outer caches (prefetcht2): the stream outruns a first-level cache */
 #endif
 
 /* Asks for every 64-byte line of the `bytes` (a constant after inlining) weights one step reads,
- * PREFETCH_PAIRS steps ahead. A line not asked for waits for memory when its step comes: asking for
+ * PREFETCH_STEPS steps ahead. A line not asked for waits for memory when its step comes: asking for
  * every other line of a bfloat16 step (256 bytes) left decode steps 25% slower at 8 to 32 rows. */
 static inline __attribute__((always_inline)) void prefetch_step(const void *w, const int bytes) {
-    const char *ahead = (const char *)w + (int64_t)PREFETCH_PAIRS * bytes;
+    const char *ahead = (const char *)w + (int64_t)PREFETCH_STEPS * bytes;
     for (int off = 0; off < bytes; off += 64) __builtin_prefetch(ahead + off, 0, PREFETCH_HINT);
 }
 #define WIDEN_ROWS 64 /* rows of a block from which grouped weights are widened once a chunk */
