@@ -135,9 +135,15 @@ def test_workers_on_three_nodes_serve_token_exact_and_fail_over(
             tasks = [asyncio.create_task(_stream(url, b, e)) for b, e in zip(bodies, started, strict=True)]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
             # The decode worker holding the most streams dies mid-stream (the router may have put
-            # them all on one).
-            now = await asyncio.to_thread(_workers, url)
-            victim.update(max((now[w] for w in ("decode-0", "decode-1")), key=lambda w: w["requests"]))
+            # them all on one). A first token comes from the prefill worker, which holds the request
+            # until its KV has reached a decode worker: wait for a hand-off (the streams are long).
+            deadline = time.monotonic() + 30
+            while True:
+                now = await asyncio.to_thread(_workers, url)
+                victim.update(max((now[w] for w in ("decode-0", "decode-1")), key=lambda w: w["requests"]))
+                if victim["requests"] >= 1 or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.1)
             assert victim["requests"] >= 1, now
             os.kill(victim["pid"], signal.SIGKILL)
             return await asyncio.wait_for(asyncio.gather(*tasks), 120)
