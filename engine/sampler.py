@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdfabric.kernels.dispatch import mask_logits
+from pdfabric.kernels.dispatch import argmax_rows, gumbel_argmax, gumbel_noise, mask_logits
 from pdfabric.sampling_params import SamplingParams
 
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -58,8 +58,9 @@ def sample(
     left (a finished structure allows only end-of-sequence), the grammar wins.
 
     A large vocabulary is read a few times per row, never copied whole: the greedy rows' tokens come
-    from one batched argmax, each row's log-probabilities from one log-normaliser (``logsumexp``), top
-    log-probabilities and top-k / top-p from partial sorts (``_sample_row``)."""
+    from one batched argmax, plain temperature rows' from one batched Gumbel-max draw
+    (``gumbel_argmax``: no softmax), each row's log-probabilities from one log-normaliser
+    (``logsumexp``), top log-probabilities and top-k / top-p from partial sorts (``_sample_row``)."""
     scores = logits
     if masks is not None:
         scores = logits.clone()
@@ -78,10 +79,20 @@ def sample(
     greedy = [row for row, p in enumerate(params) if p.greedy]
     if greedy:
         rows = scores if len(greedy) == len(params) else scores[greedy]
-        for row, token in zip(greedy, rows.argmax(dim=-1).tolist(), strict=True):
+        for row, token in zip(greedy, argmax_rows(rows), strict=True):
+            tokens[row] = token
+    # Plain temperature rows draw over the whole vocabulary in one batched call; rows with top-k or
+    # top-p draw among their candidates, one at a time.
+    vocab = scores.shape[-1]
+    plain = [row for row, p in enumerate(params) if not p.greedy and not _narrows(p, vocab)]
+    if plain:
+        rows = scores if len(plain) == len(params) else scores[plain]
+        keys = [_key(params[row], indices[row]) for row in plain]
+        drawn = gumbel_argmax(rows, [params[row].temperature for row in plain], keys)
+        for row, token in zip(plain, drawn, strict=True):
             tokens[row] = token
     for row, (p, index) in enumerate(zip(params, indices, strict=True)):
-        if not p.greedy:
+        if not p.greedy and _narrows(p, vocab):
             tokens[row] = _sample_row(scores[row], p, index)
     # The model's own log-probabilities, before any change: logit minus the row's log-normaliser, for
     # the rows that asked (the normaliser reads the whole row); 0.0 for the others.
@@ -154,53 +165,37 @@ def _ids(ids: Iterable[int], like: torch.Tensor) -> torch.Tensor:
 TOP_P_CANDIDATES = (64, 1024)
 
 
+def _narrows(p: SamplingParams, vocab: int) -> bool:
+    """Whether ``p`` keeps fewer candidates than the whole vocabulary (top-k or top-p)."""
+    return bool(p.top_k and p.top_k < vocab) or p.top_p < 1.0
+
+
+def _key(p: SamplingParams, index: int) -> int:
+    """The noise key of output token ``index`` of the request (and choice) ``p`` samples for."""
+    return step_seed(choice_seed(p.seed, p.choice), index)
+
+
+def scale(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits / temperature`` in float32, as ``gumbel_argmax`` divides."""
+    return logits / torch.tensor(temperature, dtype=torch.float32)
+
+
 def _sample_row(logits: torch.Tensor, p: SamplingParams, index: int) -> int:
-    # logits: [vocab] float32
+    # logits: [vocab] float32; p keeps top-k or top-p candidates
     vocab = logits.numel()
-    scaled = logits / p.temperature
-    key = step_seed(choice_seed(p.seed, p.choice), index)
+    scaled = scale(logits, p.temperature)
     if p.top_k and p.top_k < vocab:
         values, ids = scaled.topk(p.top_k)  # descending
         probs = torch.softmax(values, dim=-1)  # renormalised over the k kept
-    elif p.top_p < 1.0:
+    else:
         norm = torch.logsumexp(scaled, dim=-1)
         for count in (*TOP_P_CANDIDATES, vocab):  # the fewest likeliest tokens that hold the nucleus
             values, ids = scaled.topk(count) if count < vocab else scaled.sort(descending=True)
             probs = (values - norm).exp()
             if count >= vocab or float(probs.sum()) >= p.top_p:
                 break
-    else:
-        ids = torch.arange(vocab, device=logits.device)
-        probs = torch.softmax(scaled, dim=-1)
     if p.top_p < 1.0:
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        probs = probs.masked_fill(probs.cumsum(0) - probs >= p.top_p, 0.0)
-    # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p without a cumsum search.
-    return int(ids[(probs / exponential_noise(key, ids)).argmax()])
-
-
-def exponential_noise(key: int, ids: torch.Tensor) -> torch.Tensor:
-    """Exp(1) noise for the token ids ``ids``, a function of (``key``, token id) alone: a seeded draw
-    is the same whichever candidates a row keeps, on any device and in any batch, and costs nothing
-    for the tokens it does not keep. Computed on the CPU (splitmix64 of key and id, 53 bits)."""
-    # In place, into two buffers: a row's noise is a dozen passes over the vocabulary, and a fresh
-    # tensor for each made it a fifth slower (the same integer and double operations either way).
-    x = ids.to("cpu", torch.int64) * _signed(_GOLDEN)
-    x.add_(_signed(key & 0xFFFFFFFFFFFFFFFF))
-    tmp = torch.empty_like(x)
-    for bits, factor in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
-        x.bitwise_xor_(_shift(x, bits, tmp)).mul_(_signed(factor))
-    x.bitwise_xor_(_shift(x, 31, tmp))
-    uniform = _shift(x, 11, tmp).double().add_(0.5).div_(2.0**53)  # in (0, 1)
-    return uniform.log_().neg_().float().to(ids.device)
-
-
-def _signed(value: int) -> int:
-    """A 64-bit pattern as the int64 that holds it (torch's int64 arithmetic wraps like uint64)."""
-    return value - 2**64 if value >= 2**63 else value
-
-
-def _shift(x: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """A logical right shift of int64 ``x`` (``>>`` on int64 keeps the sign), into ``out`` if given."""
-    shifted = torch.bitwise_right_shift(x, bits, out=out) if out is not None else x >> bits
-    return shifted.bitwise_and_((1 << (64 - bits)) - 1)
+        values = values.masked_fill(probs.cumsum(0) - probs >= p.top_p, float("-inf"))
+    # Gumbel-max: argmax(scaled + Gumbel noise) draws from softmax(scaled) over the candidates kept.
+    return int(ids[(values + gumbel_noise(_key(p, index), ids).to(values.device)).argmax()])

@@ -1,15 +1,15 @@
 """Chooses, per call, the implementation of each kernel: torch reference, C kernel for the CPU, or Triton.
 
 ``auto`` runs the Triton kernels (attention, RMSNorm, KV write and block copies) on CUDA tensors
-(when Triton imports), the CPU attention
-(``paged_attention_cpu``: C kernels for decode rows and bfloat16 prompts, fused SDPA elsewhere) and
-the fused layer ops (``layer_ops_cpu``: RMSNorm, rotary embedding, SiLU-gated product) on CPU tensors
-they support, and the torch references everywhere else; ``torch`` always runs the
-references; ``cpu`` runs the CPU attention wherever it can; ``triton`` always runs the Triton
-kernels, which on CPU tensors needs ``TRITON_INTERPRET=1`` set before the kernel modules are first
-imported. Kernel modules are imported on first use, so a CPU-only process never imports Triton.
-A tiled cache (``AttentionMetadata.tiled_kv``, CPU bfloat16) is read and written by the CPU kernels, or
-by the references under the ``torch`` backend; never by Triton.
+(when Triton imports), the CPU attention (``paged_attention_cpu``: C kernels for decode rows and
+bfloat16 prompts, fused SDPA elsewhere), the fused layer ops (``layer_ops_cpu``: RMSNorm, rotary
+embedding, SiLU-gated product) and the sampler's draws (``sample_cpu``) on CPU tensors they support,
+and the torch references everywhere else; ``torch`` always runs the references; ``cpu`` runs the CPU
+attention wherever it can; ``triton`` always runs the Triton kernels, which on CPU tensors needs
+``TRITON_INTERPRET=1`` set before the kernel modules are first imported. Kernel modules are imported
+on first use, so a CPU-only process never imports Triton. A tiled cache
+(``AttentionMetadata.tiled_kv``, CPU bfloat16) is read and written by the CPU kernels, or by the
+references under the ``torch`` backend; never by Triton.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pdfabric.kernels.attention_ref import paged_attention_ref, store_kv_ref
 from pdfabric.kernels.kv_pack_ref import gather_blocks_ref, scatter_blocks_ref
 from pdfabric.kernels.layer_ops_ref import mask_logits_ref, rms_norm_ref, rope_ref, silu_mul_ref
 from pdfabric.kernels.metadata import AttentionMetadata
+from pdfabric.kernels.sample_ref import gumbel_argmax_ref, gumbel_noise_ref
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
 _backend: str = envs.get("PDFABRIC_KERNEL_BACKEND")
@@ -124,6 +125,47 @@ def mask_logits(logits: torch.Tensor, words: torch.Tensor) -> None:
         _layer_ops().mask_logits_cpu(logits, words)
     else:
         mask_logits_ref(logits, words)
+
+
+def _use_cpu_sampler() -> bool:
+    if _backend not in ("auto", "cpu"):
+        return False
+    from pdfabric.kernels.sample_cpu import available
+
+    return available()
+
+
+def _fits_cpu_sampler(scores: torch.Tensor) -> bool:
+    return scores.is_cpu and scores.dtype == torch.float32 and scores.stride(-1) == 1 and _use_cpu_sampler()
+
+
+def gumbel_noise(key: int, ids: torch.Tensor) -> torch.Tensor:
+    """float32 Gumbel noise for the token ids ``ids`` under ``key``, on the CPU; the same bits from the
+    C kernel and the reference (``sample_ref``)."""
+    if _use_cpu_sampler():
+        from pdfabric.kernels.sample_cpu import gumbel_noise_cpu
+
+        return gumbel_noise_cpu(key, ids)
+    return gumbel_noise_ref(key, ids)
+
+
+def argmax_rows(scores: torch.Tensor) -> list[int]:
+    """The first maximum's index in each row of ``scores`` ``[rows, vocab]`` (greedy rows)."""
+    if _fits_cpu_sampler(scores):
+        from pdfabric.kernels.sample_cpu import argmax_rows_cpu
+
+        return argmax_rows_cpu(scores)
+    return scores.argmax(dim=-1).tolist()
+
+
+def gumbel_argmax(scores: torch.Tensor, temps: list[float], keys: list[int]) -> list[int]:
+    """Row r's draw from ``softmax(scores[r] / temps[r])`` (``scores`` float32 ``[rows, vocab]``) under
+    the noise of ``keys[r]``: ``argmax(scores[r] / temperature + gumbel_noise(keys[r], vocab ids))``."""
+    if _fits_cpu_sampler(scores):
+        from pdfabric.kernels.sample_cpu import gumbel_argmax_cpu
+
+        return gumbel_argmax_cpu(scores, temps, keys)
+    return gumbel_argmax_ref(scores, temps, keys)
 
 
 def store_kv(

@@ -128,19 +128,20 @@ def test_penalised_rows_need_their_history_and_logprobs_stay_the_models_own() ->
 def _full_vocabulary_draw(logits: torch.Tensor, p: SamplingParams, index: int) -> int:
     """The textbook draw over the whole vocabulary (mask, softmax, sort, cumulative sum), with the same
     per-token noise: what the sampler's partial sorts must reproduce."""
-    from pdfabric.engine.sampler import choice_seed, exponential_noise, step_seed
+    from pdfabric.engine.sampler import choice_seed, scale, step_seed
+    from pdfabric.kernels.sample_ref import gumbel_noise_ref
 
-    scaled = logits / p.temperature
+    scaled = scale(logits, p.temperature)
     if p.top_k:
         kth = scaled.topk(p.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled.double(), dim=-1)
     if p.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        sorted_probs[sorted_probs.cumsum(0) - sorted_probs >= p.top_p] = 0.0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        sorted_probs, order = torch.softmax(scaled.double(), dim=-1).sort(descending=True)
+        outside = torch.zeros_like(scaled, dtype=torch.bool)
+        outside[order] = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+        scaled = scaled.masked_fill(outside, float("-inf"))
     key = step_seed(choice_seed(p.seed, p.choice), index)
-    return int((probs / exponential_noise(key, torch.arange(logits.numel())).double()).argmax())
+    return int((scaled + gumbel_noise_ref(key, torch.arange(logits.numel()))).argmax())
 
 
 @pytest.mark.parametrize(
@@ -165,14 +166,46 @@ def test_partial_sorts_draw_what_the_whole_vocabulary_draws(kwargs: dict) -> Non
     assert mismatches == 0
 
 
-def test_noise_is_a_function_of_the_token_id_alone() -> None:
-    from pdfabric.engine.sampler import exponential_noise
+def test_noise_is_a_function_of_the_token_id_alone_and_the_kernel_gives_the_references_bits() -> None:
+    from pdfabric.kernels import sample_cpu
+    from pdfabric.kernels.sample_ref import gumbel_noise_ref
 
-    full = exponential_noise(77, torch.arange(5000))
+    full = gumbel_noise_ref(77, torch.arange(5000))
     some = torch.tensor([4999, 3, 1024, 17])
-    assert torch.equal(exponential_noise(77, some), full[some])
-    assert not torch.equal(exponential_noise(78, some), full[some])
-    assert 0.95 < float(full.mean()) < 1.05 and float(full.min()) > 0
+    assert torch.equal(gumbel_noise_ref(77, some), full[some])
+    assert not torch.equal(gumbel_noise_ref(78, some), full[some])
+    # standard Gumbel: mean Euler's constant, standard deviation pi / sqrt(6)
+    assert abs(float(full.mean()) - 0.5772) < 0.05 and abs(float(full.std()) - 1.2825) < 0.05
+    if not sample_cpu.available():
+        pytest.skip("no C compiler here")
+    for key in (0, 77, 2**64 - 1, 2**63 + 5):
+        ids = torch.arange(49152)
+        assert torch.equal(sample_cpu.gumbel_noise_cpu(key, ids), gumbel_noise_ref(key, ids))
+        assert torch.equal(sample_cpu.gumbel_noise_cpu(key, None, 49152), gumbel_noise_ref(key, ids))
+
+
+def test_a_batch_of_temperature_draws_is_the_references_row_by_row() -> None:
+    """The C kernel's batched draw equals the reference's, whatever the batch; and its draws follow
+    softmax(logits / temperature)."""
+    from pdfabric.kernels import sample_cpu
+    from pdfabric.kernels.sample_ref import gumbel_argmax_ref
+
+    if not sample_cpu.available():
+        pytest.skip("no C compiler here")
+    gen = torch.Generator().manual_seed(3)
+    scores = torch.randn(24, 49152, generator=gen) * 3
+    scores[5, 100:200] = float("-inf")  # a grammar's mask
+    temps = [0.3 + 0.1 * r for r in range(24)]
+    keys = [r * 7919 + 2**63 for r in range(24)]
+    whole = sample_cpu.gumbel_argmax_cpu(scores, temps, keys)
+    assert whole == gumbel_argmax_ref(scores, temps, keys)
+    assert sample_cpu.gumbel_argmax_cpu(scores[7:9], temps[7:9], keys[7:9]) == whole[7:9]
+    assert not 100 <= whole[5] < 200
+    # 4,000 draws over four tokens land near their probabilities
+    logits = torch.tensor([[1.0, 0.0, -1.0, 2.0]]).expand(4000, 4).contiguous()
+    draws = torch.tensor(sample_cpu.gumbel_argmax_cpu(logits, [1.0] * 4000, list(range(4000))))
+    freq = torch.bincount(draws, minlength=4).double() / 4000
+    assert torch.allclose(freq, torch.softmax(logits[0].double(), -1), atol=0.03)
 
 
 def test_a_token_logprob_is_computed_only_for_rows_that_ask() -> None:
@@ -197,3 +230,25 @@ def test_the_router_asks_for_token_logprobs_where_a_response_needs_them() -> Non
     assert not params(base).token_logprob
     assert params({**base, "logprobs": 0}).token_logprob
     assert params({**base, "best_of": 3, "n": 1, "temperature": 1.0}).token_logprob
+
+
+def test_the_greedy_kernel_picks_what_torch_argmax_picks() -> None:
+    """The first maximum, the first NaN where a row has one, -0 and +0 alike, any row length."""
+    from pdfabric.kernels import sample_cpu
+
+    if not sample_cpu.available():
+        pytest.skip("no C compiler here")
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.randn(9, 49157, generator=gen)
+    rows[1, 7], rows[1, 9000] = float("nan"), float("inf")
+    rows[2, 49156] = float("nan")  # in the tail past the last whole 16
+    rows[3] = float("-inf")
+    rows[4, 40:60] = 50.0  # a tie: the first wins
+    rows[5].zero_()
+    rows[5, 0] = -0.0
+    rows[6, 49156] = 99.0
+    assert sample_cpu.argmax_rows_cpu(rows) == rows.argmax(-1).tolist()
+    assert sample_cpu.argmax_rows_cpu(rows[:, :5]) == rows[:, :5].argmax(-1).tolist()
+    wide = torch.zeros(2, 60000)[:, :49157]  # rows with a stride past their length
+    wide[1, 123] = 1.0
+    assert sample_cpu.argmax_rows_cpu(wide) == [0, 123]
