@@ -91,6 +91,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also time structured output at each decode batch: a JSON schema's token masks and the "
         "masked sampling, per step and as a share of the step (bench/grammar_cost.py)",
     )
+    parser.add_argument(
+        "--sampling",
+        action="store_true",
+        help="also time the sampler at each decode batch on the step's logits: greedy, temperature, "
+        "top-p and top-k rows, per step and as a share of the step (bench/sampling_cost.py)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
 
 
@@ -207,6 +213,15 @@ def run(args: argparse.Namespace) -> int:
             cost = grammar_cost(resolve_model(args.model), cfg.vocab_size, runner.step(batches[d["batch"]]))
             cost["share_of_step"] = (cost["mask_seconds"] + cost["sample_extra_seconds"]) / d["seconds"]
             results["grammar"].append(cost)
+    if args.sampling:
+        from pdfabric.bench.sampling_cost import sampling_cost
+
+        results["sampling"] = []
+        for d in results["decode"]:
+            _progress(f"sampling, batch {d['batch']}")
+            cost = sampling_cost(runner.step(batches[d["batch"]]), args.repeats)
+            cost["share_of_step"] = {m: s / d["seconds"] for m, s in cost["seconds"].items()}
+            results["sampling"].append(cost)
     if args.op_profile:
         _progress("op profile")
         prefill = StepEntry(token * prefill_lens[-1], 0, tuple(range(-(-prefill_lens[-1] // block))))
@@ -282,6 +297,13 @@ def _print_table(r: dict) -> None:
                 f"{g['batch']:>14} {g['mask_seconds'] * 1e3:>9.3f} {g['sample_extra_seconds'] * 1e3:>10.3f} "
                 f"{g['share_of_step']:>8.1%}"
             )
+    if r.get("sampling"):
+        modes = list(r["sampling"][0]["seconds"])
+        print("\nsampling one step's rows, ms (share of the decode step; bench/sampling_cost.py)")
+        print(f"{'decode batch':>14} " + " ".join(f"{m:>20}" for m in modes))
+        for c in r["sampling"]:
+            cells = [f"{c['seconds'][m] * 1e3:.2f} ({c['share_of_step'][m]:.0%})" for m in modes]
+            print(f"{c['batch']:>14} " + " ".join(f"{cell:>20}" for cell in cells))
     for step, ops in r.get("op_profile", {}).items():
         print(f"\n{step}: ops by self CPU time (torch profiler, per step)")
         print(f"{'op':<48} {'ms':>8} {'calls':>7} {'share':>6}")

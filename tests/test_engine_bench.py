@@ -15,7 +15,7 @@ def test_bench_engine_reports_both_phases_against_their_floors(tmp_path: Path) -
         [
             sys.executable, "-m", "pdfabric.cli", "bench", "engine", "--model", "tiny",
             "--prefill-tokens", "16,48", "--batch-sizes", "1,3", "--context", "40", "--repeats", "1",
-            "--linears", linears, "--op-profile", "3", "--grammar", "--json", str(out),
+            "--linears", linears, "--op-profile", "3", "--grammar", "--sampling", "--json", str(out),
         ],  # fmt: skip
         capture_output=True,
         text=True,
@@ -34,6 +34,10 @@ def test_bench_engine_reports_both_phases_against_their_floors(tmp_path: Path) -
     # structured output: each batch's masks and masked sampling, as a share of its step
     assert [g["batch"] for g in r["grammar"]] == [1, 3] and "structured output" in done.stdout
     assert all(g["mask_seconds"] > 0 and g["share_of_step"] > 0 for g in r["grammar"])
+    # the sampler on each batch's logits, per mode
+    assert [c["batch"] for c in r["sampling"]] == [1, 3] and "sampling one step's rows" in done.stdout
+    modes = {"greedy", "temperature", "top-p 0.95", "top-k 50"}
+    assert all(set(c["seconds"]) == modes and c["seconds"]["greedy"] > 0 for c in r["sampling"])
 
 
 def test_bench_names_the_linear_kernels_the_runner_knows() -> None:
