@@ -125,6 +125,22 @@ def test_a_pair_reserves_then_prefills_and_deltas_come_out_in_order_once() -> No
     assert len(core) == 0 and len(core.holders) == 0
 
 
+def test_a_decode_workers_finish_overtaking_the_prefill_workers_first_token_still_ends_the_stream() -> None:
+    """Two workers' messages keep no order between them: the decode worker's tokens and finish can
+    reach the router before the prefill worker's first token, which must then complete the stream."""
+    core, _ = core_with(("p", "prefill"), ("d", "decode"))
+    submit(core, "r")
+    core.on_message(Reserved("d", "r", (3, 4)))
+    assert core.on_message(delta("d", "r", 1, 2)) == []
+    assert core.on_message(delta("d", "r", 3, 1, "length")) == []  # held: index 0 is not out yet
+    assert core.holders.holders("r") == {"p"}  # the decode worker is done with it
+    out = core.on_message(delta("p", "r", 0))
+    delivered = [e.delta for e in out if isinstance(e, Deliver)]
+    assert [d.index for d in delivered] == [0, 1, 3] and delivered[-1].finish_reason == "length"
+    core.on_message(HandedOff("p", "r", 1000, 0.01))
+    assert core.holders.holders("r") == frozenset() and core.end("r") == []
+
+
 def test_an_ended_request_aborts_every_holder_and_late_reservations_are_given_back() -> None:
     core, _ = core_with(("p", "prefill"), ("d", "decode"))
     submit(core, "r")

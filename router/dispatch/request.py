@@ -65,7 +65,8 @@ class RouterRequest:
     run_params: SamplingParams = field(init=False)  # the current attempt's (remaining tokens, offset)
     run_branches: tuple[Branch, ...] = field(init=False)  # the current attempt's other outputs
     outs: list[Output] = field(init=False)  # one per choice
-    running: set[int] = field(init=False)  # choices the current attempt has not finished yet
+    run_choices: frozenset[int] = field(init=False)  # the outputs the current attempt runs
+    running: set[int] = field(init=False)  # those whose finish has not come from a worker yet
     failovers: int = 0
     choices: tuple[Choice, ...] = ()  # the current attempt's routes, best first
     tried: int = 0  # routes tried so far
@@ -81,7 +82,8 @@ class RouterRequest:
         self.wire_id, self.run_prompt, self.run_params = self.request_id, self.prompt_ids, self.params
         self.run_branches = tuple(Branch(c) for c in range(1, self.n))
         self.outs = [Output(c) for c in range(self.n)]
-        self.running = set(range(self.n))
+        self.run_choices = frozenset(range(self.n))
+        self.running = set(self.run_choices)
 
     @property
     def request_id(self) -> str:
@@ -105,8 +107,10 @@ class RouterRequest:
 
     def from_wire(self, delta: TokenDelta) -> TokenDelta | None:
         """A delta of the current attempt in the client's terms (its id, its output's indices; None for
-        an output it does not run)."""
-        if delta.choice not in self.running:
+        an output it does not run). An output's finish may arrive before its earlier tokens: a
+        disaggregated output's first token comes from the prefill worker, the rest from the decode
+        worker, on connections that keep no order between them; those tokens are still taken."""
+        if delta.choice not in self.run_choices:
             return None
         cached = delta.cached_tokens if self.failovers == 0 else 0  # the client's prompt's, not a resume's
         index = delta.index + self.outs[delta.choice].base
@@ -161,6 +165,7 @@ class RouterRequest:
         self.run_branches = tuple(Branch(o.choice, tuple(o.tokens)) for o in left[1:])
         for o in left:
             o.base, o.pending = len(o.tokens), {}  # early deltas of the failed attempt will come again
-        self.running = {o.choice for o in left}
+        self.run_choices = frozenset(o.choice for o in left)
+        self.running = set(self.run_choices)
         self.choices, self.tried = (), 0
         return True
