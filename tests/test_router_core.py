@@ -141,6 +141,19 @@ def test_a_decode_workers_finish_overtaking_the_prefill_workers_first_token_stil
     assert core.holders.holders("r") == frozenset() and core.end("r") == []
 
 
+def test_an_attempt_every_worker_let_go_of_with_tokens_missing_moves_on_from_what_was_delivered() -> None:
+    """A first token lost on the way (no worker holds the request, the client misses index 0): the
+    request fails over at once instead of waiting out its timeout."""
+    core, _ = core_with(("p", "prefill"), ("d", "decode"))
+    submit(core, "r")
+    core.on_message(Reserved("d", "r", (3, 4)))
+    assert core.on_message(delta("d", "r", 1, 3, "length")) == []
+    out = core.on_message(HandedOff("p", "r", 1000, 0.01))  # without its index 0 first
+    [moved] = [e for e in out if isinstance(e, FailedOver)]
+    assert moved.cause == "tokens_lost" and moved.resumed_at == 0
+    assert ("d", Reserve) in sends(out)  # the attempt again, from the prompt
+
+
 def test_an_ended_request_aborts_every_holder_and_late_reservations_are_given_back() -> None:
     core, _ = core_with(("p", "prefill"), ("d", "decode"))
     submit(core, "r")

@@ -69,7 +69,7 @@ from pdfabric.router.routing.routes import Budgets, Choice
 from pdfabric.routing_config import AdmissionConfig, PredictorConfig
 from pdfabric.sampling_params import SamplingParams
 
-WORKER_GONE, ERROR = "worker_gone", "error"  # failover causes
+WORKER_GONE, ERROR, TOKENS_LOST = "worker_gone", "error", "tokens_lost"  # failover causes
 _ANY = Budgets(3_600_000.0, 3_600_000.0)  # a failover takes any route that can hold it
 
 
@@ -195,6 +195,7 @@ class RouterCore:
             req = self._current(msg.request_id)
             if req is not None:
                 out.append(Transferred(req.request_id, msg))
+                self._released(req, msg.worker_id, out)
             self._poll(out)
         elif isinstance(msg, Heartbeat):
             info = self.registry.workers.get(msg.worker_id)
@@ -361,12 +362,22 @@ class RouterCore:
         if mine is None:
             return  # an output this attempt does not run
         if mine.finish_reason is not None:
-            if req.attempt_done(mine.choice):  # the worker holds the request no longer
+            done = req.attempt_done(mine.choice)
+            if done:  # the worker holds the request no longer
                 self.holders.done(req.wire_id, worker_id)
             self._deliver(req, mine, out)
+            if done:
+                self._released(req, worker_id, out)
             self._poll(out)
         else:
             self._deliver(req, mine, out)
+
+    def _released(self, req: RouterRequest, worker_id: str, out: list[Effect]) -> None:
+        """A worker let go of ``req``'s attempt. If none holds it now and the client still misses
+        tokens (a message lost on the way), nothing more will come: the request moves on from what
+        the client has, as after a worker's failure, instead of waiting out its timeout."""
+        if not req.finished and not self.holders.holders(req.wire_id):
+            self._failover(req, TOKENS_LOST, worker_id, "the attempt ended with tokens never received", out)
 
     def _deliver(self, req: RouterRequest, delta: TokenDelta, out: list[Effect]) -> None:
         out += [Deliver(req.request_id, d) for d in req.accept(delta)]

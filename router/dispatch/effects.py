@@ -58,9 +58,9 @@ class Transferred:
 
 @dataclass(frozen=True)
 class FailedOver:
-    """The request left a failed attempt (``cause``: ``worker_gone`` or ``error``; ``worker_id`` the
-    worker that failed) and resumes on other workers after ``resumed_at`` delivered tokens (over all
-    its outputs)."""
+    """The request left a failed attempt (``cause``: ``worker_gone``, ``error``, or ``tokens_lost``:
+    every worker let go with tokens never received; ``worker_id`` the worker that failed, or let go
+    last) and resumes on other workers after ``resumed_at`` delivered tokens (over all its outputs)."""
 
     request_id: str
     cause: str

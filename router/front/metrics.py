@@ -292,7 +292,7 @@ class RouterMetrics:
         )
         self.failovers = Counter(
             "pdfabric_failovers",
-            "Requests moved off a failed worker mid-stream, by cause (worker_gone, error)",
+            "Requests moved off a failed worker mid-stream, by cause (worker_gone, error, tokens_lost)",
             ["cause"],
             registry=r,
         )
