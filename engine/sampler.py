@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdfabric.kernels.dispatch import argmax_rows, gumbel_argmax, gumbel_noise, mask_logits
+from pdfabric.kernels.dispatch import argmax_rows, gumbel_argmax, gumbel_noise, gumbel_top, mask_logits
 from pdfabric.sampling_params import SamplingParams
 
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -58,9 +58,11 @@ def sample(
     left (a finished structure allows only end-of-sequence), the grammar wins.
 
     A large vocabulary is read a few times per row, never copied whole: the greedy rows' tokens come
-    from one batched argmax, plain temperature rows' from one batched Gumbel-max draw
-    (``gumbel_argmax``: no softmax), each row's log-probabilities from one log-normaliser
-    (``logsumexp``), top log-probabilities and top-k / top-p from partial sorts (``_sample_row``)."""
+    from one batched argmax, plain and top-k temperature rows' from batched Gumbel-max draws
+    (``argmax(logits / temperature + noise)``, no softmax; top-k rows among their candidates:
+    ``gumbel_top``), top-p-only rows' from partial sorts (``_sample_top_p``), each row's
+    log-probabilities from one log-normaliser (``logsumexp``), top log-probabilities from a partial
+    sort."""
     scores = logits
     if masks is not None:
         scores = logits.clone()
@@ -81,19 +83,26 @@ def sample(
         rows = scores if len(greedy) == len(params) else scores[greedy]
         for row, token in zip(greedy, argmax_rows(rows), strict=True):
             tokens[row] = token
-    # Plain temperature rows draw over the whole vocabulary in one batched call; rows with top-k or
-    # top-p draw among their candidates, one at a time.
+    # Temperature rows: plain ones draw over the whole vocabulary in one batched call, top-k ones
+    # (top-p or not) among their candidates in another; top-p-only rows one at a time (partial sorts).
     vocab = scores.shape[-1]
-    plain = [row for row, p in enumerate(params) if not p.greedy and not _narrows(p, vocab)]
-    if plain:
-        rows = scores if len(plain) == len(params) else scores[plain]
-        keys = [_key(params[row], indices[row]) for row in plain]
-        drawn = gumbel_argmax(rows, [params[row].temperature for row in plain], keys)
-        for row, token in zip(plain, drawn, strict=True):
+    for kind in ("plain", "top-k"):
+        drawn_rows = [row for row, p in enumerate(params) if not p.greedy and _kind(p, vocab) == kind]
+        if not drawn_rows:
+            continue
+        rows = scores if len(drawn_rows) == len(params) else scores[drawn_rows]
+        temps = [params[row].temperature for row in drawn_rows]
+        keys = [_key(params[row], indices[row]) for row in drawn_rows]
+        if kind == "top-k":
+            top_ks = [params[row].top_k for row in drawn_rows]
+            drawn = gumbel_top(rows, temps, top_ks, [params[row].top_p for row in drawn_rows], keys)
+        else:
+            drawn = gumbel_argmax(rows, temps, keys)
+        for row, token in zip(drawn_rows, drawn, strict=True):
             tokens[row] = token
     for row, (p, index) in enumerate(zip(params, indices, strict=True)):
-        if not p.greedy and _narrows(p, vocab):
-            tokens[row] = _sample_row(scores[row], p, index)
+        if not p.greedy and _kind(p, vocab) == "top-p":
+            tokens[row] = _sample_top_p(scores[row], p, index)
     # The model's own log-probabilities, before any change: logit minus the row's log-normaliser, for
     # the rows that asked (the normaliser reads the whole row); 0.0 for the others.
     asked = [row for row, p in enumerate(params) if p.token_logprob or p.logprobs]
@@ -160,14 +169,12 @@ def _ids(ids: Iterable[int], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(list(ids), dtype=torch.long, device=like.device)
 
 
-# Top-p without top-k looks for the nucleus among this many likeliest tokens first (partial sorts);
-# only a flatter distribution than that sorts the whole vocabulary.
-TOP_P_CANDIDATES = (64, 1024)
-
-
-def _narrows(p: SamplingParams, vocab: int) -> bool:
-    """Whether ``p`` keeps fewer candidates than the whole vocabulary (top-k or top-p)."""
-    return bool(p.top_k and p.top_k < vocab) or p.top_p < 1.0
+def _kind(p: SamplingParams, vocab: int) -> str:
+    """How a temperature row draws: ``plain`` (the whole vocabulary), ``top-k`` (top-p as well or not)
+    or ``top-p`` (alone)."""
+    if p.top_k and p.top_k < vocab:
+        return "top-k"
+    return "top-p" if p.top_p < 1.0 else "plain"
 
 
 def _key(p: SamplingParams, index: int) -> int:
@@ -175,27 +182,27 @@ def _key(p: SamplingParams, index: int) -> int:
     return step_seed(choice_seed(p.seed, p.choice), index)
 
 
+# Top-p alone looks for the nucleus among this many likeliest tokens first (partial sorts); only a
+# flatter distribution than that sorts the whole vocabulary.
+TOP_P_CANDIDATES = (64, 1024)
+
+
 def scale(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``logits / temperature`` in float32, as ``gumbel_argmax`` divides."""
+    """``logits / temperature`` in float32, as the batched draws divide."""
     return logits / torch.tensor(temperature, dtype=torch.float32)
 
 
-def _sample_row(logits: torch.Tensor, p: SamplingParams, index: int) -> int:
-    # logits: [vocab] float32; p keeps top-k or top-p candidates
+def _sample_top_p(logits: torch.Tensor, p: SamplingParams, index: int) -> int:
+    # logits: [vocab] float32; p keeps a nucleus and no top-k
     vocab = logits.numel()
     scaled = scale(logits, p.temperature)
-    if p.top_k and p.top_k < vocab:
-        values, ids = scaled.topk(p.top_k)  # descending
-        probs = torch.softmax(values, dim=-1)  # renormalised over the k kept
-    else:
-        norm = torch.logsumexp(scaled, dim=-1)
-        for count in (*TOP_P_CANDIDATES, vocab):  # the fewest likeliest tokens that hold the nucleus
-            values, ids = scaled.topk(count) if count < vocab else scaled.sort(descending=True)
-            probs = (values - norm).exp()
-            if count >= vocab or float(probs.sum()) >= p.top_p:
-                break
-    if p.top_p < 1.0:
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        values = values.masked_fill(probs.cumsum(0) - probs >= p.top_p, float("-inf"))
-    # Gumbel-max: argmax(scaled + Gumbel noise) draws from softmax(scaled) over the candidates kept.
+    norm = torch.logsumexp(scaled, dim=-1)
+    for count in (*TOP_P_CANDIDATES, vocab):  # the fewest likeliest tokens that hold the nucleus
+        values, ids = scaled.topk(count) if count < vocab else scaled.sort(descending=True)
+        probs = (values - norm).exp()
+        if count >= vocab or float(probs.sum()) >= p.top_p:
+            break
+    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    values = values.masked_fill(probs.cumsum(0) - probs >= p.top_p, float("-inf"))
+    # Gumbel-max: argmax(scaled + Gumbel noise) draws from softmax(scaled) over the tokens kept.
     return int(ids[(values + gumbel_noise(_key(p, index), ids).to(values.device)).argmax()])

@@ -24,7 +24,7 @@ from pdfabric.kernels.attention_ref import paged_attention_ref, store_kv_ref
 from pdfabric.kernels.kv_pack_ref import gather_blocks_ref, scatter_blocks_ref
 from pdfabric.kernels.layer_ops_ref import mask_logits_ref, rms_norm_ref, rope_ref, silu_mul_ref
 from pdfabric.kernels.metadata import AttentionMetadata
-from pdfabric.kernels.sample_ref import gumbel_argmax_ref, gumbel_noise_ref
+from pdfabric.kernels.sample_ref import gumbel_argmax_ref, gumbel_noise_ref, gumbel_top_ref
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
 _backend: str = envs.get("PDFABRIC_KERNEL_BACKEND")
@@ -160,12 +160,24 @@ def argmax_rows(scores: torch.Tensor) -> list[int]:
 
 def gumbel_argmax(scores: torch.Tensor, temps: list[float], keys: list[int]) -> list[int]:
     """Row r's draw from ``softmax(scores[r] / temps[r])`` (``scores`` float32 ``[rows, vocab]``) under
-    the noise of ``keys[r]``: ``argmax(scores[r] / temperature + gumbel_noise(keys[r], vocab ids))``."""
+    the noise of ``keys[r]``: ``argmax(scores[r] / temperature + noise)`` (``sample_ref``)."""
     if _fits_cpu_sampler(scores):
         from pdfabric.kernels.sample_cpu import gumbel_argmax_cpu
 
         return gumbel_argmax_cpu(scores, temps, keys)
     return gumbel_argmax_ref(scores, temps, keys)
+
+
+def gumbel_top(
+    scores: torch.Tensor, temps: list[float], top_ks: list[int], top_ps: list[float], keys: list[int]
+) -> list[int]:
+    """Row r's Gumbel-max draw among its top-k / top-p candidates (``top_ks[r]`` 0: no top-k;
+    ``top_ps[r]`` 1: no top-p); ``sample_ref.gumbel_top_ref`` defines which tokens those are."""
+    if _fits_cpu_sampler(scores):
+        from pdfabric.kernels.sample_cpu import gumbel_top_cpu
+
+        return gumbel_top_cpu(scores, temps, top_ks, top_ps, keys)
+    return gumbel_top_ref(scores, temps, top_ks, top_ps, keys)
 
 
 def store_kv(

@@ -20,7 +20,8 @@ def _library() -> ctypes.CDLL | None:
         lib.pd_gumbel_noise.argtypes = [u64, p, i64, p]
         lib.pd_gumbel_argmax.argtypes = [p, i64, i32, i32, p, p, p, i32]
         lib.pd_argmax_rows.argtypes = [p, i64, i32, i32, p, i32]
-        for fn in (lib.pd_gumbel_noise, lib.pd_gumbel_argmax, lib.pd_argmax_rows):
+        lib.pd_gumbel_top.argtypes = [p, i64, i32, i32, p, p, p, p, p, i32]
+        for fn in (lib.pd_gumbel_noise, lib.pd_gumbel_argmax, lib.pd_argmax_rows, lib.pd_gumbel_top):
             fn.restype = ctypes.c_int
         lib._pdfabric_typed = True
     return lib
@@ -72,4 +73,24 @@ def argmax_rows_cpu(scores: torch.Tensor) -> list[int]:
             scores.data_ptr(), scores.stride(0), rows, vocab, out.data_ptr(), torch.get_num_threads()
         )
     _check(status, "pd_argmax_rows")
+    return out.tolist()
+
+
+def gumbel_top_cpu(
+    scores: torch.Tensor, temps: list[float], top_ks: list[int], top_ps: list[float], keys: list[int]
+) -> list[int]:
+    """Row r's draw among its top-k / top-p candidates (``sample_ref.gumbel_top_ref`` says which), with
+    the noise of ``keys[r]`` (``scores``: float32 ``[rows, vocab]`` on the CPU, rows contiguous)."""
+    rows, vocab = scores.shape
+    t = torch.tensor(temps, dtype=torch.float32)
+    k = torch.tensor(top_ks, dtype=torch.int32)
+    p = torch.tensor(top_ps, dtype=torch.float64)
+    keyed = torch.tensor([_signed(key & 0xFFFFFFFFFFFFFFFF) for key in keys], dtype=torch.int64)
+    out = torch.empty(rows, dtype=torch.int64)
+    with cpu_build.profiled("gumbel_top_cpu"):
+        status = _library().pd_gumbel_top(
+            scores.data_ptr(), scores.stride(0), rows, vocab, t.data_ptr(), k.data_ptr(), p.data_ptr(),
+            keyed.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+    _check(status, "pd_gumbel_top")
     return out.tolist()

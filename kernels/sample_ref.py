@@ -71,3 +71,57 @@ def _shift(x: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch
     """A logical right shift of int64 ``x`` (``>>`` on int64 keeps the sign), into ``out`` if given."""
     shifted = torch.bitwise_right_shift(x, bits, out=out) if out is not None else x >> bits
     return shifted.bitwise_and_((1 << (64 - bits)) - 1)
+
+
+_LOG2E = 1.44269504
+# 2^f = sum (f ln 2)^k / k!, k = 7 down to 0 (Horner), as float32; f in [-1/2, 1/2]
+_EXP2_SERIES = (1.52527338e-5, 1.54035304e-4, 1.33335581e-3, 9.61812911e-3, 5.55041087e-2, 2.40226507e-1,
+                6.93147181e-1, 1.0)  # fmt: skip
+
+
+def exp_ref(y: torch.Tensor) -> torch.Tensor:
+    """exp(y) for float32 ``y <= 0`` (relative error below 1e-7; 0 below -87), the operations of
+    ``csrc/sample_cpu.c``'s ``exp_neg``."""
+    f32 = torch.float32
+    t = y * torch.tensor(_LOG2E, dtype=f32)
+    n = torch.round(t)  # to the nearest, ties to even, as rintf
+    f = t - n
+    p = torch.full_like(f, _EXP2_SERIES[0])
+    for c in _EXP2_SERIES[1:]:
+        p = p * f + torch.tensor(c, dtype=f32)
+    scale = ((n.clamp(min=-126.0).to(torch.int32) + 127) << 23).view(f32)
+    return torch.where(y < -87.0, torch.zeros_like(p), p * scale)
+
+
+def gumbel_top_ref(
+    scores: torch.Tensor, temps: list[float], top_ks: list[int], top_ps: list[float], keys: list[int]
+) -> list[int]:
+    """Row r's draw among its candidates: the tokens whose ``x = scores[r] / temps[r]`` is at least the
+    ``top_ks[r]``-th largest (ties kept; 0: every token), then, with ``top_ps[r] < 1``, the nucleus
+    (``exp_ref(x - max)`` in descending order, ties by id, each token with e > 0 whose predecessors' mass
+    is below ``top_p`` times the candidates' total: 16 float64 lanes, token t in lane t % 16, added in order);
+    then ``argmax(x + gumbel_noise_ref(key, id))`` over what is kept, ties to the lower id. The whole
+    vocabulary is sorted: the oracle, not a fast path."""
+    out = []
+    vocab = scores.shape[-1]
+    for row, temperature, k, top_p, key in zip(scores, temps, top_ks, top_ps, keys, strict=True):
+        x = row.cpu() / torch.tensor(temperature, dtype=torch.float32)
+        keep = torch.ones(vocab, dtype=torch.bool)
+        if 0 < k < vocab:
+            keep = x >= x.topk(k).values[-1]
+        if top_p < 1.0:
+            e = torch.where(keep, exp_ref(x - x.max()), torch.zeros_like(x))
+            lanes = torch.cat([e, e.new_zeros(-vocab % 16)]).double().view(-1, 16).cumsum(0)[-1].tolist()
+            total = lanes[0]
+            for lane in lanes[1:]:
+                total += lane
+            limit = top_p * total
+            order = torch.sort(-e, stable=True).indices  # by e descending, ties by id
+            before = torch.cat([torch.zeros(1, dtype=torch.float64), e[order].double().cumsum(0)[:-1]])
+            nucleus = torch.zeros(vocab, dtype=torch.bool)
+            nucleus[order] = before < limit
+            nucleus[order[0]] = True
+            keep &= nucleus & (e > 0)
+        noisy = torch.where(keep, x + gumbel_noise_ref(key, torch.arange(vocab)), float("-inf"))
+        out.append(int(noisy.argmax()))
+    return out

@@ -2,6 +2,7 @@
  *   pd_gumbel_noise:  out[j] = G(key, ids[j])                                  (ids NULL: G(key, j))
  *   pd_gumbel_argmax: out[r] = argmax_t (scores[r][t] / temps[r] + G(keys[r], t))
  *   pd_argmax_rows:   out[r] = argmax_t scores[r][t]                             (greedy rows)
+ *   pd_gumbel_top:    the same draw as pd_gumbel_argmax among row r's top-k / top-p candidates only
  * G(key, t) = -log(-log(u)) is standard Gumbel noise, u the 53 high bits of splitmix64(t * golden +
  * key) as a double in (0, 1): a function of the key and the token id alone, so a seeded draw is the
  * same in any batch and whichever candidates a row keeps. argmax of scores / temperature plus Gumbel
@@ -15,7 +16,9 @@
  * Plain C that the compiler vectorises; built by kernels/cpu_build.py (-O3 -march=native -fopenmp).
  */
 #pragma GCC optimize("fp-contract=off")
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define BLOCK 512 /* tokens whose noise a row computes before scanning them */
@@ -150,4 +153,148 @@ int pd_argmax_rows(const float *scores, int64_t stride, int rows, int vocab, int
         out[r] = first_index(row, vocab, best, top > 0x7F800000u);
     }
     return 0;
+}
+
+/* exp(y) for y <= 0 in float, our own like log_poly (kernels/sample_ref.py's exp_ref does the same
+ * operations): 2^t with t = y log2(e) = n + f, n the nearest integer, 2^f for f in [-1/2, 1/2] by its
+ * Taylor series to f^7 (relative error below 1e-7), 2^n on the exponent bits; 0 below -87. */
+static inline float exp_neg(float y) {
+    const float t = y * 1.44269504f;
+    const float n = rintf(t);
+    const float f = t - n;
+    float p = 1.52527338e-5f;
+    p = p * f + 1.54035304e-4f;
+    p = p * f + 1.33335581e-3f;
+    p = p * f + 9.61812911e-3f;
+    p = p * f + 5.55041087e-2f;
+    p = p * f + 2.40226507e-1f;
+    p = p * f + 6.93147181e-1f;
+    p = p * f + 1.0f;
+    const int32_t e = ((int32_t)fmaxf(n, -126.0f) + 127) << 23;
+    float scale;
+    memcpy(&scale, &e, sizeof scale);
+    return y < -87.0f ? 0.0f : p * scale;
+}
+
+typedef struct {
+    float key; /* what the candidates are ordered by, largest first */
+    int32_t id;
+} Cand;
+
+static int by_key_then_id(const void *a, const void *b) {
+    const Cand *x = a, *y = b;
+    if (x->key != y->key) return x->key > y->key ? -1 : 1;
+    return (x->id > y->id) - (x->id < y->id);
+}
+
+/* The k-th largest value of x (0 < k < vocab): a min-heap of the k largest seen, one pass. */
+static float kth_largest(const float *x, int vocab, int k, float *heap) {
+    for (int i = 0; i < k; i++) { /* heapify the first k, sifting each up */
+        int c = i;
+        heap[c] = x[i];
+        while (c > 0 && heap[(c - 1) / 2] > heap[c]) {
+            const float tmp = heap[c];
+            heap[c] = heap[(c - 1) / 2], heap[(c - 1) / 2] = tmp, c = (c - 1) / 2;
+        }
+    }
+    for (int i = k; i < vocab; i++) {
+        if (!(x[i] > heap[0])) continue;
+        int c = 0; /* replace the smallest and sift it down */
+        const float v = x[i];
+        for (;;) {
+            int child = 2 * c + 1;
+            if (child >= k) break;
+            if (child + 1 < k && heap[child + 1] < heap[child]) child++;
+            if (!(heap[child] < v)) break;
+            heap[c] = heap[child], c = child;
+        }
+        heap[c] = v;
+    }
+    return heap[0];
+}
+
+/* The nucleus of e (0 for tokens not candidates) into cand: the tokens by e descending (ties by id)
+ * while their predecessors' mass is below `limit`. It lies among the tokens with e >= some floor whose
+ * mass covers the limit: floors are tried from the top (e is at most 1), every token last, and only
+ * that set is sorted. Returns how many are kept. */
+static int nucleus(const float *e, int vocab, double limit, Cand *cand) {
+    static const float floors[] = {0.5f, 0.25f, 0.1f, 0.03f, 0.01f, 1e-3f, 1e-4f, 1e-6f, 0.0f};
+    const int nfloors = (int)(sizeof floors / sizeof floors[0]);
+    for (int f = 0; f < nfloors; f++) {
+        if (floors[f] > 0.0f) { /* a cheap float estimate first: is the floor low enough? */
+            float mass = 0.0f;
+            for (int i = 0; i < vocab; i++) mass += e[i] >= floors[f] ? e[i] : 0.0f;
+            if ((double)mass < limit * 0.999) continue;
+        }
+        int c = 0;
+        for (int i = 0; i < vocab; i++) { /* branch-free: a store every token, a step for each kept */
+            cand[c].key = e[i], cand[c].id = i;
+            c += e[i] >= floors[f] && e[i] > 0.0f;
+        }
+        qsort(cand, c, sizeof *cand, by_key_then_id);
+        double before = 0.0;
+        int j = 0;
+        for (; j < c && (j == 0 || before < limit); j++) before += (double)cand[j].key;
+        if (before >= limit || floors[f] == 0.0f) return j; /* else: the estimate was short; widen */
+    }
+    return 0;
+}
+
+/* Row r of scores draws among its candidates: with top_ks[r] = k > 0 the tokens whose scaled score
+ * x = score / temps[r] is at least the k-th largest (ties kept); then with top_ps[r] < 1 the
+ * nucleus: by e = exp_neg(x - max) in descending order (ties by id), each token with e > 0 whose
+ * predecessors' mass is below top_p times the candidates' total (summed in 16 double lanes, token t in lane t % 16,
+ * the lanes added in order). The draw is argmax(x + G(keys[r], t)) over what is kept, ties to the
+ * lower id. Scratch per thread: two rows of floats and a row of candidates. */
+int pd_gumbel_top(const float *scores, int64_t stride, int rows, int vocab, const float *temps,
+                  const int32_t *top_ks, const double *top_ps, const uint64_t *keys, int64_t *out, int threads) {
+    if (rows < 0 || vocab <= 0 || stride < vocab) return 1;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (rows > 1)
+    {
+        float *x = malloc((size_t)vocab * sizeof *x), *e = malloc((size_t)vocab * sizeof *e);
+        Cand *cand = malloc((size_t)vocab * sizeof *cand);
+        if (!x || !e || !cand) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int r = 0; r < rows; r++) {
+            if (!x || !e || !cand) continue;
+            const float *row = scores + (int64_t)r * stride;
+            const float t = temps[r];
+            float m = -INFINITY;
+            for (int i = 0; i < vocab; i++) x[i] = row[i] / t;
+            for (int i = 0; i < vocab; i++) m = fmaxf(m, x[i]);
+            const int k = top_ks[r] > 0 && top_ks[r] < vocab ? top_ks[r] : 0;
+            const float kth = k ? kth_largest(x, vocab, k, e) : -INFINITY; /* e: the heap's room */
+            int kept; /* cand[0 .. kept) are drawn among */
+            if (top_ps[r] < 1.0) {
+                double lanes[LANES] = {0};
+                for (int i = 0; i < vocab; i++) {
+                    e[i] = x[i] >= kth ? exp_neg(x[i] - m) : 0.0f;
+                    lanes[i % LANES] += (double)e[i];
+                }
+                double total = lanes[0];
+                for (int l = 1; l < LANES; l++) total += lanes[l];
+                kept = nucleus(e, vocab, top_ps[r] * total, cand);
+            } else {
+                kept = 0;
+                for (int i = 0; i < vocab; i++) {
+                    cand[kept].id = i;
+                    kept += x[i] >= kth;
+                }
+            }
+            float best = -INFINITY;
+            int64_t at = cand[0].id;
+            for (int j = 0; j < kept; j++) {
+                const int id = cand[j].id;
+                const float v = x[id] + gumbel(keys[r], (uint64_t)id);
+                if (v > best || (v == best && id < at)) best = v, at = id;
+            }
+            out[r] = at;
+        }
+        free(x), free(e), free(cand);
+    }
+    return failed ? 2 : 0;
 }
