@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdfabric.kernels.dispatch import argmax_rows, gumbel_argmax, gumbel_noise, gumbel_top, mask_logits
+from pdfabric.kernels.dispatch import argmax_rows, gumbel_argmax, gumbel_top, mask_logits
 from pdfabric.sampling_params import SamplingParams
 
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -58,11 +58,10 @@ def sample(
     left (a finished structure allows only end-of-sequence), the grammar wins.
 
     A large vocabulary is read a few times per row, never copied whole: the greedy rows' tokens come
-    from one batched argmax, plain and top-k temperature rows' from batched Gumbel-max draws
-    (``argmax(logits / temperature + noise)``, no softmax; top-k rows among their candidates:
-    ``gumbel_top``), top-p-only rows' from partial sorts (``_sample_top_p``), each row's
-    log-probabilities from one log-normaliser (``logsumexp``), top log-probabilities from a partial
-    sort."""
+    from one batched argmax, the temperature rows' from two batched Gumbel-max draws (``argmax(logits
+    / temperature + noise)``, no softmax; top-k / top-p rows among their candidates: ``gumbel_top``),
+    each row's log-probabilities from one log-normaliser (``logsumexp``), top log-probabilities from a
+    partial sort."""
     scores = logits
     if masks is not None:
         scores = logits.clone()
@@ -83,26 +82,23 @@ def sample(
         rows = scores if len(greedy) == len(params) else scores[greedy]
         for row, token in zip(greedy, argmax_rows(rows), strict=True):
             tokens[row] = token
-    # Temperature rows: plain ones draw over the whole vocabulary in one batched call, top-k ones
-    # (top-p or not) among their candidates in another; top-p-only rows one at a time (partial sorts).
+    # Temperature rows draw in two batched calls: plain ones over the whole vocabulary, those with
+    # top-k or top-p among their candidates.
     vocab = scores.shape[-1]
-    for kind in ("plain", "top-k"):
-        drawn_rows = [row for row, p in enumerate(params) if not p.greedy and _kind(p, vocab) == kind]
+    for narrow in (False, True):
+        drawn_rows = [row for row, p in enumerate(params) if not p.greedy and _narrows(p, vocab) == narrow]
         if not drawn_rows:
             continue
         rows = scores if len(drawn_rows) == len(params) else scores[drawn_rows]
         temps = [params[row].temperature for row in drawn_rows]
         keys = [_key(params[row], indices[row]) for row in drawn_rows]
-        if kind == "top-k":
+        if narrow:
             top_ks = [params[row].top_k for row in drawn_rows]
             drawn = gumbel_top(rows, temps, top_ks, [params[row].top_p for row in drawn_rows], keys)
         else:
             drawn = gumbel_argmax(rows, temps, keys)
         for row, token in zip(drawn_rows, drawn, strict=True):
             tokens[row] = token
-    for row, (p, index) in enumerate(zip(params, indices, strict=True)):
-        if not p.greedy and _kind(p, vocab) == "top-p":
-            tokens[row] = _sample_top_p(scores[row], p, index)
     # The model's own log-probabilities, before any change: logit minus the row's log-normaliser, for
     # the rows that asked (the normaliser reads the whole row); 0.0 for the others.
     asked = [row for row, p in enumerate(params) if p.token_logprob or p.logprobs]
@@ -169,40 +165,11 @@ def _ids(ids: Iterable[int], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(list(ids), dtype=torch.long, device=like.device)
 
 
-def _kind(p: SamplingParams, vocab: int) -> str:
-    """How a temperature row draws: ``plain`` (the whole vocabulary), ``top-k`` (top-p as well or not)
-    or ``top-p`` (alone)."""
-    if p.top_k and p.top_k < vocab:
-        return "top-k"
-    return "top-p" if p.top_p < 1.0 else "plain"
+def _narrows(p: SamplingParams, vocab: int) -> bool:
+    """Whether ``p`` keeps fewer candidates than the whole vocabulary (top-k or top-p)."""
+    return bool(p.top_k and p.top_k < vocab) or p.top_p < 1.0
 
 
 def _key(p: SamplingParams, index: int) -> int:
     """The noise key of output token ``index`` of the request (and choice) ``p`` samples for."""
     return step_seed(choice_seed(p.seed, p.choice), index)
-
-
-# Top-p alone looks for the nucleus among this many likeliest tokens first (partial sorts); only a
-# flatter distribution than that sorts the whole vocabulary.
-TOP_P_CANDIDATES = (64, 1024)
-
-
-def scale(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``logits / temperature`` in float32, as the batched draws divide."""
-    return logits / torch.tensor(temperature, dtype=torch.float32)
-
-
-def _sample_top_p(logits: torch.Tensor, p: SamplingParams, index: int) -> int:
-    # logits: [vocab] float32; p keeps a nucleus and no top-k
-    vocab = logits.numel()
-    scaled = scale(logits, p.temperature)
-    norm = torch.logsumexp(scaled, dim=-1)
-    for count in (*TOP_P_CANDIDATES, vocab):  # the fewest likeliest tokens that hold the nucleus
-        values, ids = scaled.topk(count) if count < vocab else scaled.sort(descending=True)
-        probs = (values - norm).exp()
-        if count >= vocab or float(probs.sum()) >= p.top_p:
-            break
-    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-    values = values.masked_fill(probs.cumsum(0) - probs >= p.top_p, float("-inf"))
-    # Gumbel-max: argmax(scaled + Gumbel noise) draws from softmax(scaled) over the tokens kept.
-    return int(ids[(values + gumbel_noise(_key(p, index), ids).to(values.device)).argmax()])

@@ -24,7 +24,7 @@ from pdfabric.kernels.attention_ref import paged_attention_ref, store_kv_ref
 from pdfabric.kernels.kv_pack_ref import gather_blocks_ref, scatter_blocks_ref
 from pdfabric.kernels.layer_ops_ref import mask_logits_ref, rms_norm_ref, rope_ref, silu_mul_ref
 from pdfabric.kernels.metadata import AttentionMetadata
-from pdfabric.kernels.sample_ref import gumbel_argmax_ref, gumbel_noise_ref, gumbel_top_ref
+from pdfabric.kernels.sample_ref import gumbel_argmax_ref, gumbel_top_ref
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
 _backend: str = envs.get("PDFABRIC_KERNEL_BACKEND")
@@ -137,16 +137,6 @@ def _use_cpu_sampler() -> bool:
 
 def _fits_cpu_sampler(scores: torch.Tensor) -> bool:
     return scores.is_cpu and scores.dtype == torch.float32 and scores.stride(-1) == 1 and _use_cpu_sampler()
-
-
-def gumbel_noise(key: int, ids: torch.Tensor) -> torch.Tensor:
-    """float32 Gumbel noise for the token ids ``ids`` under ``key``, on the CPU; the same bits from the
-    C kernel and the reference (``sample_ref``)."""
-    if _use_cpu_sampler():
-        from pdfabric.kernels.sample_cpu import gumbel_noise_cpu
-
-        return gumbel_noise_cpu(key, ids)
-    return gumbel_noise_ref(key, ids)
 
 
 def argmax_rows(scores: torch.Tensor) -> list[int]:

@@ -98,8 +98,9 @@ def gumbel_top_ref(
 ) -> list[int]:
     """Row r's draw among its candidates: the tokens whose ``x = scores[r] / temps[r]`` is at least the
     ``top_ks[r]``-th largest (ties kept; 0: every token), then, with ``top_ps[r] < 1``, the nucleus
-    (``exp_ref(x - max)`` in descending order, ties by id, each token with e > 0 whose predecessors' mass
-    is below ``top_p`` times the candidates' total: 16 float64 lanes, token t in lane t % 16, added in order);
+    (by ``e = exp_ref(x - max)`` in descending order, ties by id, each token whose predecessors' mass is
+    below ``top_p`` times the candidates' total; masses are ``e`` in integer units of 2^-36, so sums
+    are exact, and a token of mass 0 is never kept);
     then ``argmax(x + gumbel_noise_ref(key, id))`` over what is kept, ties to the lower id. The whole
     vocabulary is sorted: the oracle, not a fast path."""
     out = []
@@ -111,17 +112,14 @@ def gumbel_top_ref(
             keep = x >= x.topk(k).values[-1]
         if top_p < 1.0:
             e = torch.where(keep, exp_ref(x - x.max()), torch.zeros_like(x))
-            lanes = torch.cat([e, e.new_zeros(-vocab % 16)]).double().view(-1, 16).cumsum(0)[-1].tolist()
-            total = lanes[0]
-            for lane in lanes[1:]:
-                total += lane
-            limit = top_p * total
+            mass = (e * 2.0**36).to(torch.int64)  # exact integers: any order sums them the same
+            total = int(mass.sum())
+            limit = min(max(int(top_p * float(total)), 1), total)
             order = torch.sort(-e, stable=True).indices  # by e descending, ties by id
-            before = torch.cat([torch.zeros(1, dtype=torch.float64), e[order].double().cumsum(0)[:-1]])
+            before = mass[order].cumsum(0) - mass[order]
             nucleus = torch.zeros(vocab, dtype=torch.bool)
             nucleus[order] = before < limit
-            nucleus[order[0]] = True
-            keep &= nucleus & (e > 0)
+            keep &= nucleus & (mass > 0)
         noisy = torch.where(keep, x + gumbel_noise_ref(key, torch.arange(vocab)), float("-inf"))
         out.append(int(noisy.argmax()))
     return out

@@ -9,9 +9,10 @@
  * noise draws from softmax(scores / temperature) with no exponential, no sum and no second pass. Every
  * argmax here returns the first maximal index (the first NaN if a row has one), as torch.argmax does.
  *
- * The logarithm is our own (log_poly), not libm's: the same double operations in the same order as
- * kernels/sample_ref.py, with nothing fused (fp-contract off), so this file and the torch reference
- * agree bit for bit and a worker without a C compiler draws the same tokens.
+ * The logarithm and the exponential are our own (log_poly, exp_neg), not libm's: the same operations
+ * in the same order as kernels/sample_ref.py, with nothing fused (fp-contract off), and the nucleus'
+ * sums are integers, so this file and the torch reference agree bit for bit and a worker without a
+ * C compiler draws the same tokens.
  *
  * Plain C that the compiler vectorises; built by kernels/cpu_build.py (-O3 -march=native -fopenmp).
  */
@@ -170,21 +171,99 @@ static inline float exp_neg(float y) {
     p = p * f + 2.40226507e-1f;
     p = p * f + 6.93147181e-1f;
     p = p * f + 1.0f;
-    const int32_t e = ((int32_t)fmaxf(n, -126.0f) + 127) << 23;
+    const int32_t e = ((int32_t)(n < -126.0f ? -126.0f : n) + 127) << 23;
     float scale;
     memcpy(&scale, &e, sizeof scale);
     return y < -87.0f ? 0.0f : p * scale;
 }
 
 typedef struct {
-    float key; /* what the candidates are ordered by, largest first */
+    float e; /* exp(x - max): the unnormalised probability */
     int32_t id;
 } Cand;
 
-static int by_key_then_id(const void *a, const void *b) {
-    const Cand *x = a, *y = b;
-    if (x->key != y->key) return x->key > y->key ? -1 : 1;
-    return (x->id > y->id) - (x->id < y->id);
+/* A token's mass in the nucleus' sums: e (at most 1) in units of 2^-36, truncated, so that sums are
+ * exact 64-bit integers and any order of adding them gives the same. */
+static inline int64_t mass(float e) { return (int64_t)(e * 68719476736.0f); }
+
+/* Moves the nucleus of cand[0 .. n) (candidates in id order, every token whose e is at least some
+ * value) to its front and returns its size: in the order e descending, ties by id, each token whose
+ * predecessors' mass is below `limit` (> 0). A quickselect on e: each round splits the active range
+ * into e above, equal to and below a pivot, keeping each part in id order. */
+static int nucleus_select(Cand *cand, int n, int64_t limit, Cand *tmp) {
+    int lo = 0, hi = n; /* cand[0 .. lo) are kept; cand[lo .. hi) is undecided */
+    while (lo < hi) {
+        const float a = cand[lo].e, b = cand[lo + (hi - lo) / 2].e, c = cand[hi - 1].e;
+        const float pivot = a < b ? (b < c ? b : (a < c ? c : a)) : (a < c ? a : (b < c ? c : b));
+        int g = 0, q = 0;
+        int64_t above = 0;
+        for (int i = lo; i < hi; i++) g += cand[i].e > pivot, q += cand[i].e == pivot;
+        for (int i = lo, ig = 0, iq = g, il = g + q; i < hi; i++) {
+            const Cand t = cand[i];
+            if (t.e > pivot) tmp[ig++] = t, above += mass(t.e);
+            else if (t.e == pivot) tmp[iq++] = t;
+            else tmp[il++] = t;
+        }
+        memcpy(cand + lo, tmp, (size_t)(hi - lo) * sizeof *cand);
+        if (above >= limit) { /* the nucleus ends among the tokens above the pivot */
+            hi = lo + g;
+            continue;
+        }
+        limit -= above, lo += g; /* all of them kept; then the pivot's ties by id while mass is short */
+        for (int j = 0; j < q; j++, lo++) {
+            if (limit <= 0) return lo;
+            limit -= mass(cand[lo].e);
+        }
+        if (limit <= 0) return lo;
+    } /* and on among the tokens below the pivot */
+    return lo;
+}
+
+/* The nucleus of the row (e: 0 for tokens not candidates) into cand, with `p` the top-p: the tokens
+ * with e at least a floor whose exact mass covers the limit (floors tried from the top; e is at most
+ * 1), then nucleus_select among them. Returns how many are kept. */
+static int nucleus(const float *e, int vocab, double p, Cand *cand, Cand *tmp) {
+    int64_t total = 0;
+    for (int i = 0; i < vocab; i++) total += mass(e[i]);
+    int64_t limit = (int64_t)(p * (double)total);
+    limit = limit < 1 ? 1 : limit > total ? total : limit;
+    static const float floors[] = {0.5f, 0.25f, 0.1f, 0.03f, 0.01f, 1e-3f, 1e-4f, 1e-6f, 0.0f};
+    float at = 0.0f;
+    for (int f = 0; f < (int)(sizeof floors / sizeof floors[0]) - 1; f++) {
+        int64_t covered = 0;
+        for (int i = 0; i < vocab; i++) covered += e[i] >= floors[f] ? mass(e[i]) : 0;
+        if (covered >= limit) {
+            at = floors[f];
+            break;
+        }
+    }
+    const float least = at > 0x1p-36f ? at : 0x1p-36f; /* mass(e) > 0 exactly when e >= 2^-36 */
+    int c = 0;
+    for (int base = 0; base < vocab; base += 64) {
+        const int end = vocab - base < 64 ? vocab : base + 64;
+        int any = 0; /* a vectorised test of the block first */
+        for (int i = base; i < end; i++) any |= e[i] >= least;
+        if (!any) continue;
+        for (int i = base; i < end; i++) { /* branch-free: a store every token, a step for each taken */
+            cand[c].e = e[i], cand[c].id = i;
+            c += e[i] >= least;
+        }
+    }
+    return nucleus_select(cand, c, limit, tmp);
+}
+
+/* The largest of x[0 .. n) (-inf counts; no NaN): 16 lanes, which vectorise only when the compiler may
+ * ignore NaN and the sign of zero (GCC), as in pd_argmax_rows. */
+__attribute__((optimize("finite-math-only", "no-signed-zeros"))) static float row_max(const float *x, int n) {
+    float lanes[LANES];
+    for (int l = 0; l < LANES; l++) lanes[l] = x[0];
+    const int whole = n - n % LANES;
+    for (int i = 0; i < whole; i += LANES)
+        for (int l = 0; l < LANES; l++) lanes[l] = x[i + l] > lanes[l] ? x[i + l] : lanes[l];
+    for (int i = whole; i < n; i++) lanes[0] = x[i] > lanes[0] ? x[i] : lanes[0];
+    float m = lanes[0];
+    for (int l = 1; l < LANES; l++) m = lanes[l] > m ? lanes[l] : m;
+    return m;
 }
 
 /* The k-th largest value of x (0 < k < vocab): a min-heap of the k largest seen, one pass. */
@@ -198,6 +277,14 @@ static float kth_largest(const float *x, int vocab, int k, float *heap) {
         }
     }
     for (int i = k; i < vocab; i++) {
+        if (i % 64 == 0 && i + 64 <= vocab) { /* a vectorised test of the next 64 first */
+            int any = 0;
+            for (int j = i; j < i + 64; j++) any |= x[j] > heap[0];
+            if (!any) {
+                i += 63;
+                continue;
+            }
+        }
         if (!(x[i] > heap[0])) continue;
         int c = 0; /* replace the smallest and sift it down */
         const float v = x[i];
@@ -213,39 +300,12 @@ static float kth_largest(const float *x, int vocab, int k, float *heap) {
     return heap[0];
 }
 
-/* The nucleus of e (0 for tokens not candidates) into cand: the tokens by e descending (ties by id)
- * while their predecessors' mass is below `limit`. It lies among the tokens with e >= some floor whose
- * mass covers the limit: floors are tried from the top (e is at most 1), every token last, and only
- * that set is sorted. Returns how many are kept. */
-static int nucleus(const float *e, int vocab, double limit, Cand *cand) {
-    static const float floors[] = {0.5f, 0.25f, 0.1f, 0.03f, 0.01f, 1e-3f, 1e-4f, 1e-6f, 0.0f};
-    const int nfloors = (int)(sizeof floors / sizeof floors[0]);
-    for (int f = 0; f < nfloors; f++) {
-        if (floors[f] > 0.0f) { /* a cheap float estimate first: is the floor low enough? */
-            float mass = 0.0f;
-            for (int i = 0; i < vocab; i++) mass += e[i] >= floors[f] ? e[i] : 0.0f;
-            if ((double)mass < limit * 0.999) continue;
-        }
-        int c = 0;
-        for (int i = 0; i < vocab; i++) { /* branch-free: a store every token, a step for each kept */
-            cand[c].key = e[i], cand[c].id = i;
-            c += e[i] >= floors[f] && e[i] > 0.0f;
-        }
-        qsort(cand, c, sizeof *cand, by_key_then_id);
-        double before = 0.0;
-        int j = 0;
-        for (; j < c && (j == 0 || before < limit); j++) before += (double)cand[j].key;
-        if (before >= limit || floors[f] == 0.0f) return j; /* else: the estimate was short; widen */
-    }
-    return 0;
-}
-
 /* Row r of scores draws among its candidates: with top_ks[r] = k > 0 the tokens whose scaled score
  * x = score / temps[r] is at least the k-th largest (ties kept); then with top_ps[r] < 1 the
- * nucleus: by e = exp_neg(x - max) in descending order (ties by id), each token with e > 0 whose
- * predecessors' mass is below top_p times the candidates' total (summed in 16 double lanes, token t in lane t % 16,
- * the lanes added in order). The draw is argmax(x + G(keys[r], t)) over what is kept, ties to the
- * lower id. Scratch per thread: two rows of floats and a row of candidates. */
+ * nucleus: by e = exp_neg(x - max) in descending order (ties by id), each token whose predecessors'
+ * mass is below top_p times the candidates' total (masses: `mass`, exact integers; a token of mass 0
+ * is never kept). The draw is argmax(x + G(keys[r], t)) over what is kept, ties to the
+ * lower id. Scratch per thread: two rows of floats and two of candidates. */
 int pd_gumbel_top(const float *scores, int64_t stride, int rows, int vocab, const float *temps,
                   const int32_t *top_ks, const double *top_ps, const uint64_t *keys, int64_t *out, int threads) {
     if (rows < 0 || vocab <= 0 || stride < vocab) return 1;
@@ -253,48 +313,50 @@ int pd_gumbel_top(const float *scores, int64_t stride, int rows, int vocab, cons
 #pragma omp parallel num_threads(threads) if (rows > 1)
     {
         float *x = malloc((size_t)vocab * sizeof *x), *e = malloc((size_t)vocab * sizeof *e);
-        Cand *cand = malloc((size_t)vocab * sizeof *cand);
-        if (!x || !e || !cand) {
+        Cand *cand = malloc((size_t)vocab * sizeof *cand), *tmp = malloc((size_t)vocab * sizeof *tmp);
+        if (!x || !e || !cand || !tmp) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int r = 0; r < rows; r++) {
-            if (!x || !e || !cand) continue;
+            if (!x || !e || !cand || !tmp) continue;
             const float *row = scores + (int64_t)r * stride;
             const float t = temps[r];
-            float m = -INFINITY;
             for (int i = 0; i < vocab; i++) x[i] = row[i] / t;
-            for (int i = 0; i < vocab; i++) m = fmaxf(m, x[i]);
+            const float m = row_max(x, vocab);
             const int k = top_ks[r] > 0 && top_ks[r] < vocab ? top_ks[r] : 0;
             const float kth = k ? kth_largest(x, vocab, k, e) : -INFINITY; /* e: the heap's room */
             int kept; /* cand[0 .. kept) are drawn among */
             if (top_ps[r] < 1.0) {
-                double lanes[LANES] = {0};
-                for (int i = 0; i < vocab; i++) {
-                    e[i] = x[i] >= kth ? exp_neg(x[i] - m) : 0.0f;
-                    lanes[i % LANES] += (double)e[i];
-                }
-                double total = lanes[0];
-                for (int l = 1; l < LANES; l++) total += lanes[l];
-                kept = nucleus(e, vocab, top_ps[r] * total, cand);
+                for (int i = 0; i < vocab; i++) e[i] = x[i] >= kth ? exp_neg(x[i] - m) : 0.0f;
+                kept = nucleus(e, vocab, top_ps[r], cand, tmp);
             } else {
                 kept = 0;
-                for (int i = 0; i < vocab; i++) {
-                    cand[kept].id = i;
-                    kept += x[i] >= kth;
+                for (int base = 0; base < vocab; base += 64) {
+                    const int end = vocab - base < 64 ? vocab : base + 64;
+                    int any = 0; /* a vectorised test of the block first */
+                    for (int i = base; i < end; i++) any |= x[i] >= kth;
+                    if (!any) continue;
+                    for (int i = base; i < end; i++) {
+                        cand[kept].id = i;
+                        kept += x[i] >= kth;
+                    }
                 }
             }
+            /* the noise of every kept token first (a loop the compiler vectorises), then the scan */
+            const uint64_t key = keys[r];
+            for (int j = 0; j < kept; j++) e[j] = gumbel(key, (uint64_t)(uint32_t)cand[j].id);
             float best = -INFINITY;
             int64_t at = cand[0].id;
             for (int j = 0; j < kept; j++) {
                 const int id = cand[j].id;
-                const float v = x[id] + gumbel(keys[r], (uint64_t)id);
+                const float v = x[id] + e[j];
                 if (v > best || (v == best && id < at)) best = v, at = id;
             }
             out[r] = at;
         }
-        free(x), free(e), free(cand);
+        free(x), free(e), free(cand), free(tmp);
     }
     return failed ? 2 : 0;
 }
