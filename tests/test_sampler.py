@@ -192,7 +192,11 @@ def test_a_batch_of_temperature_draws_is_the_references_row_by_row() -> None:
     gen = torch.Generator().manual_seed(3)
     scores = torch.randn(24, 49152, generator=gen) * 3
     scores[5, 100:200] = float("-inf")  # a grammar's mask
+    scores[6, 7] = float("nan")  # wins, as in torch.argmax
+    scores[8] = 0.0  # every token tied: the noise alone decides
+    scores[9] = scores[9].bfloat16().float()
     temps = [0.3 + 0.1 * r for r in range(24)]
+    temps[10] = 0.01  # scores far apart: the bound skips nearly every token
     keys = [r * 7919 + 2**63 for r in range(24)]
     whole = sample_cpu.gumbel_argmax_cpu(scores, temps, keys)
     assert whole == gumbel_argmax_ref(scores, temps, keys)

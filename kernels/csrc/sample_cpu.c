@@ -65,6 +65,8 @@ static inline float gumbel(uint64_t key, uint64_t id) {
     return (float)-log_poly(-log_poly(u));
 }
 
+static float row_max(const float *x, int n);
+
 static inline int is_nan_bits(uint32_t w) { return (w & 0x7FFFFFFFu) > 0x7F800000u; }
 
 int pd_gumbel_noise(uint64_t key, const int64_t *ids, int64_t n, float *out) {
@@ -77,25 +79,93 @@ int pd_gumbel_noise(uint64_t key, const int64_t *ids, int64_t n, float *out) {
     return 0;
 }
 
+/* A bound that spares most tokens their noise. A token t can reach the best value so far only if
+ * G(t) >= best - x[t] =: c, and G grows with u, so only if its 53 bits k exceed the k of G = c. TAU[b]
+ * is, for c = b / TAU_STEPS, that k lowered by a margin (libm's exp here, rounding); a token is drawn
+ * exactly only where k > TAU[bucket of c - 0.01] (c rounded down to its bucket: a lower bound, so the
+ * test never drops a token that could win). On average a row draws a handful of tokens exactly. */
+#define TAU_STEPS 4
+#define TAU_SIZE 145 /* c up to 36; G never exceeds 37.5 */
+
+static void tau_table(uint64_t tau[TAU_SIZE]) {
+    for (int b = 0; b < TAU_SIZE; b++) {
+        const double k = floor(exp(-exp(-(double)b / TAU_STEPS)) * 9007199254740992.0) - 4.0;
+        tau[b] = k < 0.0 ? 0 : (uint64_t)k;
+    }
+}
+
+static inline uint64_t hash_bits(uint64_t key, uint64_t id) { /* the 53 bits u is made of */
+    uint64_t x = id * GOLDEN + key;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return (x ^ (x >> 31)) >> 11;
+}
+
+/* Whether x[0 .. n) holds a NaN (on the bits, so that the loop vectorises). */
+static int has_nan(const float *x, int n) {
+    const uint32_t *w = (const uint32_t *)x;
+    uint32_t top = 0;
+    for (int i = 0; i < n; i++) top = (w[i] & 0x7FFFFFFFu) > top ? (w[i] & 0x7FFFFFFFu) : top;
+    return top > 0x7F800000u;
+}
+
+/* The row's draw, every token's noise computed (a row with a NaN takes this path: NaN wins). */
+static int64_t gumbel_argmax_full(const float *row, int vocab, float t, uint64_t key) {
+    float v[BLOCK];
+    float best = 0.0f;
+    int64_t at = -1;
+    for (int base = 0; base < vocab; base += BLOCK) {
+        const int n = vocab - base < BLOCK ? vocab - base : BLOCK;
+        for (int j = 0; j < n; j++) v[j] = row[base + j] / t + gumbel(key, (uint64_t)(base + j));
+        for (int j = 0; j < n; j++) {
+            const float x = v[j];
+            if (at < 0 || x > best || (x != x && best == best)) best = x, at = base + j;
+        }
+    }
+    return at;
+}
+
 /* Row r of scores (float32 [rows, vocab], row stride `stride`, contiguous within a row) draws out[r]
- * with temperature temps[r] (> 0) and key keys[r]. Rows are independent and split among `threads`. */
+ * with temperature temps[r] (> 0) and key keys[r]: from the likeliest token's value, then over blocks
+ * of 64 tokens, the bound above in one vectorised pass and the exact value where it fails. Rows are
+ * independent and split among `threads`. */
 int pd_gumbel_argmax(const float *scores, int64_t stride, int rows, int vocab, const float *temps,
                      const uint64_t *keys, int64_t *out, int threads) {
     if (rows < 0 || vocab <= 0 || stride < vocab) return 1;
+    uint64_t tau[TAU_SIZE];
+    tau_table(tau);
 #pragma omp parallel for num_threads(threads) if (rows > 1) schedule(static)
     for (int r = 0; r < rows; r++) {
         const float *row = scores + (int64_t)r * stride;
         const float t = temps[r];
         const uint64_t key = keys[r];
-        float v[BLOCK];
-        float best = 0.0f;
-        int64_t at = -1;
-        for (int base = 0; base < vocab; base += BLOCK) {
-            const int n = vocab - base < BLOCK ? vocab - base : BLOCK;
-            for (int j = 0; j < n; j++) v[j] = row[base + j] / t + gumbel(key, (uint64_t)(base + j));
+        if (has_nan(row, vocab)) {
+            out[r] = gumbel_argmax_full(row, vocab, t, key);
+            continue;
+        }
+        const float top = row_max(row, vocab); /* division by t > 0 keeps the order */
+        int64_t at = 0;
+        while (row[at] != top) at++;
+        float best = row[at] / t + gumbel(key, (uint64_t)at);
+        for (int base = 0; base < vocab; base += 64) {
+            const int n = vocab - base < 64 ? vocab - base : 64;
+            int hit = 0;
+            unsigned char maybe[64];
             for (int j = 0; j < n; j++) {
-                const float x = v[j];
-                if (at < 0 || x > best || (x != x && best == best)) best = x, at = base + j;
+                float c = best - row[base + j] / t - 0.01f;
+                c = c < 0.0f ? 0.0f : c > 40.0f ? 40.0f : c; /* -inf scores: c = +inf, clamped */
+                int b = (int)(c * TAU_STEPS);
+                b = b < TAU_SIZE - 1 ? b : TAU_SIZE - 1;
+                const int near = best - row[base + j] / t < 0.01f;
+                maybe[j] = near || hash_bits(key, (uint64_t)(base + j)) > tau[b];
+                hit |= maybe[j];
+            }
+            if (!hit) continue;
+            for (int j = 0; j < n; j++) {
+                if (!maybe[j]) continue;
+                const int64_t i = base + j;
+                const float v = row[i] / t + gumbel(key, (uint64_t)i);
+                if (v > best || (v == best && i < at)) best = v, at = i;
             }
         }
         out[r] = at;
