@@ -1,6 +1,7 @@
-"""Wrappers for ``csrc/sample_cpu.c``: the sampler's Gumbel noise, a batch's temperature draws in one
-call, and greedy rows' argmax. ``available`` says whether the library built here; ``sample_ref`` (and
-``torch.argmax``) give the same results everywhere else.
+"""Wrappers for ``csrc/sample_cpu.c``: greedy rows' argmax, a batch's temperature draws in one call
+(plain rows, and rows with top-k / top-p), and the Gumbel noise itself (for tests). ``available`` says
+whether the library built here; ``sample_ref`` (and ``torch.argmax``) give the same results everywhere
+else.
 """
 
 from __future__ import annotations
