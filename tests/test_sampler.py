@@ -197,6 +197,8 @@ def test_a_batch_of_temperature_draws_is_the_references_row_by_row() -> None:
     scores[9] = scores[9].bfloat16().float()
     temps = [0.3 + 0.1 * r for r in range(24)]
     temps[10] = 0.01  # scores far apart: the bound skips nearly every token
+    scores[11] = float("-inf")  # every token masked
+    scores[12, 3] = float("inf")
     keys = [r * 7919 + 2**63 for r in range(24)]
     whole = sample_cpu.gumbel_argmax_cpu(scores, temps, keys)
     assert whole == gumbel_argmax_ref(scores, temps, keys)

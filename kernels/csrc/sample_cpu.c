@@ -109,7 +109,8 @@ static int has_nan(const float *x, int n) {
     return top > 0x7F800000u;
 }
 
-/* The row's draw, every token's noise computed (a row with a NaN takes this path: NaN wins). */
+/* The row's draw, every token's noise computed: for rows the bound cannot take (a NaN, which wins; an
+ * infinite score; every token masked). */
 static int64_t gumbel_argmax_full(const float *row, int vocab, float t, uint64_t key) {
     float v[BLOCK];
     float best = 0.0f;
@@ -139,11 +140,11 @@ int pd_gumbel_argmax(const float *scores, int64_t stride, int rows, int vocab, c
         const float *row = scores + (int64_t)r * stride;
         const float t = temps[r];
         const uint64_t key = keys[r];
-        if (has_nan(row, vocab)) {
+        const float top = has_nan(row, vocab) ? NAN : row_max(row, vocab); /* t > 0 keeps the order */
+        if (!(top > -INFINITY && top < INFINITY)) { /* a NaN, an infinite best, or every token masked */
             out[r] = gumbel_argmax_full(row, vocab, t, key);
             continue;
         }
-        const float top = row_max(row, vocab); /* division by t > 0 keeps the order */
         int64_t at = 0;
         while (row[at] != top) at++;
         float best = row[at] / t + gumbel(key, (uint64_t)at);
