@@ -101,12 +101,16 @@ def gumbel_top_ref(
     (by ``e = exp_ref(x - max)`` in descending order, ties by id, each token whose predecessors' mass is
     below ``top_p`` times the candidates' total; masses are ``e`` in integer units of 2^-36, so sums
     are exact, and a token of mass 0 is never kept);
-    then ``argmax(x + gumbel_noise_ref(key, id))`` over what is kept, ties to the lower id. The whole
-    vocabulary is sorted: the oracle, not a fast path."""
+    then ``argmax(x + gumbel_noise_ref(key, id))`` over what is kept, ties to the lower id. A row whose
+    largest ``x`` is not finite draws as ``gumbel_argmax_ref``. The whole vocabulary is sorted: the
+    oracle, not a fast path."""
     out = []
     vocab = scores.shape[-1]
     for row, temperature, k, top_p, key in zip(scores, temps, top_ks, top_ps, keys, strict=True):
         x = row.cpu() / torch.tensor(temperature, dtype=torch.float32)
+        if not bool(x.max().isfinite()):  # a NaN, +inf, every token masked: the plain draw
+            out += gumbel_argmax_ref(row[None], [temperature], [key])
+            continue
         keep = torch.ones(vocab, dtype=torch.bool)
         if 0 < k < vocab:
             keep = x >= x.topk(k).values[-1]

@@ -150,6 +150,8 @@ def test_a_batch_of_draws_is_the_whole_vocabulary_references_row_by_row(kwargs: 
     rows[::3, :4] += 10.0  # peaked
     rows[1::4] = rows[1::4].bfloat16().float()
     rows[5, 1000:40000] = float("-inf")  # a grammar's mask
+    rows[6] = float("-inf")  # every token masked
+    rows[7, 9] = float("nan")
     params = [SamplingParams(temperature=0.7, seed=seed, **kwargs) for seed in range(24)]
     got = [s.token_id for s in sample(rows, params, list(range(24)))]
     keys = [step_seed(choice_seed(p.seed, p.choice), i) for i, p in enumerate(params)]

@@ -377,7 +377,8 @@ static float kth_largest(const float *x, int vocab, int k, float *heap) {
  * nucleus: by e = exp_neg(x - max) in descending order (ties by id), each token whose predecessors'
  * mass is below top_p times the candidates' total (masses: `mass`, exact integers; a token of mass 0
  * is never kept). The draw is argmax(x + G(keys[r], t)) over what is kept, ties to the
- * lower id. Scratch per thread: two rows of floats and two of candidates. */
+ * lower id. A row whose largest score is not finite (a NaN, +inf, every token masked) draws as
+ * pd_gumbel_argmax does. Scratch per thread: two rows of floats and two of candidates. */
 int pd_gumbel_top(const float *scores, int64_t stride, int rows, int vocab, const float *temps,
                   const int32_t *top_ks, const double *top_ps, const uint64_t *keys, int64_t *out, int threads) {
     if (rows < 0 || vocab <= 0 || stride < vocab) return 1;
@@ -396,7 +397,11 @@ int pd_gumbel_top(const float *scores, int64_t stride, int rows, int vocab, cons
             const float *row = scores + (int64_t)r * stride;
             const float t = temps[r];
             for (int i = 0; i < vocab; i++) x[i] = row[i] / t;
-            const float m = row_max(x, vocab);
+            const float m = has_nan(x, vocab) ? NAN : row_max(x, vocab);
+            if (!(m > -INFINITY && m < INFINITY)) { /* a NaN, an infinite score, every token masked */
+                out[r] = gumbel_argmax_full(row, vocab, t, keys[r]);
+                continue;
+            }
             const int k = top_ks[r] > 0 && top_ks[r] < vocab ? top_ks[r] : 0;
             const float kth = k ? kth_largest(x, vocab, k, e) : -INFINITY; /* e: the heap's room */
             int kept; /* cand[0 .. kept) are drawn among */
