@@ -37,6 +37,11 @@ def _check(status: int, name: str) -> None:
         raise RuntimeError(f"{name} rejected its arguments (status {status})")
 
 
+def _key_words(keys: list[int]) -> torch.Tensor:
+    """Noise keys (any Python ints, taken modulo 2^64) as the int64 words the kernels read as uint64."""
+    return torch.tensor([_signed(key & 0xFFFFFFFFFFFFFFFF) for key in keys], dtype=torch.int64)
+
+
 def gumbel_noise_cpu(key: int, ids: torch.Tensor | None, n: int = 0) -> torch.Tensor:
     """float32 Gumbel noise for the token ids ``ids`` (None: ``0..n-1``) under ``key``."""
     if ids is not None:
@@ -53,7 +58,7 @@ def gumbel_argmax_cpu(scores: torch.Tensor, temps: list[float], keys: list[int])
     float32 ``[rows, vocab]`` on the CPU, rows contiguous)."""
     rows, vocab = scores.shape
     t = torch.tensor(temps, dtype=torch.float32)
-    k = torch.tensor([_signed(key & 0xFFFFFFFFFFFFFFFF) for key in keys], dtype=torch.int64)
+    k = _key_words(keys)
     out = torch.empty(rows, dtype=torch.int64)
     with cpu_build.profiled("gumbel_argmax_cpu"):
         status = _library().pd_gumbel_argmax(
@@ -86,7 +91,7 @@ def gumbel_top_cpu(
     t = torch.tensor(temps, dtype=torch.float32)
     k = torch.tensor(top_ks, dtype=torch.int32)
     p = torch.tensor(top_ps, dtype=torch.float64)
-    keyed = torch.tensor([_signed(key & 0xFFFFFFFFFFFFFFFF) for key in keys], dtype=torch.int64)
+    keyed = _key_words(keys)
     out = torch.empty(rows, dtype=torch.int64)
     with cpu_build.profiled("gumbel_top_cpu"):
         status = _library().pd_gumbel_top(
