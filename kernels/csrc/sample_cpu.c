@@ -82,8 +82,8 @@ int pd_gumbel_noise(uint64_t key, const int64_t *ids, int64_t n, float *out) {
 /* A bound that spares most tokens their noise. A token t can reach the best value so far only if
  * G(t) >= best - x[t] =: c, and G grows with u, so only if its 53 bits k exceed the k of G = c. TAU[b]
  * is, for c = b / TAU_STEPS, that k lowered by a margin (libm's exp here, rounding); a token is drawn
- * exactly only where k > TAU[bucket of c - 0.01] (c rounded down to its bucket: a lower bound, so the
- * test never drops a token that could win). On average a row draws a handful of tokens exactly. */
+ * exactly only where k > TAU[bucket of c - margin] (c rounded down to its bucket, the margin above the
+ * float roundings around best: a lower bound, so the test never drops a token that could win). On average a row draws a handful of tokens exactly. */
 #define TAU_STEPS 4
 #define TAU_SIZE 145 /* c up to 36; G never exceeds 37.5 */
 
@@ -152,12 +152,14 @@ int pd_gumbel_argmax(const float *scores, int64_t stride, int rows, int vocab, c
             const int n = vocab - base < 64 ? vocab - base : 64;
             int hit = 0;
             unsigned char maybe[64];
+            /* the margin covers the rounding of best - x, of the noise and of x + noise near best */
+            const float margin = 0.01f + fabsf(best) * 0x1p-20f;
             for (int j = 0; j < n; j++) {
-                float c = best - row[base + j] / t - 0.01f;
+                float c = best - row[base + j] / t - margin;
                 c = c < 0.0f ? 0.0f : c > 40.0f ? 40.0f : c; /* -inf scores: c = +inf, clamped */
                 int b = (int)(c * TAU_STEPS);
                 b = b < TAU_SIZE - 1 ? b : TAU_SIZE - 1;
-                const int near = best - row[base + j] / t < 0.01f;
+                const int near = best - row[base + j] / t < margin;
                 maybe[j] = near || hash_bits(key, (uint64_t)(base + j)) > tau[b];
                 hit |= maybe[j];
             }
