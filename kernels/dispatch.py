@@ -139,6 +139,15 @@ def _fits_cpu_sampler(scores: torch.Tensor) -> bool:
     return scores.is_cpu and scores.dtype == torch.float32 and scores.stride(-1) == 1 and _use_cpu_sampler()
 
 
+def _on_cpu(scores: torch.Tensor) -> torch.Tensor:
+    """``scores`` as float32 rows on the CPU for the sampler's C kernels: a GPU worker's temperature
+    rows are drawn there from one copy of the batch's logits (the same tokens as a CPU worker's, and
+    far faster than the reference's whole-vocabulary passes per row)."""
+    if scores.is_cpu and scores.dtype == torch.float32 and scores.stride(-1) == 1:
+        return scores
+    return scores.to("cpu", torch.float32).contiguous()
+
+
 def argmax_rows(scores: torch.Tensor) -> list[int]:
     """The first maximum's index in each row of ``scores`` ``[rows, vocab]`` (greedy rows)."""
     if _fits_cpu_sampler(scores):
@@ -151,10 +160,10 @@ def argmax_rows(scores: torch.Tensor) -> list[int]:
 def gumbel_argmax(scores: torch.Tensor, temps: list[float], keys: list[int]) -> list[int]:
     """Row r's draw from ``softmax(scores[r] / temps[r])`` (``scores`` float32 ``[rows, vocab]``) under
     the noise of ``keys[r]``: ``argmax(scores[r] / temperature + noise)`` (``sample_ref``)."""
-    if _fits_cpu_sampler(scores):
+    if _use_cpu_sampler():
         from pdfabric.kernels.sample_cpu import gumbel_argmax_cpu
 
-        return gumbel_argmax_cpu(scores, temps, keys)
+        return gumbel_argmax_cpu(_on_cpu(scores), temps, keys)
     return gumbel_argmax_ref(scores, temps, keys)
 
 
@@ -163,10 +172,10 @@ def gumbel_top(
 ) -> list[int]:
     """Row r's Gumbel-max draw among its top-k / top-p candidates (``top_ks[r]`` 0: no top-k;
     ``top_ps[r]`` 1: no top-p); ``sample_ref.gumbel_top_ref`` defines which tokens those are."""
-    if _fits_cpu_sampler(scores):
+    if _use_cpu_sampler():
         from pdfabric.kernels.sample_cpu import gumbel_top_cpu
 
-        return gumbel_top_cpu(scores, temps, top_ks, top_ps, keys)
+        return gumbel_top_cpu(_on_cpu(scores), temps, top_ks, top_ps, keys)
     return gumbel_top_ref(scores, temps, top_ks, top_ps, keys)
 
 
