@@ -64,7 +64,7 @@ class KVReceiver:
         self.config = config
         self.reservations = reservations
         self.metrics = metrics
-        self.paths = make_recv_paths(config.transport, shm_paths)
+        self.paths = make_recv_paths(config.transport, shm_paths, config.dist_allowed)
         self._quarantine_s = config.quarantine_s if "shm" in self.paths else 0.0
         ctx = zmq.Context.instance()
         self.sock = ctx.socket(zmq.ROUTER)
@@ -317,11 +317,15 @@ class KVReceiver:
             self.metrics(result)
 
 
-def make_recv_paths(transport: str, shm_paths: tuple[str, ...] = ()) -> dict[str, RecvPath]:
+def make_recv_paths(
+    transport: str, shm_paths: tuple[str, ...] = (), dist_allowed: bool = True
+) -> dict[str, RecvPath]:
     """The receiver's halves it accepts: ``transport`` alone, or for ``auto`` ZeroMQ plus shared memory
-    (when its cache is in a ``SharedKVPool``, ``shm_paths``) plus torch.distributed (when initialised)."""
+    (when its cache is in a ``SharedKVPool``, ``shm_paths``) plus torch.distributed (when initialised
+    and ``dist_allowed``: ``TransferConfig.dist_allowed``)."""
     if transport == "auto":
-        names = ["zmq"] + (["shm"] if shm_paths else []) + (["dist"] if dist_ready() else [])
+        dist = dist_allowed and dist_ready()
+        names = ["zmq"] + (["shm"] if shm_paths else []) + (["dist"] if dist else [])
     else:
         names = [transport]
     return {name: _recv_path(name, shm_paths) for name in names}

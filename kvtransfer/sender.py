@@ -207,7 +207,9 @@ class KVSender:
         if info.layout != self.layout:
             peer.error = f"receiver layout {info.layout} differs from ours {self.layout} ({who})"
         else:
-            peer.transport = choose_transport(self.config.transport, info, self.caches)
+            peer.transport = choose_transport(
+                self.config.transport, info, self.caches, self.config.dist_allowed
+            )
             try:
                 peer.path = make_send_path(peer.transport, info)
             except ValueError as exc:

@@ -88,13 +88,16 @@ def dist_ready() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def choose_transport(wanted: str, info: PeerInfo, caches: list[torch.Tensor]) -> str:
-    """The transport a sender set to ``wanted`` uses towards the receiver that sent ``info``."""
+def choose_transport(
+    wanted: str, info: PeerInfo, caches: list[torch.Tensor], dist_allowed: bool = True
+) -> str:
+    """The transport a sender set to ``wanted`` uses towards the receiver that sent ``info``
+    (``dist`` under ``auto`` only if ``dist_allowed``: ``TransferConfig.dist_allowed``)."""
     if wanted != "auto":
         return wanted
     if info.transport != "auto":
         return info.transport
-    if info.rank >= 0 and caches[0].device.type == "cuda" and dist_ready():
+    if dist_allowed and info.rank >= 0 and caches[0].device.type == "cuda" and dist_ready():
         return "dist"
     if info.shm_paths and info.host == host_id():
         return "shm"

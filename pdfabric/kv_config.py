@@ -33,7 +33,10 @@ class TransferConfig:
     (tests, benchmarks) plain ZeroMQ. ``encrypt=False`` (a network the operator trusts): the secret
     still authenticates both ends, but over ZeroMQ PLAIN, so the KV bytes cross the wire unencrypted
     (faster over tcp; no different over shared memory, where the bytes do not use the socket:
-    docs/security.md has the measurement)."""
+    docs/security.md has the measurement). ``trust_dist``: torch.distributed's own connections
+    (gloo, NCCL and their rendezvous) are not authenticated by the secret, so with a secret ``auto``
+    never picks ``dist`` and ``transport="dist"`` is refused, unless this is True (a process group on
+    a network the fabric owns)."""
 
     transport: str = "auto"
     timeout_s: float = 30.0
@@ -46,6 +49,7 @@ class TransferConfig:
     chunk_bytes: int = 16 << 20  # ZeroMQ: a larger layer range leaves as several chunks (>= 1 layer each)
     secret: ClusterSecret | None = None
     encrypt: bool = True
+    trust_dist: bool = False  # with a secret: may torch.distributed, unauthenticated, carry KV?
 
     def __post_init__(self) -> None:
         if self.transport not in CHOICES:
@@ -62,6 +66,17 @@ class TransferConfig:
             raise ValueError(f"chunk_bytes must be >= 1, got {self.chunk_bytes}")
         if self.max_messages_per_poll < 1:
             raise ValueError(f"max_messages_per_poll must be >= 1, got {self.max_messages_per_poll}")
+        if self.transport == "dist" and not self.dist_allowed:
+            raise ValueError(
+                "transport 'dist' with a cluster secret: torch.distributed's connections are not "
+                "authenticated by it; set trust_dist=True only for a process group on a network the "
+                "fabric owns"
+            )
+
+    @property
+    def dist_allowed(self) -> bool:
+        """Whether torch.distributed may carry KV: without a secret, or with one and ``trust_dist``."""
+        return self.secret is None or self.trust_dist
 
     @property
     def quarantine_s(self) -> float:

@@ -171,3 +171,20 @@ def test_a_fabric_with_kv_encryption_off_serves_the_same_tokens(tmp_path: Path, 
             assert status == 200, data
             tokens.append(data["choices"][0]["token_ids"])
     assert tokens[0] == tokens[1] and len(tokens[0]) == 12
+
+
+def test_with_a_secret_torch_distributed_carries_kv_only_if_trusted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gloo / NCCL connections are not authenticated by the secret: an authenticated fabric neither
+    offers nor picks them unless the operator says the process group's network is the fabric's own."""
+    from pdfabric.kv_config import TransferConfig
+    from pdfabric.kvtransfer import receiver, transport_dist
+
+    monkeypatch.setattr(receiver, "dist_ready", lambda: True)  # as if a process group were up
+    monkeypatch.setattr(transport_dist, "_check_group", lambda: None)
+    offered = lambda config: set(receiver.make_recv_paths("auto", (), config.dist_allowed))  # noqa: E731
+    assert offered(TransferConfig()) == {"zmq", "dist"}
+    assert offered(TransferConfig(secret=SECRET)) == {"zmq"}
+    assert offered(TransferConfig(secret=SECRET, trust_dist=True)) == {"zmq", "dist"}
+    with pytest.raises(ValueError, match="trust_dist"):
+        TransferConfig(transport="dist", secret=SECRET)
+    assert TransferConfig(transport="dist", secret=SECRET, trust_dist=True).dist_allowed
