@@ -135,6 +135,11 @@ def _use_cpu_sampler() -> bool:
     return available()
 
 
+def prepare_sampler() -> None:
+    """Builds (or loads from the cache) the sampler's C kernels now, so that no step pays for it."""
+    _use_cpu_sampler()
+
+
 def _fits_cpu_sampler(scores: torch.Tensor) -> bool:
     return scores.is_cpu and scores.dtype == torch.float32 and scores.stride(-1) == 1 and _use_cpu_sampler()
 

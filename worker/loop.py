@@ -246,11 +246,15 @@ def build_engine(cfg: WorkerConfig) -> Engine:
     from pdfabric.engine.kv_cache import kv_bytes_per_token
     from pdfabric.engine.loader import load_model
     from pdfabric.engine.runner import ModelRunner
+    from pdfabric.kernels.dispatch import prepare_sampler
 
     if cfg.threads:
         import torch
 
         torch.set_num_threads(cfg.threads)
+    # Now, not in the first request's step: a second of compiling there was learnt by the latency
+    # profile as a slow step (and the router then refused requests as beyond their ITL budget).
+    prepare_sampler()
     path = resolve_model(cfg.model)
     model = load_model(path, cfg.dtype, _device(cfg.device), cfg.quantization)
     # the weights are packed (and quantized) first: with memory_mb the KV cache gets what they leave
