@@ -56,12 +56,16 @@ static inline double log_poly(double x) {
     return (double)e * LN2 + (s * 2.0) * p;
 }
 
-static inline float gumbel(uint64_t key, uint64_t id) {
+/* The 53 bits u is made of: splitmix64 of the token id and the key, its high bits. */
+static inline uint64_t hash_bits(uint64_t key, uint64_t id) {
     uint64_t x = id * GOLDEN + key;
     x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
     x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-    x ^= x >> 31;
-    const double u = ((double)(x >> 11) + 0.5) / 9007199254740992.0; /* 2^53 */
+    return (x ^ (x >> 31)) >> 11;
+}
+
+static inline float gumbel(uint64_t key, uint64_t id) {
+    const double u = ((double)hash_bits(key, id) + 0.5) / 9007199254740992.0; /* 2^53 */
     return (float)-log_poly(-log_poly(u));
 }
 
@@ -92,13 +96,6 @@ static void tau_table(uint64_t tau[TAU_SIZE]) {
         const double k = floor(exp(-exp(-(double)b / TAU_STEPS)) * 9007199254740992.0) - 4.0;
         tau[b] = k < 0.0 ? 0 : (uint64_t)k;
     }
-}
-
-static inline uint64_t hash_bits(uint64_t key, uint64_t id) { /* the 53 bits u is made of */
-    uint64_t x = id * GOLDEN + key;
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-    return (x ^ (x >> 31)) >> 11;
 }
 
 /* Whether x[0 .. n) holds a NaN (on the bits, so that the loop vectorises). */
@@ -155,11 +152,12 @@ int pd_gumbel_argmax(const float *scores, int64_t stride, int rows, int vocab, c
             /* the margin covers the rounding of best - x, of the noise and of x + noise near best */
             const float margin = 0.01f + fabsf(best) * 0x1p-20f;
             for (int j = 0; j < n; j++) {
-                float c = best - row[base + j] / t - margin;
+                const float gap = best - row[base + j] / t;
+                float c = gap - margin;
                 c = c < 0.0f ? 0.0f : c > 40.0f ? 40.0f : c; /* -inf scores: c = +inf, clamped */
                 int b = (int)(c * TAU_STEPS);
                 b = b < TAU_SIZE - 1 ? b : TAU_SIZE - 1;
-                const int near = best - row[base + j] / t < margin;
+                const int near = gap < margin;
                 maybe[j] = near || hash_bits(key, (uint64_t)(base + j)) > tau[b];
                 hit |= maybe[j];
             }
