@@ -258,3 +258,28 @@ def test_the_greedy_kernel_picks_what_torch_argmax_picks() -> None:
     wide = torch.zeros(2, 60000)[:, :49157]  # rows with a stride past their length
     wide[1, 123] = 1.0
     assert sample_cpu.argmax_rows_cpu(wide) == [0, 123]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_gpu_workers_logits_draw_a_cpu_workers_tokens() -> None:
+    """A GPU worker's batch (greedy, temperature, top-k / top-p and logprob rows) draws the tokens a CPU
+    worker's draws from the same logits: its temperature rows go through the CPU kernels on one copy."""
+    gen = torch.Generator().manual_seed(4)
+    rows = torch.randn(12, 49152, generator=gen) * 3
+    rows[3, 500:30000] = float("-inf")
+    kinds = [
+        {},
+        {"temperature": 0.8},
+        {"temperature": 0.8, "top_p": 0.95},
+        {"temperature": 1.1, "top_k": 50},
+        {"temperature": 0.6, "top_k": 200, "top_p": 0.7},
+        {"logprobs": 3},
+    ]
+    params = [SamplingParams(seed=r, **kinds[r % len(kinds)]) for r in range(12)]
+    on_cpu = sample(rows, params, list(range(12)))
+    on_gpu = sample(rows.cuda(), params, list(range(12)))
+    assert [s.token_id for s in on_gpu] == [s.token_id for s in on_cpu]
+    for a, b in zip(on_gpu, on_cpu, strict=True):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
