@@ -158,7 +158,7 @@ def _attach_gguf_blocks(model: LlamaForCausalLM, path: Path, places: dict[str, t
         if blocks is None:
             continue
         module = param.rpartition(".")[0]
-        if module == "model.embed_tokens":  # the table itself stays for the lookup; a tied head multiplies
+        if module == "model.embed_tokens":  # a tied head's (the packed head then serves the lookup)
             model.tied_head_blocks = blocks if model.lm_head is None else None
         else:
             model.get_submodule(module).gguf_blocks = blocks

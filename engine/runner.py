@@ -15,7 +15,7 @@ from torch import nn
 
 from pdfabric.engine.block_pool import blocks_for
 from pdfabric.engine.kv_cache import allocate_kv_cache
-from pdfabric.engine.model import LlamaForCausalLM
+from pdfabric.engine.model import HeadEmbedding, LlamaForCausalLM
 from pdfabric.kernels import AttentionMetadata, get_backend
 from pdfabric.kernels.decoder_cpu import Decoder
 from pdfabric.kernels.linear import can_pack, check_kind, check_quantization, pack_linears, packed
@@ -69,7 +69,7 @@ class ModelRunner:
         self.config = model.config
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.device = model.model.embed_tokens.weight.device
+        self.device = model.model.norm.weight.device
         cfg = self.config
         # Tiled where the CPU prompt kernel reads a tiled cache in place; the torch backend, the plain
         # reference path, keeps the dense layout.
@@ -77,7 +77,7 @@ class ModelRunner:
             self.device.type == "cpu"
             and get_backend() in ("auto", "cpu")
             and tiled_kv_supported(
-                model.model.embed_tokens.weight.dtype,
+                model.model.norm.weight.dtype,
                 cfg.num_heads,
                 cfg.num_kv_heads,
                 cfg.head_dim,
@@ -197,10 +197,10 @@ def head_quantization(quantization: str, device: str) -> str:
 
 def _pack_model(model: LlamaForCausalLM, kind: str, quantization: str = "none") -> None:
     """Packs the linear layers, and the head (a tied one as a layer of its own: it then runs the same
-    kernel as every other projection; on CPUs a copy of the embedding table, which the lookup keeps
-    using; on CUDA the table itself). ``quantization``: how the packed weights are held
-    (``kernels/linear.py``), the head's as ``head_quantization`` says; the embedding lookup keeps the
-    model's dtype."""
+    kernel as every other projection; on CUDA it multiplies the table itself). ``quantization``: how
+    the packed weights are held (``kernels/linear.py``), the head's as ``head_quantization`` says. A
+    tied head packed for the CPU kernels also serves the embedding lookup (``HeadEmbedding``): the
+    table is held once, as the head holds it (quantized rows where the head is quantized)."""
     device = model.model.embed_tokens.weight.device.type
     check_kind(kind, device)
     check_quantization(quantization, kind, device)
@@ -214,3 +214,5 @@ def _pack_model(model: LlamaForCausalLM, kind: str, quantization: str = "none") 
     held_as = head_quantization(quantization, device)
     if isinstance(head, nn.Linear) and can_pack(head, kind, held_as):
         model.lm_head = packed(head, kind, held_as)
+        if head.weight is model.model.embed_tokens.weight and hasattr(model.lm_head, "weight_rows"):
+            model.model.embed_tokens = HeadEmbedding(model.lm_head.weight_rows, head.in_features)

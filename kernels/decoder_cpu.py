@@ -95,7 +95,7 @@ class Decoder:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], tiled: bool) -> None:
         # Use ``build``, which checks that every piece is a C kernel first.
         cfg = model.config
-        self.dtype = dtype = model.model.embed_tokens.weight.dtype
+        self.dtype = dtype = model.model.norm.weight.dtype
         ops = layer_ops_cpu.kernel_addresses()
         int8 = kv_caches[0].dtype == torch.int8  # an int8 cache is tiled, written by pd_store_kv_int8
         self._kernels = _Kernels(
@@ -136,7 +136,7 @@ class Decoder:
     def build(model: torch.nn.Module, kv_caches: list[torch.Tensor], tiled: bool = False) -> Decoder | None:
         """A ``Decoder`` for the model over its caches (tiled ones: ``AttentionMetadata.tiled_kv``), or
         None when some piece of its layers is not a C kernel here."""
-        weight = model.model.embed_tokens.weight
+        weight = model.model.norm.weight
         if (
             dispatch.get_backend() not in ("auto", "cpu")
             or not weight.is_cpu

@@ -113,6 +113,37 @@ def test_c_decoder_calls_after_layer_for_each_layer_in_order(checkpoint: Path) -
     assert seen == list(range(fused.config.num_layers))
 
 
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4", "w8a8"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_tied_heads_packed_weight_serves_the_embedding_lookup(
+    checkpoint: Path, dtype: str, quantization: str
+) -> None:
+    """A tied head packed for the CPU kernels is the embedding table too: the lookup reads its packed
+    rows (dequantized where the head is quantized), and the table is not held a second time; an untied
+    model keeps its own table."""
+    from pdfabric.engine.model import HeadEmbedding
+    from pdfabric.kernels.linear_cpu import quantize_int8
+
+    _need(dtype)
+    model = load_model(checkpoint, dtype, quantization=quantization)
+    tied = model.lm_head is None
+    table = model.model.embed_tokens.weight.detach().clone()
+    runner = ModelRunner(model, num_blocks=8, block_size=BLOCK, quantization=quantization)
+    lookup = model.model.embed_tokens
+    if not tied:
+        assert isinstance(lookup, torch.nn.Embedding)
+        return
+    assert isinstance(lookup, HeadEmbedding)
+    ids = torch.arange(table.shape[0]).flip(0).reshape(3, -1)  # any shape of ids, every row
+    want = table
+    if quantization != "none":  # an int4 model's head is int8 on CPUs (runner.head_quantization)
+        q, scale = quantize_int8(table)
+        want = (q.float() * scale[:, None]).to(table.dtype)
+    assert torch.equal(lookup(ids), want[ids])
+    assert not any(t.shape == table.shape for t in (*model.parameters(), *model.buffers()))
+    assert runner.step([StepEntry((1, 2, 3), 0, (0,))]).isfinite().all()
+
+
 @packaged
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4", "gguf", "w8a8"])
 @pytest.mark.parametrize("dtype", DTYPES)
