@@ -92,6 +92,21 @@ def test_outliers_do_not_move_the_fit() -> None:
     assert fit.decode_step_seconds(8, 8000) == pytest.approx(TRUE.decode_step_seconds(8, 8000), rel=0.05)
 
 
+def test_one_very_slow_step_among_few_is_dropped() -> None:
+    """The online case: a worker's first decode steps, one of them very slow (a kernel compiled in it,
+    a page-fault storm). The first fit is pulled towards that step and misses every other one by about
+    the same amount; the rule keeps those and drops the slow one."""
+    for steps in (5, 15):
+        builder = ProfileBuilder(prior=TRUE)
+        builder.observe_decode(1, 600, 1.0)
+        for i in range(steps):
+            batch = 1 + i % 4
+            builder.observe_decode(batch, 600 * batch, TRUE.decode_step_seconds(batch, 600 * batch))
+        fit = builder.profile(force=True)
+        assert fit.decode_step_seconds(1, 600) == pytest.approx(TRUE.decode_step_seconds(1, 600), rel=0.02)
+        assert fit.decode_step_seconds(4, 2400) == pytest.approx(TRUE.decode_step_seconds(4, 2400), rel=0.02)
+
+
 def test_few_samples_stay_sensible() -> None:
     assert ProfileBuilder().profile() == WorkerProfile()  # nothing measured: the prior
     one = ProfileBuilder()
