@@ -124,12 +124,12 @@ class DecoderLayer(nn.Module):
 
 class HeadEmbedding(nn.Module):
     """The token embedding of a tied head that a runner packed: each looked-up row is read from the
-    head's packed weight (``rows``, the kernels' ``weight_rows``: the table as the head multiplies it,
+    head's packed weight (``rows``, ``kernels.linear.row_reader``: the table as the head multiplies it,
     quantized where the head is), so the table is held once instead of twice."""
 
     def __init__(self, rows: Callable[[torch.Tensor], torch.Tensor], embedding_dim: int) -> None:
         super().__init__()
-        self._rows = rows  # a bound method, not a submodule: the head's weights are the head's
+        self._rows = rows  # a function over the head, not a submodule: the weights are the head's
         self.embedding_dim = embedding_dim
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

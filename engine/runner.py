@@ -18,7 +18,7 @@ from pdfabric.engine.kv_cache import allocate_kv_cache
 from pdfabric.engine.model import HeadEmbedding, LlamaForCausalLM
 from pdfabric.kernels import AttentionMetadata, get_backend
 from pdfabric.kernels.decoder_cpu import Decoder
-from pdfabric.kernels.linear import can_pack, check_kind, check_quantization, pack_linears, packed
+from pdfabric.kernels.linear import can_pack, check_kind, check_quantization, pack_linears, packed, row_reader
 from pdfabric.kernels.paged_attention_cpu import int8_kv_supported, tiled_kv_supported
 
 
@@ -214,5 +214,6 @@ def _pack_model(model: LlamaForCausalLM, kind: str, quantization: str = "none") 
     held_as = head_quantization(quantization, device)
     if isinstance(head, nn.Linear) and can_pack(head, kind, held_as):
         model.lm_head = packed(head, kind, held_as)
-        if head.weight is model.model.embed_tokens.weight and hasattr(model.lm_head, "weight_rows"):
-            model.model.embed_tokens = HeadEmbedding(model.lm_head.weight_rows, head.in_features)
+        rows = row_reader(model.lm_head) if head.weight is model.model.embed_tokens.weight else None
+        if rows is not None:
+            model.model.embed_tokens = HeadEmbedding(rows, head.in_features)

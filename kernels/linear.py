@@ -23,6 +23,10 @@ the format cannot hold (inputs not a multiple of 32, a GGUF tensor of another ty
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
+import torch
 from torch import nn
 
 from pdfabric.kernels import dispatch, linear_cpu
@@ -94,3 +98,14 @@ def pack_linears(module: nn.Module, kind: str = "invariant", quantization: str =
         else:
             count += pack_linears(child, kind, quantization)
     return count
+
+
+def row_reader(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """A function of token ids giving rows of a packed module's weight as the module multiplies them
+    (``[len(ids), in_features]``, the compute dtype), or None where its layout is not read back (oneDNN's,
+    CUDA's modules, which keep the weight they were given)."""
+    if isinstance(module, linear_cpu.InvariantLinear):
+        from pdfabric.kernels.packed_rows import packed_rows
+
+        return functools.partial(packed_rows, module)
+    return None

@@ -42,7 +42,6 @@ from pdfabric.kernels.quantized import GROUP, GroupedWeight, quantize_int4
 from pdfabric.worker_config import QUANTIZATIONS  # the worker's setting, named there so configs need no torch
 
 LINEAR_KINDS = ("invariant", "onednn")
-COLS = 64  # output columns per packed panel (csrc/linear_cpu.c)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 INT8_CODES = {torch.bfloat16: 2, torch.float32: 3}  # int8 weights beside inputs and outputs of this dtype
 W8A8_CODES = {torch.bfloat16: 8, torch.float32: 9}  # int8 weights times rows quantized to int8 per call
@@ -273,46 +272,6 @@ class InvariantLinear(nn.Module):
                 f"pd_linear failed with status {status} (1: bad arguments, 2: out of memory, 3: unsupported)"
             )
         return out
-
-    def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``ids`` of the weight as this layer multiplies them, ``[len(ids), in_features]`` in the
-        compute dtype, read from the packed panels (quantized weights dequantized in float32, as
-        ``quantized.dequantize`` and ``quantize_int8`` define them, then rounded once): what a tied
-        head's embedding lookup reads instead of keeping the table a second time."""
-        n, k = self.out_features, self.in_features
-        panels, pairs = -(-n // COLS), -(-k // 2)
-        ids = ids.long()
-        p, c = ids // COLS, ids % COLS
-        buf, code = self.packed_weight, self.dtype_code
-        if code in (0, 1):  # float32 panel[k][64]; bfloat16 panel[k / 2][64][2]
-            if code == 0:
-                return buf.view(panels, k, COLS)[p, :, c]
-            return buf.view(panels, pairs, COLS, 2)[p, :, c].reshape(len(ids), 2 * pairs)[:, :k].contiguous()
-        head = panels * COLS * 4  # bytes of the per-output scales (int8, w8a8) or 0 (grouped)
-        if code in GROUPED_CODES.values():
-            groups = k // GROUP
-            scales = buf[: panels * groups * COLS * 4].view(torch.float32).view(panels, groups, COLS)
-            body = buf[len(buf) - panels * pairs * (COLS if self.bits == 4 else 2 * COLS) :]
-            if self.bits == 4:  # panel[k / 2][64] bytes, a pair's first input in the low nibble
-                byte = body.view(panels, pairs, COLS)[p, :, c]
-                q = torch.stack((byte & 15, byte >> 4), dim=-1).reshape(len(ids), k).float()
-            else:  # panel[k / 2][64][2] int8
-                q = body.view(torch.int8).view(panels, pairs, COLS, 2)[p, :, c].reshape(len(ids), k).float()
-            w = q.reshape(len(ids), groups, GROUP) * scales[p, :, c][..., None]
-            if self.bits == 4:
-                offsets = buf[panels * groups * COLS * 4 : 2 * panels * groups * COLS * 4].view(torch.float32)
-                w = w + offsets.view(panels, groups, COLS)[p, :, c][..., None]
-            return w.reshape(len(ids), k).to(self._dtype)
-        scale = buf[:head].view(torch.float32)[ids]
-        body = buf[head:]
-        if code in W8A8_CODES.values():  # panel[k / 4][64][4] of q + 128
-            q = body.view(panels, k // 4, COLS, 4)[p, :, c].reshape(len(ids), k).float() - 128.0
-        elif code == INT8_CODES[torch.bfloat16]:  # panel[k / 2][64][2]
-            q = body.view(torch.int8).view(panels, pairs, COLS, 2)[p, :, c].reshape(len(ids), 2 * pairs)
-            q = q[:, :k].float()
-        else:  # panel[k][64]
-            q = body.view(torch.int8).view(panels, k, COLS)[p, :, c].float()
-        return (q * scale[:, None]).to(self._dtype)
 
     def extra_repr(self) -> str:
         quantized = ""

@@ -160,6 +160,32 @@ def test_grouped_linear_equals_dequantized_weights_and_is_batch_invariant(
     assert lin.packed_weight.numel() == header + -(-n // 64) * 64 * k * bits // 8
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(200, 96), (130, 64), (49, 1536)])
+def test_packed_rows_are_the_weights_each_format_multiplies(dtype: torch.dtype, shape: tuple) -> None:
+    """``packed_rows`` reads rows back from every packed layout (columns past a panel's 64 too): the
+    weight itself, or its dequantized form, to the bit."""
+    from pdfabric.kernels.packed_rows import packed_rows
+
+    n, k = shape
+    torch.manual_seed(n)
+    w = torch.randn(n, k).to(dtype)
+    ids = torch.tensor([0, 5, n - 1, 64 % n, min(63, n - 2), 7, 7])
+    q, scale = quantize_int8(w)
+    as_int8 = (q.float() * scale[:, None]).to(dtype)
+    int4 = quantize_int4(w)
+    q8 = GroupedWeight(q, torch.rand(n, k // 32) * scale[:, None], None, 8)  # Q8_0-like groups
+    cases = [
+        (InvariantLinear(w, None), w),
+        (InvariantLinear(w, None, "int8"), as_int8),
+        (InvariantLinear(w, None, "w8a8"), as_int8),
+        (InvariantLinear(w, None, "int4", int4), dequantize(int4).to(dtype)),
+        (InvariantLinear(w, None, "gguf", q8), dequantize(q8).to(dtype)),
+    ]
+    for lin, want in cases:
+        assert torch.equal(packed_rows(lin, ids), want[ids]), lin.extra_repr()
+
+
 def test_a_layer_whose_inputs_are_not_groups_of_32_keeps_the_model_dtype() -> None:
     from torch import nn
 
