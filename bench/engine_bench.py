@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default="smollm2-135m",
-        help="model directory or preset (default smollm2-135m: 30 layers, a 49,152-token vocabulary)",
+        help="model directory, GGUF file or preset (default smollm2-135m: 30 layers, 49,152 tokens)",
     )
     parser.add_argument(
         "--prefill-tokens",

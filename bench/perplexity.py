@@ -25,7 +25,7 @@ from pdfabric.worker_config import KV_CACHE_DTYPES, QUANTIZATIONS
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model", default="smollm2-135m", help="model directory or preset (default smollm2-135m)"
+        "--model", default="smollm2-135m", help="model directory, GGUF file or preset (default smollm2-135m)"
     )
     parser.add_argument(
         "--quantization",

@@ -43,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="TOML deployment config (see configs/); the flags below override it")
     parser.add_argument(
         "--model",
-        help=f"model directory or preset: tiny, cpu-small, smollm2-135m (default {ServeConfig.model})",
+        help="model directory, GGUF file or preset: tiny, cpu-small, smollm2-135m "
+        f"(default {ServeConfig.model})",
     )
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--prefill", type=int, help="prefill workers")

@@ -41,7 +41,9 @@ TRANSFER_PROMPTS = (128, 512, 2048)  # prompt lengths (tokens) whose KV is timed
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     w = worker_default  # the worker settings measured default to what a worker runs with
-    parser.add_argument("--model", default=w("model"), help=f"model dir or preset (default {w('model')})")
+    parser.add_argument(
+        "--model", default=w("model"), help=f"model dir, GGUF file or preset (default {w('model')})"
+    )
     parser.add_argument(
         "--out", default="profile.json", metavar="FILE", help="profile file to write (default profile.json)"
     )

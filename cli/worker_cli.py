@@ -41,7 +41,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 OVERRIDES: tuple[tuple[str, type, str], ...] = (
     ("kind", str, "prefill, decode or colocated (required unless in the config)"),
     ("join", str, "the router's control address, tcp://HOST:PORT (required unless in the config)"),
-    ("model", str, "model directory or preset"),
+    ("model", str, "model directory, GGUF file or preset"),
     ("dtype", str, "float32, bfloat16 or float16 (default: the checkpoint's)"),
     ("pool", str, "the pool this worker joins"),
     ("worker_id", str, "its name at the router (default: KIND-PID)"),

@@ -8,16 +8,26 @@ Nothing is downloaded at run time. Two kinds of preset:
   package index, converted by :mod:`pdfabric.engine.gguf_checkpoint`. The package is found through its
   installed metadata, never imported.
 
-Either kind is then loaded through the same loader as any real checkpoint.
+A GGUF file given by its path (``--model ./model.Q4_K_M.gguf``) is converted the same way, once, into
+the same cache (keyed by the file's path, size and modification time: a changed file is converted
+anew). Either kind is then loaded through the same loader as any real checkpoint. A build runs under
+a lock per cache entry, so the router and the workers that start together convert a file once.
 """
 
 from __future__ import annotations
 
+import fcntl
+import functools
+import hashlib
 import importlib.metadata
 import json
 import os
+import re
 import shutil
+import sys
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -128,40 +138,77 @@ def hf_config(preset: str) -> dict[str, Any]:
 
 
 def resolve_model(name_or_path: str | Path | None) -> Path:
-    """A model directory: a preset name (built on first use) or an existing path."""
+    """A model directory: a preset name (built on first use), a GGUF file (converted on first use) or
+    an existing directory."""
     name = str(name_or_path) if name_or_path is not None else "tiny"
     if name in PRESETS or name in PACKAGED:
         return ensure_preset(name)
     path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ensure_gguf(path)
     if not path.is_dir():
         raise FileNotFoundError(
-            f"model {name!r} is neither a directory nor a built-in preset ({', '.join(preset_names())})"
+            f"model {name!r} is neither a directory, a .gguf file nor a built-in preset "
+            f"({', '.join(preset_names())})"
         )
     return path
 
 
 def ensure_preset(preset: str, cache_dir: str | Path | None = None) -> Path:
     """Builds the preset's checkpoint under the cache directory unless it is already there."""
+    if preset in PACKAGED:
+        packaged = PACKAGED[preset]
+
+        def convert(out: Path) -> None:  # a missing package says how to install it (locate)
+            _convert(packaged.locate(), out, packaged.torch_dtype)
+
+        return _build_once(preset, convert, cache_dir)
+    return _build_once(preset, lambda out: write_preset(preset, out), cache_dir)
+
+
+def ensure_gguf(path: str | Path, cache_dir: str | Path | None = None) -> Path:
+    """The model directory of the GGUF file at ``path``, converted into the cache unless it is there
+    (``gguf_checkpoint.convert_gguf``; computed in bfloat16, or float32 where the CPU lacks it)."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", path.stem)[:64]
+    return _build_once(f"gguf-{slug}-{key}", lambda out: _convert(path, out, "bfloat16"), cache_dir)
+
+
+def _convert(source: Path, out: Path, torch_dtype: str) -> None:
+    """Converts a GGUF file, saying so on standard error (a large file takes minutes, once)."""
+    from pdfabric.engine.gguf_checkpoint import convert_gguf
+
+    started, size = time.monotonic(), source.stat().st_size / 2**20
+    say = functools.partial(print, file=sys.stderr, flush=True)
+    say(f"pdfabric: converting {source} ({size:.0f} MiB) into the model cache, once")
+    convert_gguf(source, out, torch_dtype)
+    say(f"pdfabric: converted {source.name} in {time.monotonic() - started:.1f} s")
+
+
+def _build_once(name: str, build: Callable[[Path], None], cache_dir: str | Path | None) -> Path:
+    """``root/<name>-v<FORMAT_VERSION>``, built by ``build(staging)`` unless it exists. One process
+    builds it (a lock file per entry; the others wait, then find it); a build is staged in a hidden
+    directory and renamed into place, so a killed build leaves no entry, and its staging directory is
+    removed by the next build of that entry."""
     root = Path(cache_dir or envs.get("PDFABRIC_CACHE_DIR")) / "models"
-    final = root / f"{preset}-v{FORMAT_VERSION}"
+    final = root / f"{name}-v{FORMAT_VERSION}"
     if (final / "config.json").is_file():
         return final
-    source = PACKAGED[preset].locate() if preset in PACKAGED else None  # before any work
     root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{preset}-", dir=root))
-    try:
-        if source is not None:
-            from pdfabric.engine.gguf_checkpoint import convert_gguf
-
-            convert_gguf(source, staging, PACKAGED[preset].torch_dtype)
-        else:
-            write_preset(preset, staging)
-        os.rename(staging, final)  # atomic; another process may have won the race
-    except OSError:
-        if not (final / "config.json").is_file():
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    with open(root / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (final / "config.json").is_file():  # built while this process waited
+            return final
+        for stale in root.glob(f".{name}.staging-*"):  # a build killed before its rename
+            shutil.rmtree(stale, ignore_errors=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{name}.staging-", dir=root))
+        try:
+            build(staging)
+            os.rename(staging, final)  # atomic
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return final
 
 

@@ -133,7 +133,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default="tiny",
-        help="model directory or preset (tiny, cpu-small, smollm2-135m); default tiny",
+        help="model directory, GGUF file or preset (tiny, cpu-small, smollm2-135m); default tiny",
     )
     parser.add_argument("--prompt", required=True, help="prompt text")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most (default 32)")

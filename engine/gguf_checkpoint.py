@@ -197,7 +197,7 @@ def _write_tokenizer(meta: dict[str, Any], out: Path) -> None:
         raise GGUFError(f"GGUF pre-tokenizer {pre!r} is not known; known: {', '.join(sorted(_SPLIT_DIGITS))}")
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     types: list[int] = list(meta.get("tokenizer.ggml.token_type", [_NORMAL] * len(tokens)))
-    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]  # none: bytes only
     backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
     steps = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
     if _SPLIT_DIGITS[pre]:
