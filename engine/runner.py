@@ -201,7 +201,7 @@ def _pack_model(model: LlamaForCausalLM, kind: str, quantization: str = "none") 
     the packed weights are held (``kernels/linear.py``), the head's as ``head_quantization`` says. A
     tied head packed for the CPU kernels also serves the embedding lookup (``HeadEmbedding``): the
     table is held once, as the head holds it (quantized rows where the head is quantized)."""
-    device = model.model.embed_tokens.weight.device.type
+    device = model.model.norm.weight.device.type  # (the table may be the packed head's already)
     check_kind(kind, device)
     check_quantization(quantization, kind, device)
     pack_linears(model.model, kind, quantization)
