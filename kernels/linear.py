@@ -17,8 +17,9 @@ Triton) stays ``nn.Linear``.
 A worker's ``quantization`` setting holds the invariant kernel's weights quantized, weight-only:
 ``int8`` with a scale per output (CPUs only: ``linear_cpu.quantize_int8``; ``w8a8`` the same weights
 times activations quantized in groups of 32 inputs, CPUs only), ``int4`` and ``gguf`` in
-groups of 32 inputs (``quantized.py``; on CPUs ``linear_cpu``, on CUDA ``quantized_triton``). A layer
-the format cannot hold (inputs not a multiple of 32, a GGUF tensor of another type) keeps its dtype.
+groups of 32 inputs (``quantized.py``; on CPUs ``linear_cpu``, on CUDA ``quantized_triton``; GGUF's
+Q6_K in groups of 16, CPUs only). A layer the format cannot hold (inputs not a multiple of 32, a GGUF
+tensor of another type, Q6_K on CUDA) keeps its dtype.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch import nn
 
 from pdfabric.kernels import dispatch, linear_cpu
 from pdfabric.kernels.launch_checks import FLOAT_DTYPES
+from pdfabric.kernels.quantized import GROUP
 from pdfabric.worker_config import LINEARS
 
 LINEAR_KINDS = LINEARS  # the worker's `linears` setting names these
@@ -77,7 +79,7 @@ def packed(linear: nn.Linear, kind: str = "invariant", quantization: str = "none
     if linear.weight.device.type == "cpu":
         return linear_cpu.packed(linear, kind, quantization)
     grouped = linear_cpu.grouped_form(linear, quantization)
-    if grouped is not None:
+    if grouped is not None and grouped.group == GROUP:  # Q6_K's groups of 16: the compute dtype on CUDA
         from pdfabric.kernels.quantized_triton import TritonGroupedLinear  # imports Triton
 
         bias = None if linear.bias is None else linear.bias.detach().to(linear.weight.dtype)

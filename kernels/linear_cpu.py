@@ -45,8 +45,12 @@ LINEAR_KINDS = ("invariant", "onednn")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 INT8_CODES = {torch.bfloat16: 2, torch.float32: 3}  # int8 weights beside inputs and outputs of this dtype
 W8A8_CODES = {torch.bfloat16: 8, torch.float32: 9}  # int8 weights times rows quantized to int8 per call
-# weights in groups of 32 inputs, by bits and the inputs' dtype
-GROUPED_CODES = {(4, torch.bfloat16): 4, (4, torch.float32): 5, (8, torch.bfloat16): 6, (8, torch.float32): 7}
+# weights in groups of inputs, by bits, inputs a group (Q6_K's 16) and the inputs' dtype
+GROUPED_CODES = {
+    (4, 32, torch.bfloat16): 4, (4, 32, torch.float32): 5,
+    (8, 32, torch.bfloat16): 6, (8, 32, torch.float32): 7,
+    (8, 16, torch.bfloat16): 10, (8, 16, torch.float32): 11,
+}  # fmt: skip
 
 
 @functools.cache
@@ -60,7 +64,7 @@ def _library() -> ctypes.CDLL | None:
         lib.pd_linear_pack_int8.restype = ctypes.c_int
         lib.pd_linear_pack_w8a8.argtypes = [p, i64, p, i64, i64, p]
         lib.pd_linear_pack_w8a8.restype = ctypes.c_int
-        lib.pd_linear_pack_grouped.argtypes = [p, i64, p, p, i64, i64, i32, p]
+        lib.pd_linear_pack_grouped.argtypes = [p, i64, p, p, i64, i64, i32, i32, p]
         lib.pd_linear_pack_grouped.restype = ctypes.c_int
         lib.pd_linear_packed_elems.argtypes = [i64, i64, i32]
         lib.pd_linear_packed_elems.restype = i64
@@ -151,7 +155,7 @@ def _w8a8_or_none(quantization: str, in_features: int) -> str:
 
 def _dtype_code(dtype: torch.dtype, quantization: str, grouped: GroupedWeight | None) -> int:
     if grouped is not None:
-        return GROUPED_CODES[grouped.bits, dtype]
+        return GROUPED_CODES[grouped.bits, grouped.group, dtype]
     if quantization == "w8a8":
         return W8A8_CODES[dtype]
     return INT8_CODES[dtype] if quantization == "int8" else DTYPE_CODES[dtype]
@@ -178,7 +182,8 @@ def can_pack(linear: nn.Linear, kind: str = "invariant", quantization: str = "no
     quantization = _w8a8_or_none(quantization, linear.in_features)
     blocks = getattr(linear, "gguf_blocks", None) if quantization == "gguf" else None
     bits = 4 if quantization == "int4" and linear.in_features % GROUP == 0 else getattr(blocks, "bits", None)
-    code = GROUPED_CODES[bits, w.dtype] if bits else _dtype_code(w.dtype, quantization, None)
+    group = getattr(blocks, "group", GROUP)
+    code = GROUPED_CODES[bits, group, w.dtype] if bits else _dtype_code(w.dtype, quantization, None)
     return bool(lib.pd_linear_supported(code))
 
 
@@ -188,7 +193,7 @@ class InvariantLinear(nn.Module):
     half the bytes of bfloat16 to read; with ``"w8a8"`` the same weight multiplies the input rows
     quantized to int8 in groups of 32 as each call starts (``w8a8_reference``): integer products.
     With ``grouped`` (``grouped_form``: int4, or a GGUF tensor's blocks) it is held in groups of 32
-    inputs. The inputs and outputs stay in the compute dtype."""
+    inputs (16 for Q6_K's). The inputs and outputs stay in the compute dtype."""
 
     def __init__(
         self,
@@ -206,6 +211,7 @@ class InvariantLinear(nn.Module):
         eight = quantization in ("int8", "w8a8")
         self.quantization = quantization if grouped is not None or eight else "none"
         self.bits = grouped.bits if grouped is not None else 8 if eight else None
+        self.group = grouped.group if grouped is not None else None  # inputs a scale covers, where grouped
         self.dtype_code = _dtype_code(weight.dtype, quantization, grouped)
         weight = weight.detach()
         if weight.stride(1) != 1:
@@ -218,7 +224,7 @@ class InvariantLinear(nn.Module):
             offsets = None if grouped.offsets is None else grouped.offsets.float().contiguous()
             status = lib.pd_linear_pack_grouped(
                 q.data_ptr(), q.stride(0), scales.data_ptr(), None if offsets is None else offsets.data_ptr(),
-                self.out_features, self.in_features, grouped.bits, packed.data_ptr(),
+                self.out_features, self.in_features, grouped.bits, grouped.group, packed.data_ptr(),
             )  # fmt: skip
         elif quantization == "w8a8":
             q, scale = quantize_int8(weight)

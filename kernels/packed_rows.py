@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 
 from pdfabric.kernels.linear_cpu import GROUPED_CODES, INT8_CODES, W8A8_CODES, InvariantLinear
-from pdfabric.kernels.quantized import GROUP
 
 COLS = 64  # output columns per panel
 
@@ -30,7 +29,8 @@ def packed_rows(linear: InvariantLinear, ids: torch.Tensor) -> torch.Tensor:
         return buf.view(panels, pairs, COLS, 2)[p, :, c].reshape(len(ids), 2 * pairs)[:, :k].contiguous()
     head = panels * COLS * 4  # bytes of the per-output scales (int8, w8a8) or 0 (grouped)
     if code in GROUPED_CODES.values():
-        groups = k // GROUP
+        group = linear.group
+        groups = k // group
         scales = buf[: panels * groups * COLS * 4].view(torch.float32).view(panels, groups, COLS)
         body = buf[len(buf) - panels * pairs * (COLS if linear.bits == 4 else 2 * COLS) :]
         if linear.bits == 4:  # panel[k / 2][64] bytes, a pair's first input in the low nibble
@@ -38,7 +38,7 @@ def packed_rows(linear: InvariantLinear, ids: torch.Tensor) -> torch.Tensor:
             q = torch.stack((byte & 15, byte >> 4), dim=-1).reshape(len(ids), k).float()
         else:  # panel[k / 2][64][2] int8
             q = body.view(torch.int8).view(panels, pairs, COLS, 2)[p, :, c].reshape(len(ids), k).float()
-        w = q.reshape(len(ids), groups, GROUP) * scales[p, :, c][..., None]
+        w = q.reshape(len(ids), groups, group) * scales[p, :, c][..., None]
         if linear.bits == 4:
             offsets = buf[panels * groups * COLS * 4 : 2 * panels * groups * COLS * 4].view(torch.float32)
             w = w + offsets.view(panels, groups, COLS)[p, :, c][..., None]

@@ -1,10 +1,12 @@
 """Weights quantized in groups of 32 inputs: pdfabric's int4, and GGUF's Q4_0, Q4_1, Q4_K and Q8_0 as
-they are.
+they are; and in groups of 16 inputs: GGUF's Q6_K.
 
 A ``GroupedWeight`` holds an ``[n, k]`` weight as one small integer ``q`` a weight and, for each output
 and each run of 32 inputs (a group), a float32 scale ``d`` and (4 bits) a float32 offset ``m``:
 
     w[n, j] = d[n, j // 32] * q[n, j] + m[n, j // 32]
+
+(8-bit weights may come in groups of 16 inputs instead, ``group``: Q6_K's sub-blocks.)
 
 - ``quantize_int4`` (``[worker] quantization = "int4"``): 4 bits a weight on each group's own range,
   ``m`` its smallest weight and ``d`` a fifteenth of its span, every weight rounded to the nearest
@@ -14,8 +16,10 @@ and each run of 32 inputs (a group), a float32 scale ``d`` and (4 bits) a float3
 - ``from_gguf`` (``quantization = "gguf"``): a GGUF tensor's blocks, unpacked without dequantizing.
   Q4_0 (``m = -8 d``), Q4_1 (``d``, ``m`` half precision), Q8_0 (8 bits, no offset) and Q4_K (a scale
   and an offset per 32-input sub-block: products of a half-precision number and a 6-bit integer,
-  which float32 holds exactly). ``dequantize`` of the result equals the ``gguf`` package's own
-  dequantization to the bit (``tests/test_quantized.py``).
+  which float32 holds exactly), and Q6_K (8 bits in groups of 16: ``q - 32`` in -32..31 and ``d``
+  the super-block's half-precision scale times the sub-block's 8-bit one, exact in float32).
+  ``dequantize`` of the result equals the ``gguf`` package's own dequantization to the bit
+  (``tests/test_quantized.py``).
 
 ``csrc/linear_cpu.c`` multiplies them as they are (``pd_linear_pack_grouped``); ``dequantize`` is the
 reference its tests multiply with.
@@ -29,23 +33,27 @@ import numpy as np
 import torch
 
 GROUP = 32  # inputs per quantization group
-GGUF_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")  # served as they are; other GGUF types are dequantized
+GGUF_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0")  # served as they are; other types are dequantized
 
 
 @dataclass(frozen=True)
 class GroupedWeight:
-    """An ``[n, k]`` weight in groups of 32 inputs: ``q`` ``[n, k]`` (4 bits: uint8 in 0..15; 8 bits:
-    int8), ``scales`` ``[n, k / 32]`` float32, ``offsets`` like ``scales`` for 4 bits (None for 8)."""
+    """An ``[n, k]`` weight in groups of ``group`` inputs (32; 16 for 8 bits): ``q`` ``[n, k]`` (4 bits:
+    uint8 in 0..15; 8 bits: int8), ``scales`` ``[n, k / group]`` float32, ``offsets`` like ``scales``
+    for 4 bits (None for 8)."""
 
     q: torch.Tensor
     scales: torch.Tensor
     offsets: torch.Tensor | None
     bits: int
+    group: int = GROUP
 
     def __post_init__(self) -> None:
         n, k = self.q.shape
-        if k % GROUP or self.scales.shape != (n, k // GROUP):
-            raise ValueError(f"a {tuple(self.q.shape)} grouped weight needs [n, k / {GROUP}] scales")
+        if self.group not in (GROUP, 16) or (self.group == 16 and self.bits != 8):
+            raise ValueError(f"groups of {self.group} inputs: 32, or 16 for 8 bits")
+        if k % self.group or self.scales.shape != (n, k // self.group):
+            raise ValueError(f"a {tuple(self.q.shape)} grouped weight needs [n, k / {self.group}] scales")
         if (self.bits == 4) != (self.offsets is not None) or self.bits not in (4, 8):
             raise ValueError("4-bit groups have offsets, 8-bit groups none")
 
@@ -56,24 +64,24 @@ class GroupedWeight:
     def rows(self, keep: slice | torch.Tensor) -> GroupedWeight:
         """The weight of some outputs (a slice or an index of rows)."""
         offsets = None if self.offsets is None else self.offsets[keep]
-        return GroupedWeight(self.q[keep], self.scales[keep], offsets, self.bits)
+        return GroupedWeight(self.q[keep], self.scales[keep], offsets, self.bits, self.group)
 
     @staticmethod
     def stack(parts: list[GroupedWeight]) -> GroupedWeight | None:
         """The parts' outputs one after another (a stacked projection), or None where their formats
         differ (each part then has to be held in the compute dtype)."""
-        if len({(p.bits, p.shape[1]) for p in parts}) != 1:
+        if len({(p.bits, p.group, p.shape[1]) for p in parts}) != 1:
             return None
         offsets = None if parts[0].offsets is None else torch.cat([p.offsets for p in parts])
-        return GroupedWeight(
-            torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]), offsets, parts[0].bits
-        )
+        q, scales = torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts])
+        return GroupedWeight(q, scales, offsets, parts[0].bits, parts[0].group)
 
 
 def dequantize(weight: GroupedWeight) -> torch.Tensor:
     """The float32 ``[n, k]`` weight: ``d * q + m`` group by group (the kernels' reference)."""
     n, k = weight.shape
-    q = (weight.q.to(torch.int8) if weight.bits == 8 else weight.q).float().reshape(n, k // GROUP, GROUP)
+    group = weight.group
+    q = (weight.q.to(torch.int8) if weight.bits == 8 else weight.q).float().reshape(n, k // group, group)
     w = q * weight.scales[..., None]
     if weight.offsets is not None:
         w = w + weight.offsets[..., None]
@@ -101,6 +109,8 @@ def from_gguf(type_name: str, blocks: np.ndarray, shape: tuple[int, int]) -> Gro
     blocks = np.ascontiguousarray(blocks, dtype=np.uint8)
     if type_name == "Q4_K":
         return _from_q4_k(blocks, n, k)
+    if type_name == "Q6_K":
+        return _from_q6_k(blocks, n, k)
     size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[type_name]
     b = blocks.reshape(n, k // GROUP, size)
     d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
@@ -118,6 +128,24 @@ def from_gguf(type_name: str, blocks: np.ndarray, shape: tuple[int, int]) -> Gro
 def _nibbles(packed: np.ndarray) -> np.ndarray:
     """A GGUF 4-bit block's 16 bytes as its 32 values: the low nibbles first, then the high ones."""
     return np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
+
+
+def _from_q6_k(blocks: np.ndarray, n: int, k: int) -> GroupedWeight:
+    # A super-block of 256 inputs: 128 bytes of low nibbles (each 64 bytes: inputs 0-63 low, 64-127
+    # high, per half of the block), 64 bytes of high bit pairs (each 32 bytes: four inputs 32 apart),
+    # sixteen int8 sub-block scales, then d (half): w = d * scale * (q - 32) over 16-input sub-blocks.
+    b = blocks.reshape(n, k // 256, 210)
+    nibble, pair = np.array([0, 4], dtype=np.uint8), np.array([0, 2, 4, 6], dtype=np.uint8)
+    ql = b[..., :128].reshape(n, k // 256, 2, 1, 64) >> nibble.reshape(1, 1, 1, 2, 1)
+    ql = (ql & 0x0F).reshape(n, k // 256, 2, 4, 32)
+    qh = b[..., 128:192].reshape(n, k // 256, 2, 1, 32) >> pair.reshape(1, 1, 1, 4, 1)
+    q = ((ql | ((qh & 0x03) << 4)).astype(np.int8) - np.int8(32)).reshape(n, k)
+    scale = b[..., 192:208].copy().view(np.int8).astype(np.float32)
+    d = b[..., 208:210].copy().view(np.float16).astype(np.float32)
+    scales = (d * scale).reshape(n, k // 16)
+    return GroupedWeight(
+        torch.from_numpy(np.ascontiguousarray(q)).view(torch.uint8), torch.from_numpy(scales), None, 8, 16
+    )
 
 
 def _from_q4_k(blocks: np.ndarray, n: int, k: int) -> GroupedWeight:

@@ -38,11 +38,12 @@ def _byte_tokens() -> list[str]:
     return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
 
 
-def write_tiny_gguf(path: Path) -> None:
-    """The ``tiny`` preset as a llama GGUF file, every tensor in float32."""
-    source = resolve_model("tiny")
-    cfg = json.loads((source / "config.json").read_text())
-    weights = load_file(str(source / "model.safetensors"))
+def write_gguf(
+    path: Path, cfg: dict, weights: dict[str, np.ndarray], q6_k: dict[str, np.ndarray] | None = None
+) -> None:
+    """A llama GGUF file of Hugging Face ``weights`` in float32 (q and k rows permuted as llama.cpp's
+    converter does), and of ``q6_k``'s tensors as the Q6_K blocks given (one row of blocks an output)."""
+    q6_k = q6_k or {}
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_context_length(cfg["max_position_embeddings"])
@@ -58,24 +59,34 @@ def write_tiny_gguf(path: Path) -> None:
     writer.add_token_list([*_byte_tokens(), *specials])
     writer.add_token_types([1] * 256 + [3] * len(specials))  # normal, then control
     writer.add_token_merges([])
-    writer.add_bos_token_id(cfg["bos_token_id"])
-    writer.add_eos_token_id(cfg["eos_token_id"])
-    for name, tensor in weights.items():
+    writer.add_bos_token_id(256)
+    writer.add_eos_token_id(257)
+    for name, tensor in {**weights, **q6_k}.items():
         stem, _, kind = name.rpartition(".")
         if stem.startswith("model.layers."):
             layer, part = stem.removeprefix("model.layers.").split(".", 1)
             gguf_name = f"blk.{layer}.{_LAYER[part]}.{kind}"
         else:
             gguf_name = f"{_GLOBAL[stem]}.{kind}"
-        if part_heads := {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}.get(
-            gguf_name.split(".")[-2]
-        ):
-            tensor = _llama_cpp_permute(tensor, part_heads)
+        if name in q6_k:
+            writer.add_tensor(gguf_name, tensor, raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+            continue
+        part = gguf_name.split(".")[-2]
+        heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}.get(part)
+        if heads:
+            tensor = _llama_cpp_permute(tensor, heads)
         writer.add_tensor(gguf_name, np.ascontiguousarray(tensor, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def write_tiny_gguf(path: Path) -> None:
+    """The ``tiny`` preset as a llama GGUF file, every tensor in float32."""
+    source = resolve_model("tiny")
+    cfg = json.loads((source / "config.json").read_text())
+    write_gguf(path, cfg, load_file(str(source / "model.safetensors")))
 
 
 @pytest.fixture
@@ -131,3 +142,47 @@ def test_a_failed_conversion_leaves_no_entry(tmp_path: Path) -> None:
     assert not list(root.glob("gguf-not-a-model-*")) and not list(root.glob(".gguf-not-a-model-*.staging-*"))
     with pytest.raises(FileNotFoundError, match="neither a directory, a .gguf file nor a built-in preset"):
         resolve_model(str(tmp_path / "missing.gguf"))
+
+
+def test_a_gguf_files_q6_k_tensors_are_multiplied_as_they_are(tmp_path: Path) -> None:
+    """Q6_K tensors (what Q4_K_M files use for some layers) are served in their own blocks under
+    ``--quantization gguf``: the layers hold them (8 bits, groups of 16), and the answers are those of
+    the file's weights dequantized to float32."""
+    cfg = {"num_hidden_layers": 2, "max_position_embeddings": 1024, "hidden_size": 256,
+           "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "rope_theta": 10000.0, "rms_norm_eps": 1e-5}  # fmt: skip
+    rng = np.random.default_rng(5)
+    hidden, inter, kv = 256, 512, 2 * 64
+    shapes = {"model.embed_tokens.weight": (260, hidden), "lm_head.weight": (260, hidden),
+              "model.norm.weight": (hidden,)}  # fmt: skip
+    q6_k = {}
+    for layer in range(2):
+        pre = f"model.layers.{layer}."
+        shapes |= {
+            pre + "input_layernorm.weight": (hidden,),
+            pre + "post_attention_layernorm.weight": (hidden,),
+        }
+        for name, shape in (("self_attn.q_proj", (hidden, hidden)), ("self_attn.k_proj", (kv, hidden)),
+                            ("self_attn.v_proj", (kv, hidden)), ("mlp.gate_proj", (inter, hidden)),
+                            ("mlp.up_proj", (inter, hidden))):  # fmt: skip
+            shapes[pre + name + ".weight"] = shape
+        for name, (n, k) in (("self_attn.o_proj", (hidden, hidden)), ("mlp.down_proj", (hidden, inter))):
+            raw = rng.integers(0, 256, (n, k // 256, 210), dtype=np.uint8)
+            raw[..., 208:210] = np.full((n, k // 256, 1), 2e-5, np.float16).view(np.uint8)
+            q6_k[pre + name + ".weight"] = raw.reshape(n, k // 256 * 210)
+    weights = {
+        name: (np.ones(shape) if len(shape) == 1 else rng.standard_normal(shape) * 0.05).astype(np.float32)
+        for name, shape in shapes.items()
+    }
+    path = tmp_path / "q6k.gguf"
+    write_gguf(path, cfg, weights, q6_k)
+    held = ReferenceEngine(str(path), dtype="float32", quantization="gguf")
+    plain = ReferenceEngine(str(path), dtype="float32")
+    layer = held.model.model.layers[0]
+    assert (layer.self_attn.o_proj.bits, layer.self_attn.o_proj.group) == (8, 16)
+    assert (layer.mlp.down_proj.bits, layer.mlp.down_proj.group) == (8, 16)
+    assert layer.mlp.gate_up_proj.quantization == "none"  # float32 in the file: the compute dtype
+    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=1)
+    a, b = held.generate(list(range(20, 60)), params), plain.generate(list(range(20, 60)), params)
+    assert a.token_ids == b.token_ids
+    assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)

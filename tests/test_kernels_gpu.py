@@ -144,6 +144,26 @@ def test_grouped_linear_matches_reference_and_gives_a_row_the_same_bits_in_any_b
     _rows_alone_and_batched(layer, x, ROW_COUNTS)
 
 
+def test_q6_k_blocks_leave_a_cuda_layer_in_its_dtype() -> None:
+    """The Triton grouped matmul takes groups of 32 inputs: a GGUF Q6_K tensor (groups of 16) is
+    multiplied in the compute dtype on CUDA, as the weights the loader dequantized."""
+    from torch import nn
+
+    from pdfabric.kernels.linear import packed
+    from pdfabric.kernels.linear_triton import TritonLinear
+    from pdfabric.kernels.quantized import GroupedWeight, dequantize
+
+    q = torch.randint(-32, 32, (512, 256), dtype=torch.int8).view(torch.uint8)
+    blocks = GroupedWeight(q, torch.rand(512, 16) * 1e-3, None, 8, 16)
+    linear = nn.Linear(256, 512, bias=False, device="cuda", dtype=torch.bfloat16)
+    linear.weight.data.copy_(dequantize(blocks))
+    linear.gguf_blocks = blocks
+    layer = packed(linear, "invariant", "gguf")
+    assert isinstance(layer, TritonLinear)
+    x = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(layer(x).float(), linear(x).float(), atol=2e-2, rtol=2e-2)
+
+
 def test_linear_adds_the_bias_before_its_one_rounding() -> None:
     """Integer inputs make every sum exact in any order; a bias of a fraction then shows the rounding:
     ``round(sum + b)`` (``nn.Linear``'s, one rounding) and not ``round(round(sum) + b)``."""

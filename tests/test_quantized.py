@@ -109,7 +109,7 @@ def test_int4_groups_span_their_range_within_half_a_step() -> None:
     assert torch.equal(dequantize(g)[5, 32:64], w[5, 32:64]) and g.scales[5, 1] == 0
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 def test_gguf_blocks_unpack_to_the_gguf_packages_dequantization_to_the_bit(kind: str) -> None:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
@@ -117,36 +117,37 @@ def test_gguf_blocks_unpack_to_the_gguf_packages_dequantization_to_the_bit(kind:
 
     rng = np.random.default_rng(7)
     qtype = GGMLQuantizationType[kind]
-    if kind == "Q4_K":  # no quantizer in the package: random blocks with finite half-precision scales
-        raw = rng.integers(0, 256, (24, 2, 144), dtype=np.uint8)
-        for lo, hi in ((0, 2), (2, 4)):
+    if kind in ("Q4_K", "Q6_K"):  # no quantizer in the package: random blocks, finite half-precision d
+        size, halves_at = {"Q4_K": (144, ((0, 2), (2, 4))), "Q6_K": (210, ((208, 210),))}[kind]
+        raw = rng.integers(0, 256, (24, 2, size), dtype=np.uint8)
+        for lo, hi in halves_at:
             halves = (rng.random((24, 2)) * 0.01).astype(np.float16)
             raw[..., lo:hi] = halves.view(np.uint8).reshape(24, 2, 2)
-        blocks = raw.reshape(24, 288)
+        blocks = raw.reshape(24, 2 * size)
     else:
         blocks = gguf_quantize((rng.standard_normal((24, 512)) * 0.05).astype(np.float32), qtype)
     g = from_gguf(kind, blocks, (24, 512))
-    assert g.bits == (8 if kind == "Q8_0" else 4)
+    assert (g.bits, g.group) == {"Q8_0": (8, 32), "Q6_K": (8, 16)}.get(kind, (4, 32))
     assert np.array_equal(dequantize(g).numpy(), gguf_dequantize(blocks, qtype).reshape(24, 512))
     with pytest.raises(ValueError, match="no kernel"):
-        from_gguf("Q6_K", blocks, (24, 512))
+        from_gguf("Q5_K", blocks, (24, 512))
 
 
-def _q8_groups(n: int, k: int) -> GroupedWeight:
+def _q8_groups(n: int, k: int, group: int = 32) -> GroupedWeight:
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
-    return GroupedWeight(q.view(torch.uint8), torch.rand(n, k // 32) * 0.002, None, 8)
+    return GroupedWeight(q.view(torch.uint8), torch.rand(n, k // group) * 0.002, None, 8, group)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (8, 32), (8, 16)])  # 8 bits in 16: Q6_K's
 @pytest.mark.parametrize("shape", [(64, 64), (100, 96), (1536, 576), (49, 1536)])
 def test_grouped_linear_equals_dequantized_weights_and_is_batch_invariant(
-    dtype: torch.dtype, bits: int, shape: tuple
+    dtype: torch.dtype, bits: int, group: int, shape: tuple
 ) -> None:
     n, k = shape
-    torch.manual_seed(n + k + bits)
+    torch.manual_seed(n + k + bits + group)
     w, b = (torch.randn(n, k) * 0.05).to(dtype), (torch.randn(n) * 0.1).to(dtype)
-    g = quantize_int4(w) if bits == 4 else _q8_groups(n, k)
+    g = quantize_int4(w) if bits == 4 else _q8_groups(n, k, group)
     lin = InvariantLinear(w, b, "int4" if bits == 4 else "gguf", g)
     x = torch.randn(200, k).to(dtype)  # more rows than a block of 96: widened panels, several blocks
     y = lin(x)
@@ -156,7 +157,7 @@ def test_grouped_linear_equals_dequantized_weights_and_is_batch_invariant(
     for rows in (1, 2, 4, 7, 33, 97):  # each row's bits alone and among others
         assert torch.equal(lin(x[:rows]), y[:rows])
     assert torch.equal(lin(x[5:6]), y[5:6])
-    header = -(-n // 64) * 64 * (k // 32) * 4 * (2 if bits == 4 else 1)  # scales (and offsets) a group
+    header = -(-n // 64) * 64 * (k // group) * 4 * (2 if bits == 4 else 1)  # scales (and offsets) a group
     assert lin.packed_weight.numel() == header + -(-n // 64) * 64 * k * bits // 8
 
 
@@ -175,12 +176,14 @@ def test_packed_rows_are_the_weights_each_format_multiplies(dtype: torch.dtype, 
     as_int8 = (q.float() * scale[:, None]).to(dtype)
     int4 = quantize_int4(w)
     q8 = GroupedWeight(q, torch.rand(n, k // 32) * scale[:, None], None, 8)  # Q8_0-like groups
+    q6 = GroupedWeight(q, torch.rand(n, k // 16) * scale[:, None], None, 8, 16)  # Q6_K-like groups
     cases = [
         (InvariantLinear(w, None), w),
         (InvariantLinear(w, None, "int8"), as_int8),
         (InvariantLinear(w, None, "w8a8"), as_int8),
         (InvariantLinear(w, None, "int4", int4), dequantize(int4).to(dtype)),
         (InvariantLinear(w, None, "gguf", q8), dequantize(q8).to(dtype)),
+        (InvariantLinear(w, None, "gguf", q6), dequantize(q6).to(dtype)),
     ]
     for lin, want in cases:
         assert torch.equal(packed_rows(lin, ids), want[ids]), lin.extra_repr()

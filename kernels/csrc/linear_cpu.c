@@ -29,7 +29,9 @@
  * d * q + m. This holds GGUF's Q4_0 (m = -8 d), Q4_1, Q4_K (d and m per 32-input sub-block, products
  * that float32 holds exactly) and Q8_0 (8 bits, m = 0) as they are, and pdfabric's own int4:
  *   dtype 4: bfloat16 x, 4-bit q in 0..15;  dtype 5: float32 x, the same packing;
- *   dtype 6: bfloat16 x, 8-bit q (int8);    dtype 7: float32 x, the same packing.
+ *   dtype 6: bfloat16 x, 8-bit q (int8);    dtype 7: float32 x, the same packing;
+ *   dtype 10 and 11: as 6 and 7 with groups of 16 inputs: GGUF's Q6_K (d times each 16 inputs' 8-bit
+ *   scale, q - 32 in -32..31) as it is.
  *   y[m, n] = round(sum_g (d[n, g] * sum_{k in g} x[m, k] q[n, k] + m[n, g] * sum_{k in g} x[m, k]) + bias[n])
  * Each group's sums run over its pairs of inputs from the first to the last (q widened to bfloat16,
  * exactly, for bfloat16 x) and are added to the output's running sum group by group, in order. Layout:
@@ -82,9 +84,12 @@ static inline __attribute__((always_inline)) void prefetch_step(const void *w, c
 static inline int64_t pairs_of(int64_t k) { return (k + 1) / 2; }
 
 static inline int quantized(int dtype) { return dtype == 2 || dtype == 3; } /* int8, a scale per output */
-static inline int grouped(int dtype) { return dtype >= 4 && dtype <= 7; }  /* a scale per 32 inputs */
+/* a scale per 32 inputs (per 16: dtypes 10 and 11) */
+static inline int grouped(int dtype) { return (dtype >= 4 && dtype <= 7) || dtype == 10 || dtype == 11; }
 static inline int group_bits(int dtype) { return dtype <= 5 ? 4 : 8; }
-static inline int x_is_bf16(int dtype) { return dtype == 1 || dtype == 2 || dtype == 4 || dtype == 6; }
+static inline int group_inputs(int dtype) { return dtype >= 10 ? 16 : 32; }
+static inline int grouped_bf16(int dtype) { return dtype == 4 || dtype == 6 || dtype == 10; }
+static inline int x_is_bf16(int dtype) { return dtype == 1 || dtype == 2 || grouped_bf16(dtype); }
 static inline int w8a8(int dtype) { return dtype == 8 || dtype == 9; } /* linear_w8a8.h */
 
 /* Bytes of a W8A8 [n, k] weight: a scale per output, then a byte per weight. */
@@ -93,15 +98,16 @@ static inline int64_t w8a8_packed_bytes(int64_t n, int64_t k) {
     return panels * COLS * (int64_t)sizeof(float) + panels * COLS * k;
 }
 
-#define GROUP 32 /* inputs per quantization group: 16 pairs */
+#define GROUP 32 /* inputs per quantization group: 16 pairs (16 inputs for dtypes 10 and 11) */
 
 /* Bytes of a grouped weight's quantized panels for one pair of inputs of 64 columns. */
 static inline int64_t grouped_row_bytes(int bits) { return bits == 4 ? COLS : 2 * COLS; }
 
-/* Bytes of the scales (and offsets) of a grouped [n, k] weight, before its panels. */
-static inline int64_t grouped_header_bytes(int64_t n, int64_t k, int bits) {
+/* Bytes of the scales (and offsets) of a grouped [n, k] weight in groups of `group` inputs, before its
+ * panels. */
+static inline int64_t grouped_header_bytes(int64_t n, int64_t k, int bits, int group) {
     const int64_t panels = (n + COLS - 1) / COLS;
-    return panels * (k / GROUP) * COLS * (int64_t)sizeof(float) * (bits == 4 ? 2 : 1);
+    return panels * (k / group) * COLS * (int64_t)sizeof(float) * (bits == 4 ? 2 : 1);
 }
 
 /* Elements of the packed weight of an [n, k] linear in `dtype` (bytes for the int8 dtypes: the scales'
@@ -110,7 +116,8 @@ int64_t pd_linear_packed_elems(int64_t n, int64_t k, int dtype) {
     const int64_t panels = (n + COLS - 1) / COLS;
     if (w8a8(dtype)) return w8a8_packed_bytes(n, k);
     if (grouped(dtype))
-        return grouped_header_bytes(n, k, group_bits(dtype)) + panels * pairs_of(k) * grouped_row_bytes(group_bits(dtype));
+        return grouped_header_bytes(n, k, group_bits(dtype), group_inputs(dtype)) +
+               panels * pairs_of(k) * grouped_row_bytes(group_bits(dtype));
     if (quantized(dtype))
         return panels * COLS * (int64_t)sizeof(float) + (dtype == 2 ? panels * pairs_of(k) * COLS * 2 : panels * k * COLS);
     return dtype == 1 ? panels * pairs_of(k) * COLS * 2 : panels * k * COLS;
@@ -135,13 +142,15 @@ int pd_linear_pack_int8(const int8_t *q, int64_t w_stride, const float *scales, 
     return 0;
 }
 
-/* Packs a weight quantized in groups of 32 inputs: q [n, k] one byte a weight (row stride q_stride;
- * 4 bits: values 0..15; 8 bits: int8), scales [n, k / 32] and, for 4 bits, offsets [n, k / 32], both
- * float32 and contiguous. Returns 0, or 1 on bad arguments (K not a multiple of 32 among them). */
+/* Packs a weight quantized in groups of `group` inputs (32; 16 for 8 bits): q [n, k] one byte a weight
+ * (row stride q_stride; 4 bits: values 0..15; 8 bits: int8), scales [n, k / group] and, for 4 bits,
+ * offsets [n, k / group], both float32 and contiguous. Returns 0, or 1 on bad arguments (K not a
+ * multiple of the group among them). */
 int pd_linear_pack_grouped(const uint8_t *q, int64_t q_stride, const float *scales, const float *offsets, int64_t n,
-                           int64_t k, int bits, void *packed) {
-    if (n <= 0 || k <= 0 || k % GROUP || q_stride < k || (bits != 4 && bits != 8) || (bits == 4 && !offsets)) return 1;
-    const int64_t panels = (n + COLS - 1) / COLS, groups = k / GROUP, kp = k / 2;
+                           int64_t k, int bits, int group, void *packed) {
+    if (n <= 0 || k <= 0 || q_stride < k || (bits != 4 && bits != 8) || (bits == 4 && !offsets)) return 1;
+    if (!(group == GROUP || (group == 16 && bits == 8)) || k % group) return 1;
+    const int64_t panels = (n + COLS - 1) / COLS, groups = k / group, kp = k / 2;
     float *scale = (float *)packed, *offset = scale + panels * groups * COLS;
     for (int64_t p = 0; p < panels; p++)
         for (int64_t g = 0; g < groups; g++)
@@ -150,7 +159,7 @@ int pd_linear_pack_grouped(const uint8_t *q, int64_t q_stride, const float *scal
                 scale[at] = row < n ? scales[row * groups + g] : 0.0f;
                 if (bits == 4) offset[at] = row < n ? offsets[row * groups + g] : 0.0f;
             }
-    uint8_t *dst = (uint8_t *)packed + grouped_header_bytes(n, k, bits);
+    uint8_t *dst = (uint8_t *)packed + grouped_header_bytes(n, k, bits, group);
     for (int64_t p = 0; p < panels; p++)
         for (int64_t i = 0; i < kp; i++)
             for (int c = 0; c < COLS; c++) {
@@ -289,27 +298,28 @@ static inline const int8_t *int8_panels(const job_t *j) {
 
 /* A grouped weight's scales, offsets (4 bits) and quantized panels, from panel p on. */
 static inline const float *group_scales(const job_t *j, int64_t p) {
-    return (const float *)j->packed + p * (j->k / GROUP) * COLS;
+    return (const float *)j->packed + p * (j->k / group_inputs(j->dtype)) * COLS;
 }
 static inline const float *group_offsets(const job_t *j, int64_t p) {
     return group_scales(j, (j->n + COLS - 1) / COLS + p);
 }
 static inline const uint8_t *group_panel(const job_t *j, int64_t p, int bits) {
-    return (const uint8_t *)j->packed + grouped_header_bytes(j->n, j->k, bits) + p * pairs_of(j->k) * grouped_row_bytes(bits);
+    return (const uint8_t *)j->packed + grouped_header_bytes(j->n, j->k, bits, group_inputs(j->dtype)) +
+           p * pairs_of(j->k) * grouped_row_bytes(bits);
 }
 
-/* Grouped weights with float32 x (dtypes 5 and 7), one row at a time in plain C that the compiler
+/* Grouped weights with float32 x (dtypes 5, 7 and 11), one row at a time in plain C that the compiler
  * vectorises over the columns: pairs [i0, i1) of row m against panel p, continuing acc unless i0 is 0.
  * Not inlined, so every row runs the same code whatever the rows beside it. */
 static __attribute__((noinline)) void tile_grouped_f32(const job_t *j, int64_t m, int64_t p, int64_t i0, int64_t i1,
                                                        float *acc, const int bits) {
     const float *x = (const float *)j->x + m * j->x_stride, *scale = group_scales(j, p), *offset = group_offsets(j, p);
     const uint8_t *panel = group_panel(j, p, bits);
-    const int64_t row_bytes = grouped_row_bytes(bits);
+    const int64_t row_bytes = grouped_row_bytes(bits), gp = group_inputs(j->dtype) / 2; /* pairs a group */
     if (!i0) memset(acc, 0, COLS * sizeof(float));
-    for (int64_t g = i0 / (GROUP / 2); g < i1 / (GROUP / 2); g++) {
+    for (int64_t g = i0 / gp; g < i1 / gp; g++) {
         float part[COLS] = {0}, xs = 0.0f;
-        for (int64_t i = g * (GROUP / 2); i < (g + 1) * (GROUP / 2); i++) {
+        for (int64_t i = g * gp; i < (g + 1) * gp; i++) {
             const float x0 = x[2 * i], x1 = x[2 * i + 1];
             const uint8_t *w = panel + i * row_bytes;
             xs += x0;
@@ -399,7 +409,7 @@ static void widen_grouped(const job_t *j, int64_t p, int64_t i0, int64_t i1, uin
         }
 }
 
-/* Grouped weights with bfloat16 x (dtypes 4 and 6): `rows` (a constant after inlining) rows from m0
+/* Grouped weights with bfloat16 x (dtypes 4, 6 and 10): `rows` and `group` (constants after inlining) rows from m0
  * against panel p over the pairs [i0, i1) (whole groups), the weights widened here or, when `wide` is
  * not NULL, read from widen_grouped's copy of the chunk (the same values). A group's products go into
  * registers, in tile_bf16's order; then each output's running sum in acc takes d times the group's
@@ -408,18 +418,19 @@ static void widen_grouped(const job_t *j, int64_t p, int64_t i0, int64_t i1, uin
  * them (measured faster than 3-row tiles with the running sums in registers). */
 static inline __attribute__((always_inline)) void tile_grouped_bf16(const job_t *j, int64_t m0, int64_t p, int64_t i0,
                                                                     int64_t i1, float *acc, const int rows,
-                                                                    const int bits, const uint16_t *wide) {
-    const int64_t groups = j->k / GROUP, row_bytes = grouped_row_bytes(bits);
+                                                                    const int bits, const int group,
+                                                                    const uint16_t *wide) {
+    const int64_t groups = j->k / group, row_bytes = grouped_row_bytes(bits), gp = group / 2;
     const float *scale = group_scales(j, p), *offset = group_offsets(j, p);
     const uint8_t *panel = group_panel(j, p, bits);
     const pair_t *x[ROWS];
     for (int r = 0; r < rows; r++) x[r] = (const pair_t *)((const uint16_t *)j->x + (m0 + r) * j->x_stride);
     if (!i0) memset(acc, 0, (size_t)rows * COLS * sizeof(float));
-    for (int64_t g = i0 / (GROUP / 2); g < i1 / (GROUP / 2); g++) {
+    for (int64_t g = i0 / gp; g < i1 / gp; g++) {
         __m512 part[ROWS][4];
         for (int r = 0; r < rows; r++)
             for (int c = 0; c < 4; c++) part[r][c] = _mm512_setzero_ps();
-        for (int64_t i = g * (GROUP / 2); i < (g + 1) * (GROUP / 2); i++) {
+        for (int64_t i = g * gp; i < (g + 1) * gp; i++) {
             const uint8_t *w = panel + i * row_bytes;
             __m512bh b[4];
             if (wide) {
@@ -542,16 +553,21 @@ static inline __attribute__((always_inline)) void tile_rows(const job_t *j, int6
         tile_bf16(j, m0, p, i0, i1, acc, rows, 1);
         return;
     }
-    if (j->dtype == 4 || j->dtype == 6) { /* each (bits, widened or not) specialised apart */
-        const int bits = group_bits(j->dtype);
-        if (wide && bits == 4) tile_grouped_bf16(j, m0, p, i0, i1, acc, rows, 4, wide);
-        else if (wide) tile_grouped_bf16(j, m0, p, i0, i1, acc, rows, 8, wide);
-        else if (bits == 4) tile_grouped_bf16(j, m0, p, i0, i1, acc, rows, 4, NULL);
-        else tile_grouped_bf16(j, m0, p, i0, i1, acc, rows, 8, NULL);
+    if (grouped_bf16(j->dtype)) { /* each (bits, group, widened or not) specialised apart */
+        if (j->dtype == 4) {
+            if (wide) tile_grouped_bf16(j, m0, p, i0, i1, acc, rows, 4, 32, wide);
+            else tile_grouped_bf16(j, m0, p, i0, i1, acc, rows, 4, 32, NULL);
+        } else if (j->dtype == 6) {
+            if (wide) tile_grouped_bf16(j, m0, p, i0, i1, acc, rows, 8, 32, wide);
+            else tile_grouped_bf16(j, m0, p, i0, i1, acc, rows, 8, 32, NULL);
+        } else {
+            if (wide) tile_grouped_bf16(j, m0, p, i0, i1, acc, rows, 8, 16, wide);
+            else tile_grouped_bf16(j, m0, p, i0, i1, acc, rows, 8, 16, NULL);
+        }
         return;
     }
 #endif
-    if (j->dtype == 5 || j->dtype == 7) {
+    if (grouped(j->dtype)) { /* float32 x: 5, 7 and 11 */
         for (int r = 0; r < rows; r++) tile_grouped_f32(j, m0 + r, p, i0, i1, acc + r * COLS, group_bits(j->dtype));
         return;
     }
@@ -590,7 +606,7 @@ static void run_item(const void *job, int64_t block, int64_t p) {
     uint16_t *wide = NULL;
 #ifdef HAVE_AVX512_BF16
     uint16_t widened[K_CHUNK * COLS * 2] __attribute__((aligned(64)));
-    if ((j->dtype == 4 || j->dtype == 6) && end - start >= WIDEN_ROWS) wide = widened;
+    if (grouped_bf16(j->dtype) && end - start >= WIDEN_ROWS) wide = widened;
 #endif
     for (int64_t i0 = 0; i0 < steps; i0 += chunk) {
         const int64_t i1 = i0 + chunk < steps ? i0 + chunk : steps;
@@ -607,17 +623,17 @@ static void run_item(const void *job, int64_t block, int64_t p) {
 /* Whether this build can run `dtype`: 1 or 0. */
 int pd_linear_supported(int dtype) {
 #ifdef HAVE_AVX512_BF16
-    return dtype >= 0 && dtype <= 9;
+    return dtype >= 0 && dtype <= 11;
 #else
-    return dtype == 0 || dtype == 3 || dtype == 5 || dtype == 7 || dtype == 9;
+    return dtype == 0 || dtype == 3 || dtype == 5 || dtype == 7 || dtype == 9 || dtype == 11;
 #endif
 }
 
 /* Returns 0 on success, 1 on bad arguments, 2 when out of memory, 3 when this build cannot run the dtype. */
 int pd_linear(const void *x, int64_t x_stride, const void *packed, const void *bias, void *out,
               int64_t out_stride, int64_t m, int64_t n, int64_t k, int dtype, int threads) {
-    if (m < 0 || n <= 0 || k <= 0 || x_stride < k || out_stride < n || dtype < 0 || dtype > 9) return 1;
-    if ((grouped(dtype) || w8a8(dtype)) && k % GROUP) return 1;
+    if (m < 0 || n <= 0 || k <= 0 || x_stride < k || out_stride < n || dtype < 0 || dtype > 11) return 1;
+    if ((grouped(dtype) && k % group_inputs(dtype)) || (w8a8(dtype) && k % GROUP)) return 1;
     if (!pd_linear_supported(dtype)) return 3;
     if (w8a8(dtype)) return linear_w8a8(x, x_stride, packed, bias, out, out_stride, m, n, k, dtype, threads);
     float *xsums = NULL;
