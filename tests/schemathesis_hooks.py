@@ -92,6 +92,12 @@ def _structure_rules(body: dict[str, Any], chat: bool) -> None:
         if structured:
             body["ignore_eos"] = False
         return
+    for m in body["messages"]:  # any role's calls: the router checks them all
+        for call in m.get("tool_calls") or []:
+            try:
+                json.loads(call["function"]["arguments"])
+            except ValueError:
+                call["function"]["arguments"] = "{}"
     tools = body.get("tools") or []
     names: set[str] = set()
     for i, tool in enumerate(tools):
@@ -125,12 +131,6 @@ def _tool_prompt(body: dict[str, Any]) -> int:
     if not body.get("tools") or body.get("tool_choice") == "none":
         return 0
     return len(structure.render_tools(structure.parse_tools(body["tools"])).encode()) + 4
-    for m in body["messages"]:
-        for call in m.get("tool_calls") or []:
-            try:
-                json.loads(call["function"]["arguments"])
-            except ValueError:
-                call["function"]["arguments"] = "{}"
 
 
 def keep_the_rules(body: dict[str, Any], chat: bool) -> None:

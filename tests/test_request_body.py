@@ -57,3 +57,19 @@ def test_fields_without_effect_still_have_their_types() -> None:
     ok = {**base, "service_tier": "auto", "store": False, "metadata": {"a": "b"}}
     assert parse_request(ok, False, ("m",), 100).model == "m"
     assert parse_request({**base, "service_tier": None}, False, ("m",), 100).model == "m"
+
+
+def test_tool_calls_are_checked_on_any_message_and_kept_on_an_assistants() -> None:
+    """The schema describes ``tool_calls`` on every message: a malformed one (an empty function name)
+    is a 400 whatever the role; a well-formed one on another role than the assistant's is ignored."""
+    from pdfabric.router.front.inputs import messages
+
+    call = {"type": "function", "function": {"name": "f", "arguments": "{}"}}
+    empty = {"type": "function", "function": {"name": "", "arguments": "{}"}}
+    for role in ("user", "assistant", "tool"):
+        with pytest.raises(ApiError) as err:
+            messages({"messages": [{"role": role, "content": "x", "tool_calls": [empty]}]})
+        assert err.value.status == 400 and err.value.param == "messages[0].tool_calls"
+    got = messages({"messages": [{"role": "user", "content": "x", "tool_calls": [call]},
+                                 {"role": "assistant", "content": None, "tool_calls": [call]}]})  # fmt: skip
+    assert "tool_calls" not in got[0] and got[1]["tool_calls"] == (("f", "{}"),)

@@ -57,7 +57,8 @@ def messages(body: dict[str, Any]) -> tuple[dict[str, Any], ...]:
         where = f"messages[{i}]"
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad(f"'{where}' must be an object with a string 'role'", where)
-        calls = _tool_calls(m, where) if m["role"] == "assistant" else ()
+        calls = _tool_calls(m, where)  # checked whatever the role; only an assistant's are used
+        calls = calls if m["role"] == "assistant" else ()
         content = m.get("content")
         if content is None and calls:
             content = ""
