@@ -7,7 +7,7 @@ metadata becomes ``config.json``, ``tokenizer.json``, ``tokenizer_config.json`` 
 ``generation_config.json``. The directory then loads through the normal loader
 (:func:`pdfabric.engine.loader.load_model`) like any other checkpoint.
 
-The quantized blocks of the tensors whose type pdfabric multiplies as it is (Q4_0, Q4_1, Q4_K, Q6_K, Q8_0:
+The quantized blocks of the tensors whose type pdfabric multiplies as it is (``GGUF_TYPES`` in
 ``kernels/quantized.py``) are kept too, byte for byte, in ``quantized.safetensors`` (one uint8 row of
 blocks per output, under the tensor's Hugging Face name; their types in the file's metadata), so that
 a worker with ``quantization = "gguf"`` serves the file's own weights (``load_model``).

@@ -16,7 +16,8 @@ and each run of 32 inputs (a group), a float32 scale ``d`` and (4 bits) a float3
 - ``from_gguf`` (``quantization = "gguf"``): a GGUF tensor's blocks, unpacked without dequantizing.
   Q4_0 (``m = -8 d``), Q4_1 (``d``, ``m`` half precision), Q8_0 (8 bits, no offset) and Q4_K (a scale
   and an offset per 32-input sub-block: products of a half-precision number and a 6-bit integer,
-  which float32 holds exactly), and Q6_K (8 bits in groups of 16: ``q - 32`` in -32..31 and ``d``
+  which float32 holds exactly), Q5_0 (8 bits: ``q - 16`` in -16..15, ``d`` half precision) and Q6_K
+  (8 bits in groups of 16: ``q - 32`` in -32..31 and ``d``
   the super-block's half-precision scale times the sub-block's 8-bit one, exact in float32).
   ``dequantize`` of the result equals the ``gguf`` package's own dequantization to the bit
   (``tests/test_quantized.py``).
@@ -33,7 +34,7 @@ import numpy as np
 import torch
 
 GROUP = 32  # inputs per quantization group
-GGUF_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0")  # served as they are; other types are dequantized
+GGUF_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q6_K", "Q8_0")  # served as their blocks; others dequantized
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,8 @@ def from_gguf(type_name: str, blocks: np.ndarray, shape: tuple[int, int]) -> Gro
         return _from_q4_k(blocks, n, k)
     if type_name == "Q6_K":
         return _from_q6_k(blocks, n, k)
+    if type_name == "Q5_0":
+        return _from_q5_0(blocks, n, k)
     size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[type_name]
     b = blocks.reshape(n, k // GROUP, size)
     d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
@@ -128,6 +131,17 @@ def from_gguf(type_name: str, blocks: np.ndarray, shape: tuple[int, int]) -> Gro
 def _nibbles(packed: np.ndarray) -> np.ndarray:
     """A GGUF 4-bit block's 16 bytes as its 32 values: the low nibbles first, then the high ones."""
     return np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
+
+
+def _from_q5_0(blocks: np.ndarray, n: int, k: int) -> GroupedWeight:
+    # 32 inputs: d (half), 32 fifth bits (a little-endian word, bit j for input j), then 16 bytes of low
+    # nibbles (inputs j and 16 + j in byte j): w = d * (q - 16), held as 8 bits without an offset.
+    b = blocks.reshape(n, k // GROUP, 22)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    high = np.unpackbits(b[..., 2:6], axis=-1, bitorder="little")  # [n, groups, 32]
+    q = ((_nibbles(b[..., 6:22]) | (high << 4)).astype(np.int8) - np.int8(16)).reshape(n, k)
+    q8 = torch.from_numpy(np.ascontiguousarray(q)).view(torch.uint8)
+    return GroupedWeight(q8, torch.from_numpy(d), None, 8)
 
 
 def _from_q6_k(blocks: np.ndarray, n: int, k: int) -> GroupedWeight:

@@ -109,7 +109,7 @@ def test_int4_groups_span_their_range_within_half_a_step() -> None:
     assert torch.equal(dequantize(g)[5, 32:64], w[5, 32:64]) and g.scales[5, 1] == 0
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
 def test_gguf_blocks_unpack_to_the_gguf_packages_dequantization_to_the_bit(kind: str) -> None:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
@@ -127,7 +127,7 @@ def test_gguf_blocks_unpack_to_the_gguf_packages_dequantization_to_the_bit(kind:
     else:
         blocks = gguf_quantize((rng.standard_normal((24, 512)) * 0.05).astype(np.float32), qtype)
     g = from_gguf(kind, blocks, (24, 512))
-    assert (g.bits, g.group) == {"Q8_0": (8, 32), "Q6_K": (8, 16)}.get(kind, (4, 32))
+    assert (g.bits, g.group) == {"Q8_0": (8, 32), "Q5_0": (8, 32), "Q6_K": (8, 16)}.get(kind, (4, 32))
     assert np.array_equal(dequantize(g).numpy(), gguf_dequantize(blocks, qtype).reshape(24, 512))
     with pytest.raises(ValueError, match="no kernel"):
         from_gguf("Q5_K", blocks, (24, 512))
