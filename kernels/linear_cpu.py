@@ -45,12 +45,18 @@ LINEAR_KINDS = ("invariant", "onednn")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 INT8_CODES = {torch.bfloat16: 2, torch.float32: 3}  # int8 weights beside inputs and outputs of this dtype
 W8A8_CODES = {torch.bfloat16: 8, torch.float32: 9}  # int8 weights times rows quantized to int8 per call
-# weights in groups of inputs, by bits, inputs a group (Q6_K's 16) and the inputs' dtype
+# weights in groups of inputs, by bits, inputs a group (Q6_K's 16), offsets held and the inputs' dtype
 GROUPED_CODES = {
-    (4, 32, torch.bfloat16): 4, (4, 32, torch.float32): 5,
-    (8, 32, torch.bfloat16): 6, (8, 32, torch.float32): 7,
-    (8, 16, torch.bfloat16): 10, (8, 16, torch.float32): 11,
+    (4, 32, True, torch.bfloat16): 4, (4, 32, True, torch.float32): 5,
+    (8, 32, False, torch.bfloat16): 6, (8, 32, False, torch.float32): 7,
+    (8, 16, False, torch.bfloat16): 10, (8, 16, False, torch.float32): 11,
+    (8, 32, True, torch.bfloat16): 12, (8, 32, True, torch.float32): 13,
 }  # fmt: skip
+
+
+def grouped_code(grouped: GroupedWeight, dtype: torch.dtype) -> int:
+    """pd_linear's dtype for a grouped weight beside inputs of ``dtype``."""
+    return GROUPED_CODES[grouped.bits, grouped.group, grouped.offsets is not None, dtype]
 
 
 @functools.cache
@@ -155,7 +161,7 @@ def _w8a8_or_none(quantization: str, in_features: int) -> str:
 
 def _dtype_code(dtype: torch.dtype, quantization: str, grouped: GroupedWeight | None) -> int:
     if grouped is not None:
-        return GROUPED_CODES[grouped.bits, grouped.group, dtype]
+        return grouped_code(grouped, dtype)
     if quantization == "w8a8":
         return W8A8_CODES[dtype]
     return INT8_CODES[dtype] if quantization == "int8" else DTYPE_CODES[dtype]
@@ -181,9 +187,12 @@ def can_pack(linear: nn.Linear, kind: str = "invariant", quantization: str = "no
         return False
     quantization = _w8a8_or_none(quantization, linear.in_features)
     blocks = getattr(linear, "gguf_blocks", None) if quantization == "gguf" else None
-    bits = 4 if quantization == "int4" and linear.in_features % GROUP == 0 else getattr(blocks, "bits", None)
-    group = getattr(blocks, "group", GROUP)
-    code = GROUPED_CODES[bits, group, w.dtype] if bits else _dtype_code(w.dtype, quantization, None)
+    if quantization == "int4" and linear.in_features % GROUP == 0:
+        code = GROUPED_CODES[4, GROUP, True, w.dtype]
+    elif blocks is not None:
+        code = grouped_code(blocks, w.dtype)
+    else:
+        code = _dtype_code(w.dtype, quantization, None)
     return bool(lib.pd_linear_supported(code))
 
 

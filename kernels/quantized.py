@@ -6,7 +6,8 @@ and each run of 32 inputs (a group), a float32 scale ``d`` and (4 bits) a float3
 
     w[n, j] = d[n, j // 32] * q[n, j] + m[n, j // 32]
 
-(8-bit weights may come in groups of 16 inputs instead, ``group``: Q6_K's sub-blocks.)
+(8-bit weights may come in groups of 16 inputs instead, ``group``: Q6_K's sub-blocks; or, in groups of
+32, with offsets: Q5_1's and Q5_K's.)
 
 - ``quantize_int4`` (``[worker] quantization = "int4"``): 4 bits a weight on each group's own range,
   ``m`` its smallest weight and ``d`` a fifteenth of its span, every weight rounded to the nearest
@@ -16,7 +17,8 @@ and each run of 32 inputs (a group), a float32 scale ``d`` and (4 bits) a float3
 - ``from_gguf`` (``quantization = "gguf"``): a GGUF tensor's blocks, unpacked without dequantizing.
   Q4_0 (``m = -8 d``), Q4_1 (``d``, ``m`` half precision), Q8_0 (8 bits, no offset) and Q4_K (a scale
   and an offset per 32-input sub-block: products of a half-precision number and a 6-bit integer,
-  which float32 holds exactly), Q5_0 (8 bits: ``q - 16`` in -16..15, ``d`` half precision) and Q6_K
+  which float32 holds exactly), Q5_0 (8 bits: ``q - 16`` in -16..15, ``d`` half precision), Q5_1 and
+  Q5_K (8 bits with offsets: ``q`` in 0..31; Q5_K's scales and offsets made as Q4_K's) and Q6_K
   (8 bits in groups of 16: ``q - 32`` in -32..31 and ``d``
   the super-block's half-precision scale times the sub-block's 8-bit one, exact in float32).
   ``dequantize`` of the result equals the ``gguf`` package's own dequantization to the bit
@@ -34,14 +36,23 @@ import numpy as np
 import torch
 
 GROUP = 32  # inputs per quantization group
-GGUF_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q6_K", "Q8_0")  # served as their blocks; others dequantized
+GGUF_TYPES = (
+    "Q4_0",
+    "Q4_1",
+    "Q4_K",
+    "Q5_0",
+    "Q5_1",
+    "Q5_K",
+    "Q6_K",
+    "Q8_0",
+)  # served as blocks; others dequantized
 
 
 @dataclass(frozen=True)
 class GroupedWeight:
     """An ``[n, k]`` weight in groups of ``group`` inputs (32; 16 for 8 bits): ``q`` ``[n, k]`` (4 bits:
     uint8 in 0..15; 8 bits: int8), ``scales`` ``[n, k / group]`` float32, ``offsets`` like ``scales``
-    for 4 bits (None for 8)."""
+    (4 bits always; 8 bits in groups of 32 may have them; None otherwise)."""
 
     q: torch.Tensor
     scales: torch.Tensor
@@ -55,8 +66,10 @@ class GroupedWeight:
             raise ValueError(f"groups of {self.group} inputs: 32, or 16 for 8 bits")
         if k % self.group or self.scales.shape != (n, k // self.group):
             raise ValueError(f"a {tuple(self.q.shape)} grouped weight needs [n, k / {self.group}] scales")
-        if (self.bits == 4) != (self.offsets is not None) or self.bits not in (4, 8):
-            raise ValueError("4-bit groups have offsets, 8-bit groups none")
+        if self.bits not in (4, 8) or (self.bits == 4 and self.offsets is None):
+            raise ValueError("4-bit groups have offsets; 8-bit groups may, in groups of 32")
+        if self.offsets is not None and (self.group != GROUP or self.offsets.shape != self.scales.shape):
+            raise ValueError("offsets come one a group of 32, like the scales")
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -71,7 +84,7 @@ class GroupedWeight:
     def stack(parts: list[GroupedWeight]) -> GroupedWeight | None:
         """The parts' outputs one after another (a stacked projection), or None where their formats
         differ (each part then has to be held in the compute dtype)."""
-        if len({(p.bits, p.group, p.shape[1]) for p in parts}) != 1:
+        if len({(p.bits, p.group, p.offsets is None, p.shape[1]) for p in parts}) != 1:
             return None
         offsets = None if parts[0].offsets is None else torch.cat([p.offsets for p in parts])
         q, scales = torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts])
@@ -112,8 +125,10 @@ def from_gguf(type_name: str, blocks: np.ndarray, shape: tuple[int, int]) -> Gro
         return _from_q4_k(blocks, n, k)
     if type_name == "Q6_K":
         return _from_q6_k(blocks, n, k)
-    if type_name == "Q5_0":
-        return _from_q5_0(blocks, n, k)
+    if type_name in ("Q5_0", "Q5_1"):
+        return _from_q5(type_name, blocks, n, k)
+    if type_name == "Q5_K":
+        return _from_q5_k(blocks, n, k)
     size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[type_name]
     b = blocks.reshape(n, k // GROUP, size)
     d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
@@ -133,15 +148,19 @@ def _nibbles(packed: np.ndarray) -> np.ndarray:
     return np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
 
 
-def _from_q5_0(blocks: np.ndarray, n: int, k: int) -> GroupedWeight:
-    # 32 inputs: d (half), 32 fifth bits (a little-endian word, bit j for input j), then 16 bytes of low
-    # nibbles (inputs j and 16 + j in byte j): w = d * (q - 16), held as 8 bits without an offset.
-    b = blocks.reshape(n, k // GROUP, 22)
+def _from_q5(type_name: str, blocks: np.ndarray, n: int, k: int) -> GroupedWeight:
+    # 32 inputs: d (half; Q5_1: then m, half), 32 fifth bits (a little-endian word, bit j for input j),
+    # then 16 bytes of low nibbles (inputs j and 16 + j in byte j). Q5_0: w = d * (q - 16), held as 8
+    # bits without an offset; Q5_1: w = d * q + m.
+    offset = type_name == "Q5_1"
+    size = 24 if offset else 22
+    b = blocks.reshape(n, k // GROUP, size)
     d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    high = np.unpackbits(b[..., 2:6], axis=-1, bitorder="little")  # [n, groups, 32]
-    q = ((_nibbles(b[..., 6:22]) | (high << 4)).astype(np.int8) - np.int8(16)).reshape(n, k)
-    q8 = torch.from_numpy(np.ascontiguousarray(q)).view(torch.uint8)
-    return GroupedWeight(q8, torch.from_numpy(d), None, 8)
+    high = np.unpackbits(b[..., size - 20 : size - 16], axis=-1, bitorder="little")  # [n, groups, 32]
+    q = (_nibbles(b[..., size - 16 :]) | (high << 4)).astype(np.int8) - np.int8(0 if offset else 16)
+    q8 = torch.from_numpy(np.ascontiguousarray(q.reshape(n, k))).view(torch.uint8)
+    m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if offset else None
+    return GroupedWeight(q8, torch.from_numpy(d), None if m is None else torch.from_numpy(m), 8)
 
 
 def _from_q6_k(blocks: np.ndarray, n: int, k: int) -> GroupedWeight:
@@ -162,20 +181,37 @@ def _from_q6_k(blocks: np.ndarray, n: int, k: int) -> GroupedWeight:
     )
 
 
-def _from_q4_k(blocks: np.ndarray, n: int, k: int) -> GroupedWeight:
-    # A super-block of 256 inputs: d, dmin (half), 12 bytes of 6-bit scales and offsets for its eight
-    # sub-blocks of 32, then 128 bytes of 4-bit values (each 32 bytes: sub-block 2i low, 2i+1 high).
-    b = blocks.reshape(n, k // 256, 144)
+def _k_scales(b: np.ndarray, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A K-quant super-block's (Q4_K's, Q5_K's: its first 16 bytes) scales and offsets for its eight
+    sub-blocks of 32: d, dmin (half), then 12 bytes of 6-bit scales and offsets; ``[n, k / 32]``."""
     d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     dmin = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
     s = b[..., 4:16].astype(np.uint8)
     lo, hi, mixed = s[..., 0:4], s[..., 4:8], s[..., 8:12]
     sc = np.concatenate([lo & 0x3F, (mixed & 0x0F) | ((lo >> 2) & 0x30)], axis=-1).astype(np.float32)
     mn = np.concatenate([hi & 0x3F, (mixed >> 4) | ((hi >> 2) & 0x30)], axis=-1).astype(np.float32)
-    qs = b[..., 16:].reshape(n, k // 256, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
-    q = (qs & 0x0F).reshape(n, k)
     scales = (d[..., None] * sc).reshape(n, k // GROUP)
     offsets = -(dmin[..., None] * mn).reshape(n, k // GROUP)
-    return GroupedWeight(
-        torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(scales), torch.from_numpy(offsets), 4
+    return torch.from_numpy(scales), torch.from_numpy(offsets)
+
+
+def _from_q4_k(blocks: np.ndarray, n: int, k: int) -> GroupedWeight:
+    # A super-block of 256 inputs: its scales (_k_scales), then 128 bytes of 4-bit values (each 32
+    # bytes: sub-block 2i low, 2i+1 high).
+    b = blocks.reshape(n, k // 256, 144)
+    qs = b[..., 16:].reshape(n, k // 256, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+    q = (qs & 0x0F).reshape(n, k)
+    return GroupedWeight(torch.from_numpy(np.ascontiguousarray(q)), *_k_scales(b, n, k), 4)
+
+
+def _from_q5_k(blocks: np.ndarray, n: int, k: int) -> GroupedWeight:
+    # A super-block of 256 inputs: its scales (_k_scales), 32 bytes of fifth bits (bit j of byte l for
+    # input l of sub-block j), then Q4_K's 128 bytes of low nibbles; q in 0..31, held as 8 bits.
+    b = blocks.reshape(n, k // 256, 176)
+    low = b[..., 48:].reshape(n, k // 256, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(
+        1, 1, 1, 2, 1
     )
+    high = b[..., 16:48].reshape(n, k // 256, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+    q = ((low & 0x0F).reshape(n, k // 256, 8, 32) | ((high & 0x01) << 4)).astype(np.int8).reshape(n, k)
+    q8 = torch.from_numpy(np.ascontiguousarray(q)).view(torch.uint8)
+    return GroupedWeight(q8, *_k_scales(b, n, k), 8)

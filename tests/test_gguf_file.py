@@ -39,11 +39,16 @@ def _byte_tokens() -> list[str]:
 
 
 def write_gguf(
-    path: Path, cfg: dict, weights: dict[str, np.ndarray], q6_k: dict[str, np.ndarray] | None = None
+    path: Path,
+    cfg: dict,
+    weights: dict[str, np.ndarray],
+    q6_k: dict[str, np.ndarray] | None = None,
+    quantize: dict[str, str] | None = None,
 ) -> None:
     """A llama GGUF file of Hugging Face ``weights`` in float32 (q and k rows permuted as llama.cpp's
-    converter does), and of ``q6_k``'s tensors as the Q6_K blocks given (one row of blocks an output)."""
-    q6_k = q6_k or {}
+    converter does), ``quantize``'s tensors quantized by the ``gguf`` package to the type named, and
+    ``q6_k``'s tensors as the Q6_K blocks given (one row of blocks an output)."""
+    q6_k, quantize = q6_k or {}, quantize or {}
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_context_length(cfg["max_position_embeddings"])
@@ -75,7 +80,12 @@ def write_gguf(
         heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}.get(part)
         if heads:
             tensor = _llama_cpp_permute(tensor, heads)
-        writer.add_tensor(gguf_name, np.ascontiguousarray(tensor, dtype=np.float32))
+        tensor = np.ascontiguousarray(tensor, dtype=np.float32)
+        if name in quantize:
+            kind = gguf.GGMLQuantizationType[quantize[name]]
+            writer.add_tensor(gguf_name, gguf.quants.quantize(tensor, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(gguf_name, tensor)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -144,10 +154,10 @@ def test_a_failed_conversion_leaves_no_entry(tmp_path: Path) -> None:
         resolve_model(str(tmp_path / "missing.gguf"))
 
 
-def test_a_gguf_files_q6_k_tensors_are_multiplied_as_they_are(tmp_path: Path) -> None:
-    """Q6_K tensors (what Q4_K_M files use for some layers) are served in their own blocks under
-    ``--quantization gguf``: the layers hold them (8 bits, groups of 16), and the answers are those of
-    the file's weights dequantized to float32."""
+def test_a_gguf_files_q5_and_q6_k_tensors_are_multiplied_as_they_are(tmp_path: Path) -> None:
+    """Q5_0, Q5_1 and Q6_K tensors (what Q4_K_M and Q5_K_M files use) are served in their own blocks
+    under ``--quantization gguf``: the layers hold them (8 bits; Q5_1 with offsets; Q6_K in groups of
+    16), and the answers are those of the file's weights dequantized to float32."""
     cfg = {"num_hidden_layers": 2, "max_position_embeddings": 1024, "hidden_size": 256,
            "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
            "rope_theta": 10000.0, "rms_norm_eps": 1e-5}  # fmt: skip
@@ -175,13 +185,18 @@ def test_a_gguf_files_q6_k_tensors_are_multiplied_as_they_are(tmp_path: Path) ->
         for name, shape in shapes.items()
     }
     path = tmp_path / "q6k.gguf"
-    write_gguf(path, cfg, weights, q6_k)
+    kinds = {
+        name: "Q5_0" if ".self_attn." in name else "Q5_1" for name in weights if name.endswith("proj.weight")
+    }
+    write_gguf(path, cfg, weights, q6_k, kinds)
     held = ReferenceEngine(str(path), dtype="float32", quantization="gguf")
     plain = ReferenceEngine(str(path), dtype="float32")
     layer = held.model.model.layers[0]
     assert (layer.self_attn.o_proj.bits, layer.self_attn.o_proj.group) == (8, 16)
     assert (layer.mlp.down_proj.bits, layer.mlp.down_proj.group) == (8, 16)
-    assert layer.mlp.gate_up_proj.quantization == "none"  # float32 in the file: the compute dtype
+    qkv, gate_up = layer.self_attn.qkv_proj, layer.mlp.gate_up_proj
+    assert (qkv.bits, qkv.group, gate_up.bits, gate_up.group) == (8, 32, 8, 32)
+    assert (qkv.dtype_code, gate_up.dtype_code) == (7, 13)  # float32 x; Q5_1's offsets
     params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=1)
     a, b = held.generate(list(range(20, 60)), params), plain.generate(list(range(20, 60)), params)
     assert a.token_ids == b.token_ids

@@ -109,7 +109,7 @@ def test_int4_groups_span_their_range_within_half_a_step() -> None:
     assert torch.equal(dequantize(g)[5, 32:64], w[5, 32:64]) and g.scales[5, 1] == 0
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_gguf_blocks_unpack_to_the_gguf_packages_dequantization_to_the_bit(kind: str) -> None:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
@@ -117,8 +117,10 @@ def test_gguf_blocks_unpack_to_the_gguf_packages_dequantization_to_the_bit(kind:
 
     rng = np.random.default_rng(7)
     qtype = GGMLQuantizationType[kind]
-    if kind in ("Q4_K", "Q6_K"):  # no quantizer in the package: random blocks, finite half-precision d
-        size, halves_at = {"Q4_K": (144, ((0, 2), (2, 4))), "Q6_K": (210, ((208, 210),))}[kind]
+    if kind.endswith("_K"):  # no quantizer in the package: random blocks, finite half-precision d
+        size, halves_at = {
+            "Q4_K": (144, ((0, 2), (2, 4))), "Q5_K": (176, ((0, 2), (2, 4))), "Q6_K": (210, ((208, 210),))
+        }[kind]  # fmt: skip
         raw = rng.integers(0, 256, (24, 2, size), dtype=np.uint8)
         for lo, hi in halves_at:
             halves = (rng.random((24, 2)) * 0.01).astype(np.float16)
@@ -127,27 +129,33 @@ def test_gguf_blocks_unpack_to_the_gguf_packages_dequantization_to_the_bit(kind:
     else:
         blocks = gguf_quantize((rng.standard_normal((24, 512)) * 0.05).astype(np.float32), qtype)
     g = from_gguf(kind, blocks, (24, 512))
-    assert (g.bits, g.group) == {"Q8_0": (8, 32), "Q5_0": (8, 32), "Q6_K": (8, 16)}.get(kind, (4, 32))
+    eight = {"Q8_0": (8, 32), "Q5_0": (8, 32), "Q5_1": (8, 32), "Q5_K": (8, 32), "Q6_K": (8, 16)}
+    assert (g.bits, g.group) == eight.get(kind, (4, 32))
+    assert (g.offsets is not None) == (kind in ("Q4_0", "Q4_1", "Q4_K", "Q5_1", "Q5_K"))
     assert np.array_equal(dequantize(g).numpy(), gguf_dequantize(blocks, qtype).reshape(24, 512))
     with pytest.raises(ValueError, match="no kernel"):
-        from_gguf("Q5_K", blocks, (24, 512))
+        from_gguf("Q2_K", blocks, (24, 512))
 
 
-def _q8_groups(n: int, k: int, group: int = 32) -> GroupedWeight:
+def _q8_groups(n: int, k: int, group: int = 32, offsets: bool = False) -> GroupedWeight:
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
-    return GroupedWeight(q.view(torch.uint8), torch.rand(n, k // group) * 0.002, None, 8, group)
+    m = torch.randn(n, k // group) * 0.02 if offsets else None
+    return GroupedWeight(q.view(torch.uint8), torch.rand(n, k // group) * 0.002, m, 8, group)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("bits", "group"), [(4, 32), (8, 32), (8, 16)])  # 8 bits in 16: Q6_K's
+# 8 bits in groups of 16: Q6_K's; with offsets: Q5_1's and Q5_K's
+@pytest.mark.parametrize(
+    ("bits", "group", "offsets"), [(4, 32, True), (8, 32, False), (8, 16, False), (8, 32, True)]
+)
 @pytest.mark.parametrize("shape", [(64, 64), (100, 96), (1536, 576), (49, 1536)])
 def test_grouped_linear_equals_dequantized_weights_and_is_batch_invariant(
-    dtype: torch.dtype, bits: int, group: int, shape: tuple
+    dtype: torch.dtype, bits: int, group: int, offsets: bool, shape: tuple
 ) -> None:
     n, k = shape
     torch.manual_seed(n + k + bits + group)
     w, b = (torch.randn(n, k) * 0.05).to(dtype), (torch.randn(n) * 0.1).to(dtype)
-    g = quantize_int4(w) if bits == 4 else _q8_groups(n, k, group)
+    g = quantize_int4(w) if bits == 4 else _q8_groups(n, k, group, offsets)
     lin = InvariantLinear(w, b, "int4" if bits == 4 else "gguf", g)
     x = torch.randn(200, k).to(dtype)  # more rows than a block of 96: widened panels, several blocks
     y = lin(x)
@@ -157,7 +165,7 @@ def test_grouped_linear_equals_dequantized_weights_and_is_batch_invariant(
     for rows in (1, 2, 4, 7, 33, 97):  # each row's bits alone and among others
         assert torch.equal(lin(x[:rows]), y[:rows])
     assert torch.equal(lin(x[5:6]), y[5:6])
-    header = -(-n // 64) * 64 * (k // group) * 4 * (2 if bits == 4 else 1)  # scales (and offsets) a group
+    header = -(-n // 64) * 64 * (k // group) * 4 * (2 if offsets else 1)  # scales (and offsets) a group
     assert lin.packed_weight.numel() == header + -(-n // 64) * 64 * k * bits // 8
 
 
@@ -177,6 +185,7 @@ def test_packed_rows_are_the_weights_each_format_multiplies(dtype: torch.dtype, 
     int4 = quantize_int4(w)
     q8 = GroupedWeight(q, torch.rand(n, k // 32) * scale[:, None], None, 8)  # Q8_0-like groups
     q6 = GroupedWeight(q, torch.rand(n, k // 16) * scale[:, None], None, 8, 16)  # Q6_K-like groups
+    q5 = GroupedWeight(q, torch.rand(n, k // 32) * scale[:, None], torch.randn(n, k // 32), 8)  # Q5_1-like
     cases = [
         (InvariantLinear(w, None), w),
         (InvariantLinear(w, None, "int8"), as_int8),
@@ -184,6 +193,7 @@ def test_packed_rows_are_the_weights_each_format_multiplies(dtype: torch.dtype, 
         (InvariantLinear(w, None, "int4", int4), dequantize(int4).to(dtype)),
         (InvariantLinear(w, None, "gguf", q8), dequantize(q8).to(dtype)),
         (InvariantLinear(w, None, "gguf", q6), dequantize(q6).to(dtype)),
+        (InvariantLinear(w, None, "gguf", q5), dequantize(q5).to(dtype)),
     ]
     for lin, want in cases:
         assert torch.equal(packed_rows(lin, ids), want[ids]), lin.extra_repr()

@@ -55,7 +55,7 @@ typedef struct { /* the model's shape */
 typedef struct { /* one layer's weights (linears packed by pd_linear_pack) and cache */
     const void *input_norm, *qkv, *qkv_bias, *o, *o_bias, *post_norm, *gate_up, *down;
     void *k_cache, *v_cache;
-    /* pd_linear's dtype for each linear's weights: the model dtype's, or a quantized form (2 to 11); a
+    /* pd_linear's dtype for each linear's weights: the model dtype's, or a quantized form (2 to 13); a
      * layer may hold its linears in several (a GGUF file's mix of types) */
     int qkv_dtype, o_dtype, gate_up_dtype, down_dtype;
 } layer_t;

@@ -31,11 +31,12 @@
  *   dtype 4: bfloat16 x, 4-bit q in 0..15;  dtype 5: float32 x, the same packing;
  *   dtype 6: bfloat16 x, 8-bit q (int8);    dtype 7: float32 x, the same packing;
  *   dtype 10 and 11: as 6 and 7 with groups of 16 inputs: GGUF's Q6_K (d times each 16 inputs' 8-bit
- *   scale, q - 32 in -32..31) as it is.
+ *   scale, q - 32 in -32..31) as it is;
+ *   dtype 12 and 13: as 6 and 7 with an offset m per group: GGUF's Q5_1 and Q5_K (q in 0..31).
  *   y[m, n] = round(sum_g (d[n, g] * sum_{k in g} x[m, k] q[n, k] + m[n, g] * sum_{k in g} x[m, k]) + bias[n])
  * Each group's sums run over its pairs of inputs from the first to the last (q widened to bfloat16,
  * exactly, for bfloat16 x) and are added to the output's running sum group by group, in order. Layout:
- * scales[panel][group][64], then (4 bits) offsets[panel][group][64], then the quantized panels, pairs
+ * scales[panel][group][64], then (4 bits, 12, 13) offsets[panel][group][64], then the quantized panels, pairs
  * of inputs as for bfloat16: 4 bits: panel[k / 2][64] bytes, the pair's first input in the low
  * nibble; 8 bits: panel[k / 2][64][2].
  *
@@ -84,11 +85,12 @@ static inline __attribute__((always_inline)) void prefetch_step(const void *w, c
 static inline int64_t pairs_of(int64_t k) { return (k + 1) / 2; }
 
 static inline int quantized(int dtype) { return dtype == 2 || dtype == 3; } /* int8, a scale per output */
-/* a scale per 32 inputs (per 16: dtypes 10 and 11) */
-static inline int grouped(int dtype) { return (dtype >= 4 && dtype <= 7) || dtype == 10 || dtype == 11; }
+/* a scale per 32 inputs (per 16: dtypes 10 and 11), and an offset too (4 bits, dtypes 12 and 13) */
+static inline int grouped(int dtype) { return (dtype >= 4 && dtype <= 7) || (dtype >= 10 && dtype <= 13); }
 static inline int group_bits(int dtype) { return dtype <= 5 ? 4 : 8; }
-static inline int group_inputs(int dtype) { return dtype >= 10 ? 16 : 32; }
-static inline int grouped_bf16(int dtype) { return dtype == 4 || dtype == 6 || dtype == 10; }
+static inline int group_inputs(int dtype) { return dtype == 10 || dtype == 11 ? 16 : 32; }
+static inline int group_offsets_held(int dtype) { return dtype == 4 || dtype == 5 || dtype == 12 || dtype == 13; }
+static inline int grouped_bf16(int dtype) { return dtype == 4 || dtype == 6 || dtype == 10 || dtype == 12; }
 static inline int x_is_bf16(int dtype) { return dtype == 1 || dtype == 2 || grouped_bf16(dtype); }
 static inline int w8a8(int dtype) { return dtype == 8 || dtype == 9; } /* linear_w8a8.h */
 
@@ -103,11 +105,11 @@ static inline int64_t w8a8_packed_bytes(int64_t n, int64_t k) {
 /* Bytes of a grouped weight's quantized panels for one pair of inputs of 64 columns. */
 static inline int64_t grouped_row_bytes(int bits) { return bits == 4 ? COLS : 2 * COLS; }
 
-/* Bytes of the scales (and offsets) of a grouped [n, k] weight in groups of `group` inputs, before its
- * panels. */
-static inline int64_t grouped_header_bytes(int64_t n, int64_t k, int bits, int group) {
+/* Bytes of the scales (and offsets, where `offsets`) of a grouped [n, k] weight in groups of `group`
+ * inputs, before its panels. */
+static inline int64_t grouped_header_bytes(int64_t n, int64_t k, int offsets, int group) {
     const int64_t panels = (n + COLS - 1) / COLS;
-    return panels * (k / group) * COLS * (int64_t)sizeof(float) * (bits == 4 ? 2 : 1);
+    return panels * (k / group) * COLS * (int64_t)sizeof(float) * (offsets ? 2 : 1);
 }
 
 /* Elements of the packed weight of an [n, k] linear in `dtype` (bytes for the int8 dtypes: the scales'
@@ -116,7 +118,7 @@ int64_t pd_linear_packed_elems(int64_t n, int64_t k, int dtype) {
     const int64_t panels = (n + COLS - 1) / COLS;
     if (w8a8(dtype)) return w8a8_packed_bytes(n, k);
     if (grouped(dtype))
-        return grouped_header_bytes(n, k, group_bits(dtype), group_inputs(dtype)) +
+        return grouped_header_bytes(n, k, group_offsets_held(dtype), group_inputs(dtype)) +
                panels * pairs_of(k) * grouped_row_bytes(group_bits(dtype));
     if (quantized(dtype))
         return panels * COLS * (int64_t)sizeof(float) + (dtype == 2 ? panels * pairs_of(k) * COLS * 2 : panels * k * COLS);
@@ -143,13 +145,13 @@ int pd_linear_pack_int8(const int8_t *q, int64_t w_stride, const float *scales, 
 }
 
 /* Packs a weight quantized in groups of `group` inputs (32; 16 for 8 bits): q [n, k] one byte a weight
- * (row stride q_stride; 4 bits: values 0..15; 8 bits: int8), scales [n, k / group] and, for 4 bits,
- * offsets [n, k / group], both float32 and contiguous. Returns 0, or 1 on bad arguments (K not a
- * multiple of the group among them). */
+ * (row stride q_stride; 4 bits: values 0..15; 8 bits: int8), scales [n, k / group] and offsets
+ * [n, k / group] (4 bits always; 8 bits in groups of 32 may have them, else NULL), both float32 and
+ * contiguous. Returns 0, or 1 on bad arguments (K not a multiple of the group among them). */
 int pd_linear_pack_grouped(const uint8_t *q, int64_t q_stride, const float *scales, const float *offsets, int64_t n,
                            int64_t k, int bits, int group, void *packed) {
     if (n <= 0 || k <= 0 || q_stride < k || (bits != 4 && bits != 8) || (bits == 4 && !offsets)) return 1;
-    if (!(group == GROUP || (group == 16 && bits == 8)) || k % group) return 1;
+    if (!(group == GROUP || (group == 16 && bits == 8 && !offsets)) || k % group) return 1;
     const int64_t panels = (n + COLS - 1) / COLS, groups = k / group, kp = k / 2;
     float *scale = (float *)packed, *offset = scale + panels * groups * COLS;
     for (int64_t p = 0; p < panels; p++)
@@ -157,9 +159,9 @@ int pd_linear_pack_grouped(const uint8_t *q, int64_t q_stride, const float *scal
             for (int c = 0; c < COLS; c++) {
                 const int64_t row = p * COLS + c, at = (p * groups + g) * COLS + c;
                 scale[at] = row < n ? scales[row * groups + g] : 0.0f;
-                if (bits == 4) offset[at] = row < n ? offsets[row * groups + g] : 0.0f;
+                if (offsets) offset[at] = row < n ? offsets[row * groups + g] : 0.0f;
             }
-    uint8_t *dst = (uint8_t *)packed + grouped_header_bytes(n, k, bits, group);
+    uint8_t *dst = (uint8_t *)packed + grouped_header_bytes(n, k, offsets != NULL, group);
     for (int64_t p = 0; p < panels; p++)
         for (int64_t i = 0; i < kp; i++)
             for (int c = 0; c < COLS; c++) {
@@ -206,7 +208,7 @@ typedef struct {
     void *out;
     int64_t x_stride, out_stride, m, n, k;
     int dtype;
-    const float *xsums; /* 4-bit groups with bfloat16 x: each row's sum of each group's inputs, [m][k / 32] */
+    const float *xsums; /* groups with offsets, bfloat16 x: each row's sum of each group's inputs, [m][k / 32] */
 } job_t;
 
 #ifdef HAVE_AVX512
@@ -304,11 +306,11 @@ static inline const float *group_offsets(const job_t *j, int64_t p) {
     return group_scales(j, (j->n + COLS - 1) / COLS + p);
 }
 static inline const uint8_t *group_panel(const job_t *j, int64_t p, int bits) {
-    return (const uint8_t *)j->packed + grouped_header_bytes(j->n, j->k, bits, group_inputs(j->dtype)) +
-           p * pairs_of(j->k) * grouped_row_bytes(bits);
+    const int64_t header = grouped_header_bytes(j->n, j->k, group_offsets_held(j->dtype), group_inputs(j->dtype));
+    return (const uint8_t *)j->packed + header + p * pairs_of(j->k) * grouped_row_bytes(bits);
 }
 
-/* Grouped weights with float32 x (dtypes 5, 7 and 11), one row at a time in plain C that the compiler
+/* Grouped weights with float32 x (dtypes 5, 7, 11 and 13), one row at a time in plain C that the compiler
  * vectorises over the columns: pairs [i0, i1) of row m against panel p, continuing acc unless i0 is 0.
  * Not inlined, so every row runs the same code whatever the rows beside it. */
 static __attribute__((noinline)) void tile_grouped_f32(const job_t *j, int64_t m, int64_t p, int64_t i0, int64_t i1,
@@ -316,6 +318,7 @@ static __attribute__((noinline)) void tile_grouped_f32(const job_t *j, int64_t m
     const float *x = (const float *)j->x + m * j->x_stride, *scale = group_scales(j, p), *offset = group_offsets(j, p);
     const uint8_t *panel = group_panel(j, p, bits);
     const int64_t row_bytes = grouped_row_bytes(bits), gp = group_inputs(j->dtype) / 2; /* pairs a group */
+    const int offsets = group_offsets_held(j->dtype);
     if (!i0) memset(acc, 0, COLS * sizeof(float));
     for (int64_t g = i0 / gp; g < i1 / gp; g++) {
         float part[COLS] = {0}, xs = 0.0f;
@@ -333,7 +336,7 @@ static __attribute__((noinline)) void tile_grouped_f32(const job_t *j, int64_t m
         }
         for (int c = 0; c < COLS; c++) {
             acc[c] += part[c] * scale[g * COLS + c];
-            if (bits == 4) acc[c] += offset[g * COLS + c] * xs;
+            if (offsets) acc[c] += offset[g * COLS + c] * xs;
         }
     }
 }
@@ -409,7 +412,8 @@ static void widen_grouped(const job_t *j, int64_t p, int64_t i0, int64_t i1, uin
         }
 }
 
-/* Grouped weights with bfloat16 x (dtypes 4, 6 and 10): `rows` and `group` (constants after inlining) rows from m0
+/* Grouped weights with bfloat16 x (dtypes 4, 6, 10 and 12): `rows`, `group` and `offsets` (constants after
+ * inlining) rows from m0
  * against panel p over the pairs [i0, i1) (whole groups), the weights widened here or, when `wide` is
  * not NULL, read from widen_grouped's copy of the chunk (the same values). A group's products go into
  * registers, in tile_bf16's order; then each output's running sum in acc takes d times the group's
@@ -419,7 +423,7 @@ static void widen_grouped(const job_t *j, int64_t p, int64_t i0, int64_t i1, uin
 static inline __attribute__((always_inline)) void tile_grouped_bf16(const job_t *j, int64_t m0, int64_t p, int64_t i0,
                                                                     int64_t i1, float *acc, const int rows,
                                                                     const int bits, const int group,
-                                                                    const uint16_t *wide) {
+                                                                    const int offsets, const uint16_t *wide) {
     const int64_t groups = j->k / group, row_bytes = grouped_row_bytes(bits), gp = group / 2;
     const float *scale = group_scales(j, p), *offset = group_offsets(j, p);
     const uint8_t *panel = group_panel(j, p, bits);
@@ -447,11 +451,11 @@ static inline __attribute__((always_inline)) void tile_grouped_bf16(const job_t 
         }
         for (int c = 0; c < 4; c++) {
             const __m512 d = _mm512_loadu_ps(scale + g * COLS + 16 * c);
-            const __m512 m = bits == 4 ? _mm512_loadu_ps(offset + g * COLS + 16 * c) : _mm512_setzero_ps();
+            const __m512 m = offsets ? _mm512_loadu_ps(offset + g * COLS + 16 * c) : _mm512_setzero_ps();
             for (int r = 0; r < rows; r++) {
                 float *a = acc + r * COLS + 16 * c;
                 __m512 s = _mm512_fmadd_ps(part[r][c], d, _mm512_loadu_ps(a));
-                if (bits == 4) s = _mm512_fmadd_ps(m, _mm512_set1_ps(j->xsums[(m0 + r) * groups + g]), s);
+                if (offsets) s = _mm512_fmadd_ps(m, _mm512_set1_ps(j->xsums[(m0 + r) * groups + g]), s);
                 _mm512_storeu_ps(a, s);
             }
         }
@@ -553,21 +557,24 @@ static inline __attribute__((always_inline)) void tile_rows(const job_t *j, int6
         tile_bf16(j, m0, p, i0, i1, acc, rows, 1);
         return;
     }
-    if (grouped_bf16(j->dtype)) { /* each (bits, group, widened or not) specialised apart */
+    if (grouped_bf16(j->dtype)) { /* each (bits, group, offsets, widened or not) specialised apart */
         if (j->dtype == 4) {
-            if (wide) tile_grouped_bf16(j, m0, p, i0, i1, acc, rows, 4, 32, wide);
-            else tile_grouped_bf16(j, m0, p, i0, i1, acc, rows, 4, 32, NULL);
+            if (wide) tile_grouped_bf16(j, m0, p, i0, i1, acc, rows, 4, 32, 1, wide);
+            else tile_grouped_bf16(j, m0, p, i0, i1, acc, rows, 4, 32, 1, NULL);
         } else if (j->dtype == 6) {
-            if (wide) tile_grouped_bf16(j, m0, p, i0, i1, acc, rows, 8, 32, wide);
-            else tile_grouped_bf16(j, m0, p, i0, i1, acc, rows, 8, 32, NULL);
+            if (wide) tile_grouped_bf16(j, m0, p, i0, i1, acc, rows, 8, 32, 0, wide);
+            else tile_grouped_bf16(j, m0, p, i0, i1, acc, rows, 8, 32, 0, NULL);
+        } else if (j->dtype == 10) {
+            if (wide) tile_grouped_bf16(j, m0, p, i0, i1, acc, rows, 8, 16, 0, wide);
+            else tile_grouped_bf16(j, m0, p, i0, i1, acc, rows, 8, 16, 0, NULL);
         } else {
-            if (wide) tile_grouped_bf16(j, m0, p, i0, i1, acc, rows, 8, 16, wide);
-            else tile_grouped_bf16(j, m0, p, i0, i1, acc, rows, 8, 16, NULL);
+            if (wide) tile_grouped_bf16(j, m0, p, i0, i1, acc, rows, 8, 32, 1, wide);
+            else tile_grouped_bf16(j, m0, p, i0, i1, acc, rows, 8, 32, 1, NULL);
         }
         return;
     }
 #endif
-    if (grouped(j->dtype)) { /* float32 x: 5, 7 and 11 */
+    if (grouped(j->dtype)) { /* float32 x: 5, 7, 11 and 13 */
         for (int r = 0; r < rows; r++) tile_grouped_f32(j, m0 + r, p, i0, i1, acc + r * COLS, group_bits(j->dtype));
         return;
     }
@@ -623,22 +630,22 @@ static void run_item(const void *job, int64_t block, int64_t p) {
 /* Whether this build can run `dtype`: 1 or 0. */
 int pd_linear_supported(int dtype) {
 #ifdef HAVE_AVX512_BF16
-    return dtype >= 0 && dtype <= 11;
+    return dtype >= 0 && dtype <= 13;
 #else
-    return dtype == 0 || dtype == 3 || dtype == 5 || dtype == 7 || dtype == 9 || dtype == 11;
+    return dtype == 0 || dtype == 3 || dtype == 5 || dtype == 7 || dtype == 9 || dtype == 11 || dtype == 13;
 #endif
 }
 
 /* Returns 0 on success, 1 on bad arguments, 2 when out of memory, 3 when this build cannot run the dtype. */
 int pd_linear(const void *x, int64_t x_stride, const void *packed, const void *bias, void *out,
               int64_t out_stride, int64_t m, int64_t n, int64_t k, int dtype, int threads) {
-    if (m < 0 || n <= 0 || k <= 0 || x_stride < k || out_stride < n || dtype < 0 || dtype > 11) return 1;
+    if (m < 0 || n <= 0 || k <= 0 || x_stride < k || out_stride < n || dtype < 0 || dtype > 13) return 1;
     if ((grouped(dtype) && k % group_inputs(dtype)) || (w8a8(dtype) && k % GROUP)) return 1;
     if (!pd_linear_supported(dtype)) return 3;
     if (w8a8(dtype)) return linear_w8a8(x, x_stride, packed, bias, out, out_stride, m, n, k, dtype, threads);
     float *xsums = NULL;
 #ifdef HAVE_AVX512_BF16
-    if (dtype == 4 && m > 0) { /* once a call, not once a panel: the same sums either way */
+    if ((dtype == 4 || dtype == 12) && m > 0) { /* once a call, not once a panel: the same sums either way */
         const int64_t groups = k / GROUP;
         if (!(xsums = malloc((size_t)(m * groups) * sizeof(float)))) return 2;
         for (int64_t r = 0; r < m; r++)
