@@ -144,17 +144,20 @@ def test_grouped_linear_matches_reference_and_gives_a_row_the_same_bits_in_any_b
     _rows_alone_and_batched(layer, x, ROW_COUNTS)
 
 
-def test_q6_k_blocks_leave_a_cuda_layer_in_its_dtype() -> None:
-    """The Triton grouped matmul takes groups of 32 inputs: a GGUF Q6_K tensor (groups of 16) is
-    multiplied in the compute dtype on CUDA, as the weights the loader dequantized."""
+@pytest.mark.parametrize(("group", "offsets"), [(16, False), (32, True)])  # Q6_K's; Q5_1's and Q5_K's
+def test_cpu_only_gguf_blocks_leave_a_cuda_layer_in_its_dtype(group: int, offsets: bool) -> None:
+    """The Triton grouped matmul takes groups of 32 inputs, with offsets for 4 bits only: GGUF's Q6_K
+    (groups of 16) and Q5_1 / Q5_K (8 bits with offsets) are multiplied in the compute dtype on CUDA,
+    as the weights the loader dequantized."""
     from torch import nn
 
     from pdfabric.kernels.linear import packed
     from pdfabric.kernels.linear_triton import TritonLinear
     from pdfabric.kernels.quantized import GroupedWeight, dequantize
 
-    q = torch.randint(-32, 32, (512, 256), dtype=torch.int8).view(torch.uint8)
-    blocks = GroupedWeight(q, torch.rand(512, 16) * 1e-3, None, 8, 16)
+    q = torch.randint(0, 32, (512, 256), dtype=torch.int8).view(torch.uint8)
+    m = torch.randn(512, 256 // group) * 1e-2 if offsets else None
+    blocks = GroupedWeight(q, torch.rand(512, 256 // group) * 1e-3, m, 8, group)
     linear = nn.Linear(256, 512, bias=False, device="cuda", dtype=torch.bfloat16)
     linear.weight.data.copy_(dequantize(blocks))
     linear.gguf_blocks = blocks
