@@ -34,7 +34,8 @@ def gemm_rate(dtype: object, repeats: int) -> float:
     """The best FLOP/s of square matrix products (1024 to 4096) in ``dtype``, plain and packed."""
     import torch
 
-    from pdfabric.kernels.linear_cpu import PackedLinear, can_pack
+    from pdfabric.kernels.linear_cpu import can_pack
+    from pdfabric.kernels.linear_onednn import PackedLinear
 
     best = 0.0
     for n in (1024, 2048, 4096):

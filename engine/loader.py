@@ -8,7 +8,9 @@ an error that names it.
 
 With ``quantization="gguf"`` the blocks a converted GGUF file kept (``gguf_checkpoint``) are handed
 to the layers they belong to (``gguf_blocks``, what ``kernels/linear_cpu.py`` packs; a tied head's on
-the model as ``tied_head_blocks``), a stacked projection's parts stacked when their formats agree.
+the model as ``tied_head_blocks``), a stacked projection's parts stacked when their formats agree,
+and given part by part (``gguf_parts``: each part's blocks, or None for a part in the compute dtype)
+when they do not.
 """
 
 from __future__ import annotations
@@ -150,14 +152,22 @@ def _attach_gguf_blocks(model: LlamaForCausalLM, path: Path, places: dict[str, t
             shape = (rows.stop - rows.start, shapes[param][1])
             blocks = from_gguf(types[name], f.get_tensor(name), shape)
             parts.setdefault(param, []).append((rows.start, blocks))
-    wanted = {param: [rows.start for p, rows in places.values() if p == param] for param in parts}
+    wanted = {
+        param: sorted((rows.start, rows.stop) for p, rows in places.values() if p == param) for param in parts
+    }
     for param, found in parts.items():
-        if sorted(start for start, _ in found) != sorted(wanted[param]):
-            continue  # a part in another format: the layer keeps the model's dtype
-        blocks = GroupedWeight.stack([g for _, g in sorted(found, key=lambda part: part[0])])
+        module = param.rpartition(".")[0]
+        held = dict(found)
+        blocks = None
+        if sorted(held) == [start for start, _ in wanted[param]]:
+            blocks = GroupedWeight.stack([held[start] for start, _ in wanted[param]])
+        if blocks is None and len(wanted[param]) > 1:  # a stacked projection of mixed formats: by parts
+            model.get_submodule(module).gguf_parts = tuple(
+                (stop - start, held.get(start)) for start, stop in wanted[param]
+            )
+            continue
         if blocks is None:
             continue
-        module = param.rpartition(".")[0]
         if module == "model.embed_tokens":  # a tied head's (the packed head then serves the lookup)
             model.tied_head_blocks = blocks if model.lm_head is None else None
         else:

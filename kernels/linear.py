@@ -109,7 +109,7 @@ def row_reader(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | No
     """A function of token ids giving rows of a packed module's weight as the module multiplies them
     (``[len(ids), in_features]``, the compute dtype), or None where its layout is not read back (oneDNN's,
     CUDA's modules, which keep the weight they were given)."""
-    if isinstance(module, linear_cpu.InvariantLinear):
+    if isinstance(module, linear_cpu.InvariantLinear) and module.parts is None:
         from pdfabric.kernels.packed_rows import packed_rows
 
         return functools.partial(packed_rows, module)

@@ -23,7 +23,7 @@ outputs staying in the compute dtype: ``int8`` (a scale per output, ``quantize_i
 Q4_K and Q8_0 blocks, ``quantized.from_gguf``; a layer whose blocks are of another type stays in the
 compute dtype). Grouped weights need an input count that is a multiple of 32; other layers stay in
 the compute dtype too. ``w8a8`` holds the weights as ``int8`` does and quantizes the activations too,
-each row in groups of 32 inputs with a scale each, as the call starts (``quantize_rows``): the
+each row in groups of 32 inputs with a scale each, as the call starts (``w8a8_ref.quantize_rows``): the
 products are integers, summed exactly by an instruction that does twice bfloat16's multiply-adds on
 CPUs with AVX512-VNNI (``csrc/linear_w8a8.h``), so prompts and large batches, which are bound by
 arithmetic, run faster (1.2-1.4x on SmolLM2's shapes).
@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from pdfabric.kernels import cpu_build
+from pdfabric.kernels.linear_onednn import PackedLinear, onednn_available
 from pdfabric.kernels.quantized import GROUP, GroupedWeight, quantize_int4
 from pdfabric.worker_config import QUANTIZATIONS  # the worker's setting, named there so configs need no torch
 
@@ -72,6 +73,8 @@ def _library() -> ctypes.CDLL | None:
         lib.pd_linear_pack_w8a8.restype = ctypes.c_int
         lib.pd_linear_pack_grouped.argtypes = [p, i64, p, p, i64, i64, i32, i32, p]
         lib.pd_linear_pack_grouped.restype = ctypes.c_int
+        lib.pd_linear_pack_parts.argtypes = [i64, p, p, i64, p, p]
+        lib.pd_linear_pack_parts.restype = i64
         lib.pd_linear_packed_elems.argtypes = [i64, i64, i32]
         lib.pd_linear_packed_elems.restype = i64
         lib.pd_linear_supported.argtypes = [i32]
@@ -86,14 +89,6 @@ def kernel_address() -> int:
     return ctypes.cast(_library().pd_linear, ctypes.c_void_p).value
 
 
-def _onednn_available() -> bool:
-    return (
-        torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
-
-
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight`` ``[n, k]`` as int8 and one float32 scale per row: symmetric, ``q = round(w / s)`` with
     ``s = max |w| / 127`` over the row (1 for a row of zeros), so ``q * s`` is the weight to within half
@@ -103,6 +98,16 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
     return q.contiguous(), scale.contiguous()
+
+
+PARTS_CODE = 16  # pd_linear's dtype for a weight of parts in different formats (csrc/linear_cpu.c)
+Parts = tuple[tuple[int, GroupedWeight | None], ...]  # each part's outputs and blocks (None: the dtype)
+
+
+def gguf_parts(linear: nn.Linear, quantization: str) -> Parts | None:
+    """A stacked projection's parts when the loader found them in different formats (``gguf_parts``:
+    a GGUF file's q and k in Q4_K beside v in Q6_K, say), under ``gguf``; else None."""
+    return getattr(linear, "gguf_parts", None) if quantization == "gguf" else None
 
 
 def grouped_form(linear: nn.Linear, quantization: str) -> GroupedWeight | None:
@@ -116,42 +121,6 @@ def grouped_form(linear: nn.Linear, quantization: str) -> GroupedWeight | None:
     if quantization == "gguf":
         return getattr(linear, "gguf_blocks", None)
     return None
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the ``w8a8`` kernel does to its input rows before it multiplies: ``x`` ``[m, k]`` (K a
-    multiple of 32) as int8 with a float32 scale per 32 inputs of a row ``[m, k / 32]``: symmetric,
-    ``q = round(x / s)`` (half to even) with ``s = max |x| / 127`` over the group (0 for a group of
-    zeros, whose q are 0)."""
-    m, k = x.shape
-    xf = x.detach().float().reshape(m, k // GROUP, GROUP)
-    scale = xf.abs().amax(dim=2) / 127.0
-    q = torch.round(xf / torch.where(scale > 0, scale, 1.0)[..., None]).clamp_(-127, 127)
-    q = torch.where(scale[..., None] > 0, q, 0.0)
-    return q.reshape(m, k).to(torch.int8), scale
-
-
-def w8a8_reference(
-    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """The ``w8a8`` linear in torch, to the bit: ``x`` quantized by ``quantize_rows``; each group's
-    integer products summed exactly, times the group's scale, added group after group in float32;
-    then times the weight's scale, plus the bias, rounded to ``x``'s dtype. ``q``, ``scale``: the
-    weight as ``quantize_int8`` gives it."""
-    qx, sx = quantize_rows(x)
-    m, k = qx.shape
-    groups = k // GROUP
-    # [groups, m, n]: exact, every partial sum is an integer far below 2**24
-    parts = torch.einsum(
-        "mgi,ngi->gmn", qx.double().reshape(m, groups, GROUP), q.double().reshape(-1, groups, GROUP)
-    ).float()
-    y = torch.zeros(m, q.shape[0])
-    for g in range(groups):  # in order, a multiply and an add, as the kernel rounds them
-        y = y + parts[g] * sx[:, g : g + 1]
-    y = y * scale[None, :]
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype)
 
 
 def _w8a8_or_none(quantization: str, in_features: int) -> str:
@@ -181,12 +150,16 @@ def can_pack(linear: nn.Linear, kind: str = "invariant", quantization: str = "no
     if w.dtype == torch.bfloat16 and not cpu_build.cpu_has_half_math():
         return False
     if kind == "onednn":
-        return quantization == "none" and _onednn_available()
+        return quantization == "none" and onednn_available()
     lib = _library()
     if lib is None:
         return False
     quantization = _w8a8_or_none(quantization, linear.in_features)
     blocks = getattr(linear, "gguf_blocks", None) if quantization == "gguf" else None
+    parts = gguf_parts(linear, quantization)
+    if parts is not None:
+        codes = [_dtype_code(w.dtype, "none", blocks) for _, blocks in parts]
+        return all(lib.pd_linear_supported(c) for c in codes)
     if quantization == "int4" and linear.in_features % GROUP == 0:
         code = GROUPED_CODES[4, GROUP, True, w.dtype]
     elif blocks is not None:
@@ -200,9 +173,10 @@ class InvariantLinear(nn.Module):
     """``y = x W^T + b`` by ``csrc/linear_cpu.c``: each output summed in one fixed order; inference only.
     With ``quantization="int8"`` the weight is held as int8 with a scale per output (``quantize_int8``):
     half the bytes of bfloat16 to read; with ``"w8a8"`` the same weight multiplies the input rows
-    quantized to int8 in groups of 32 as each call starts (``w8a8_reference``): integer products.
+    quantized to int8 in groups of 32 as each call starts (``w8a8_ref.w8a8_reference``): integer products.
     With ``grouped`` (``grouped_form``: int4, or a GGUF tensor's blocks) it is held in groups of 32
-    inputs (16 for Q6_K's). The inputs and outputs stay in the compute dtype."""
+    inputs (16 for Q6_K's); with ``parts`` (``gguf_parts``) each part of a stacked projection in its
+    own format. The inputs and outputs stay in the compute dtype."""
 
     def __init__(
         self,
@@ -210,6 +184,7 @@ class InvariantLinear(nn.Module):
         bias: torch.Tensor | None,
         quantization: str = "none",
         grouped: GroupedWeight | None = None,
+        parts: Parts | None = None,
     ) -> None:
         super().__init__()
         # weight: [out_features, in_features]; bias: [out_features] or None, both in the compute dtype
@@ -225,38 +200,12 @@ class InvariantLinear(nn.Module):
         weight = weight.detach()
         if weight.stride(1) != 1:
             weight = weight.contiguous()
-        lib = _library()
-        size = lib.pd_linear_packed_elems(self.out_features, self.in_features, self.dtype_code)
-        if grouped is not None:
-            packed = torch.empty(size, dtype=torch.uint8)  # scales, offsets, then the panels (linear_cpu.c)
-            q, scales = grouped.q.contiguous(), grouped.scales.float().contiguous()
-            offsets = None if grouped.offsets is None else grouped.offsets.float().contiguous()
-            status = lib.pd_linear_pack_grouped(
-                q.data_ptr(), q.stride(0), scales.data_ptr(), None if offsets is None else offsets.data_ptr(),
-                self.out_features, self.in_features, grouped.bits, grouped.group, packed.data_ptr(),
-            )  # fmt: skip
-        elif quantization == "w8a8":
-            q, scale = quantize_int8(weight)
-            packed = torch.empty(size, dtype=torch.uint8)  # the scales, then quads of weights (linear_w8a8.h)
-            status = lib.pd_linear_pack_w8a8(
-                q.data_ptr(), q.stride(0), scale.data_ptr(), self.out_features, self.in_features,
-                packed.data_ptr(),
-            )  # fmt: skip
-        elif quantization == "int8":
-            q, scale = quantize_int8(weight)
-            packed = torch.empty(size, dtype=torch.uint8)  # the scales, then int8 panels (linear_cpu.c)
-            status = lib.pd_linear_pack_int8(
-                q.data_ptr(), q.stride(0), scale.data_ptr(), self.out_features, self.in_features,
-                self.dtype_code, packed.data_ptr(),
-            )  # fmt: skip
+        if parts is not None:  # each part as it is held alone, in one buffer (dtype 16)
+            self.dtype_code, self.quantization = PARTS_CODE, "gguf"
+            packed = _packed_parts(weight, parts)
         else:
-            packed = torch.empty(size, dtype=weight.dtype)  # 64-column panels, see linear_cpu.c
-            status = lib.pd_linear_pack(
-                weight.data_ptr(), weight.stride(0), self.out_features, self.in_features, self.dtype_code,
-                packed.data_ptr(),
-            )  # fmt: skip
-        if status != 0:
-            raise ValueError(f"pd_linear_pack rejected a {tuple(weight.shape)} weight")
+            packed = _packed_weight(weight, quantization, grouped, self.dtype_code)
+        self.parts = None if parts is None else tuple((n, None if b is None else b.bits) for n, b in parts)
         self.register_buffer("packed_weight", packed)
         self.register_buffer("bias", None if bias is None else bias.detach().to(weight.dtype).contiguous())
         # Plain attributes for the hot path (a module's buffer lookup costs about a microsecond a call);
@@ -264,7 +213,7 @@ class InvariantLinear(nn.Module):
         self._dtype = weight.dtype
         self._weight_ptr = self.packed_weight.data_ptr()
         self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
-        self._kernel = lib.pd_linear
+        self._kernel = _library().pd_linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features]
@@ -290,7 +239,9 @@ class InvariantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         quantized = ""
-        if self.quantization != "none":
+        if self.parts is not None:
+            quantized = f", quantization={self.quantization} (parts of outputs, bits: {self.parts})"
+        elif self.quantization != "none":
             quantized = f", quantization={self.quantization} ({self.bits} bits)"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -298,29 +249,68 @@ class InvariantLinear(nn.Module):
         )
 
 
-class PackedLinear(nn.Module):
-    """``y = x W^T + b`` with ``W`` held in oneDNN's layout; inference only."""
+def _packed_weight(
+    weight: torch.Tensor, quantization: str, grouped: GroupedWeight | None, code: int
+) -> torch.Tensor:
+    """``weight`` ``[n, k]`` packed for pd_linear's dtype ``code``: ``grouped``'s blocks, its int8 form
+    (``int8``, ``w8a8``) or itself."""
+    lib = _library()
+    n, k = weight.shape
+    size = lib.pd_linear_packed_elems(n, k, code)
+    if grouped is not None:
+        packed = torch.empty(size, dtype=torch.uint8)  # scales, offsets, then the panels (linear_cpu.c)
+        q, scales = grouped.q.contiguous(), grouped.scales.float().contiguous()
+        offsets = None if grouped.offsets is None else grouped.offsets.float().contiguous()
+        status = lib.pd_linear_pack_grouped(
+            q.data_ptr(), q.stride(0), scales.data_ptr(), None if offsets is None else offsets.data_ptr(),
+            n, k, grouped.bits, grouped.group, packed.data_ptr(),
+        )  # fmt: skip
+    elif quantization in ("int8", "w8a8"):
+        q, scale = quantize_int8(weight)
+        packed = torch.empty(size, dtype=torch.uint8)  # the scales, then int8 panels or quads of weights
+        if quantization == "w8a8":
+            status = lib.pd_linear_pack_w8a8(
+                q.data_ptr(), q.stride(0), scale.data_ptr(), n, k, packed.data_ptr()
+            )
+        else:
+            status = lib.pd_linear_pack_int8(
+                q.data_ptr(), q.stride(0), scale.data_ptr(), n, k, code, packed.data_ptr()
+            )  # fmt: skip
+    else:
+        packed = torch.empty(size, dtype=weight.dtype)  # 64-column panels, see linear_cpu.c
+        status = lib.pd_linear_pack(weight.data_ptr(), weight.stride(0), n, k, code, packed.data_ptr())
+    if status != 0:
+        raise ValueError(f"pd_linear_pack rejected a {tuple(weight.shape)} weight")
+    return packed
 
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach()
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, None))
-        bias = None if linear.bias is None else linear.bias.detach()
-        self.register_buffer("bias", bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., in_features] -> [..., out_features]
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-
-    def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+def _packed_parts(weight: torch.Tensor, parts: Parts) -> torch.Tensor:
+    """A weight whose parts (rows one after another) are packed each in its own format, behind a header
+    (pd_linear_pack_parts): blocks where a part has them, else the compute dtype."""
+    lib = _library()
+    if sum(n for n, _ in parts) != weight.shape[0]:
+        raise ValueError(
+            f"parts of {[n for n, _ in parts]} outputs do not make a {tuple(weight.shape)} weight"
         )
+    codes = [_dtype_code(weight.dtype, "none", b) for _, b in parts]
+    outputs = (ctypes.c_int64 * len(parts))(*(n for n, _ in parts))
+    dtypes, offsets = (ctypes.c_int32 * len(parts))(*codes), (ctypes.c_int64 * len(parts))()
+    total = lib.pd_linear_pack_parts(len(parts), outputs, dtypes, weight.shape[1], None, offsets)
+    packed = torch.zeros(total, dtype=torch.uint8)
+    lib.pd_linear_pack_parts(len(parts), outputs, dtypes, weight.shape[1], packed.data_ptr(), offsets)
+    start = 0
+    for (n, blocks), code, offset in zip(parts, codes, offsets, strict=True):
+        part = _packed_weight(weight[start : start + n].contiguous(), "none", blocks, code).view(torch.uint8)
+        packed[offset : offset + part.numel()] = part
+        start += n
+    return packed
 
 
 def packed(linear: nn.Linear, kind: str = "invariant", quantization: str = "none") -> nn.Module:
     """``linear`` packed for ``kind`` (the caller checks ``can_pack`` first)."""
     if kind == "onednn":
         return PackedLinear(linear)
-    return InvariantLinear(linear.weight, linear.bias, quantization, grouped_form(linear, quantization))
+    parts = gguf_parts(linear, quantization)
+    return InvariantLinear(
+        linear.weight, linear.bias, quantization, grouped_form(linear, quantization), parts
+    )

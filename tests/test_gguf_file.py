@@ -154,10 +154,19 @@ def test_a_failed_conversion_leaves_no_entry(tmp_path: Path) -> None:
         resolve_model(str(tmp_path / "missing.gguf"))
 
 
-def test_a_gguf_files_q5_and_q6_k_tensors_are_multiplied_as_they_are(tmp_path: Path) -> None:
+def _q6_k_blocks(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
+    raw = rng.integers(0, 256, (n, k // 256, 210), dtype=np.uint8)
+    raw[..., 208:210] = np.full((n, k // 256, 1), 2e-5, np.float16).view(np.uint8)  # a small d
+    return raw.reshape(n, k // 256 * 210)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_gguf_files_q5_and_q6_k_tensors_are_multiplied_as_they_are(tmp_path: Path, mixed: bool) -> None:
     """Q5_0, Q5_1 and Q6_K tensors (what Q4_K_M and Q5_K_M files use) are served in their own blocks
     under ``--quantization gguf``: the layers hold them (8 bits; Q5_1 with offsets; Q6_K in groups of
-    16), and the answers are those of the file's weights dequantized to float32."""
+    16), a stacked projection whose parts differ (``mixed``: q and k in Q5_1 beside v in Q6_K; gate in
+    Q5_0 beside up in float32) part by part, and the answers are those of the file's weights
+    dequantized to float32."""
     cfg = {"num_hidden_layers": 2, "max_position_embeddings": 1024, "hidden_size": 256,
            "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
            "rope_theta": 10000.0, "rms_norm_eps": 1e-5}  # fmt: skip
@@ -165,6 +174,7 @@ def test_a_gguf_files_q5_and_q6_k_tensors_are_multiplied_as_they_are(tmp_path: P
     hidden, inter, kv = 256, 512, 2 * 64
     shapes = {"model.embed_tokens.weight": (260, hidden), "lm_head.weight": (260, hidden),
               "model.norm.weight": (hidden,)}  # fmt: skip
+    in_q6_k = ("self_attn.o_proj", "mlp.down_proj", *(("self_attn.v_proj",) if mixed else ()))
     q6_k = {}
     for layer in range(2):
         pre = f"model.layers.{layer}."
@@ -172,22 +182,27 @@ def test_a_gguf_files_q5_and_q6_k_tensors_are_multiplied_as_they_are(tmp_path: P
             pre + "input_layernorm.weight": (hidden,),
             pre + "post_attention_layernorm.weight": (hidden,),
         }
-        for name, shape in (("self_attn.q_proj", (hidden, hidden)), ("self_attn.k_proj", (kv, hidden)),
-                            ("self_attn.v_proj", (kv, hidden)), ("mlp.gate_proj", (inter, hidden)),
-                            ("mlp.up_proj", (inter, hidden))):  # fmt: skip
-            shapes[pre + name + ".weight"] = shape
-        for name, (n, k) in (("self_attn.o_proj", (hidden, hidden)), ("mlp.down_proj", (hidden, inter))):
-            raw = rng.integers(0, 256, (n, k // 256, 210), dtype=np.uint8)
-            raw[..., 208:210] = np.full((n, k // 256, 1), 2e-5, np.float16).view(np.uint8)
-            q6_k[pre + name + ".weight"] = raw.reshape(n, k // 256 * 210)
+        for name, (n, k) in (("self_attn.q_proj", (hidden, hidden)), ("self_attn.k_proj", (kv, hidden)),
+                             ("self_attn.v_proj", (kv, hidden)), ("self_attn.o_proj", (hidden, hidden)),
+                             ("mlp.gate_proj", (inter, hidden)), ("mlp.up_proj", (inter, hidden)),
+                             ("mlp.down_proj", (hidden, inter))):  # fmt: skip
+            if name in in_q6_k:
+                q6_k[pre + name + ".weight"] = _q6_k_blocks(rng, n, k)
+            else:
+                shapes[pre + name + ".weight"] = (n, k)
     weights = {
         name: (np.ones(shape) if len(shape) == 1 else rng.standard_normal(shape) * 0.05).astype(np.float32)
         for name, shape in shapes.items()
     }
-    path = tmp_path / "q6k.gguf"
-    kinds = {
-        name: "Q5_0" if ".self_attn." in name else "Q5_1" for name in weights if name.endswith("proj.weight")
-    }
+    if mixed:
+        kinds = {
+            n: "Q5_0" if "gate" in n else "Q5_1"
+            for n in weights
+            if n.endswith(("q_proj.weight", "k_proj.weight", "gate_proj.weight"))
+        }
+    else:
+        kinds = {n: "Q5_0" if ".self_attn." in n else "Q5_1" for n in weights if n.endswith("proj.weight")}
+    path = tmp_path / "q5-q6k.gguf"
     write_gguf(path, cfg, weights, q6_k, kinds)
     held = ReferenceEngine(str(path), dtype="float32", quantization="gguf")
     plain = ReferenceEngine(str(path), dtype="float32")
@@ -195,8 +210,13 @@ def test_a_gguf_files_q5_and_q6_k_tensors_are_multiplied_as_they_are(tmp_path: P
     assert (layer.self_attn.o_proj.bits, layer.self_attn.o_proj.group) == (8, 16)
     assert (layer.mlp.down_proj.bits, layer.mlp.down_proj.group) == (8, 16)
     qkv, gate_up = layer.self_attn.qkv_proj, layer.mlp.gate_up_proj
-    assert (qkv.bits, qkv.group, gate_up.bits, gate_up.group) == (8, 32, 8, 32)
-    assert (qkv.dtype_code, gate_up.dtype_code) == (7, 13)  # float32 x; Q5_1's offsets
+    if mixed:  # pd_linear's dtype 16: each part in its own format (None: float32)
+        assert (qkv.dtype_code, qkv.parts) == (16, ((hidden, 8), (kv, 8), (kv, 8)))
+        assert (gate_up.dtype_code, gate_up.parts) == (16, ((inter, 8), (inter, None)))
+        assert held.runner.decoder is not None  # decode steps still run all layers in one C call
+    else:
+        assert (qkv.bits, qkv.group, gate_up.bits, gate_up.group) == (8, 32, 8, 32)
+        assert (qkv.dtype_code, gate_up.dtype_code) == (7, 13)  # float32 x; Q5_1's offsets
     params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=1)
     a, b = held.generate(list(range(20, 60)), params), plain.generate(list(range(20, 60)), params)
     assert a.token_ids == b.token_ids

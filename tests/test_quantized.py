@@ -13,8 +13,9 @@ import torch
 
 from pdfabric.engine.generate import ReferenceEngine
 from pdfabric.kernels.cpu_build import cpu_has_half_math
-from pdfabric.kernels.linear_cpu import InvariantLinear, quantize_int8, quantize_rows, w8a8_reference
+from pdfabric.kernels.linear_cpu import InvariantLinear, quantize_int8
 from pdfabric.kernels.quantized import GroupedWeight, dequantize, from_gguf, quantize_int4
+from pdfabric.kernels.w8a8_ref import quantize_rows, w8a8_reference
 from pdfabric.sampling_params import SamplingParams
 from tests.fabric import get_json, post_json, running_fabric, wait_blocks_free
 
@@ -197,6 +198,34 @@ def test_packed_rows_are_the_weights_each_format_multiplies(dtype: torch.dtype, 
     ]
     for lin, want in cases:
         assert torch.equal(packed_rows(lin, ids), want[ids]), lin.extra_repr()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_weight_of_parts_gives_each_parts_own_outputs_to_the_bit(dtype: torch.dtype) -> None:
+    """A stacked projection whose parts come in different formats (4-bit, Q6_K-like 8-bit groups of 16,
+    the compute dtype) is one layer of parts: its outputs are each part's own layer's, bias included,
+    to the bit, and a row's are the same in any batch."""
+    torch.manual_seed(3)
+    k = 256
+    g4 = quantize_int4(torch.randn(192, k) * 0.05)
+    q6 = _q8_groups(64, k, 16)
+    plain = torch.randn(70, k) * 0.05
+    w = torch.cat([dequantize(g4), dequantize(q6), plain]).to(dtype)
+    b = (torch.randn(w.shape[0]) * 0.1).to(dtype)
+    layer = InvariantLinear(w, b, "gguf", None, ((192, g4), (64, q6), (70, None)))
+    assert (layer.dtype_code, layer.parts) == (16, ((192, 4), (64, 8), (70, None)))
+    x = torch.randn(150, k).to(dtype)
+    y = layer(x)
+    alone = [
+        InvariantLinear(w[:192], b[:192], "gguf", g4),
+        InvariantLinear(w[192:256], b[192:256], "gguf", q6),
+        InvariantLinear(w[256:], b[256:]),
+    ]
+    assert torch.equal(y, torch.cat([part(x) for part in alone], dim=1))
+    for rows in (1, 3, 97):
+        assert torch.equal(layer(x[:rows]), y[:rows])
+    with pytest.raises(ValueError, match="do not make"):
+        InvariantLinear(w, b, "gguf", None, ((192, g4), (64, q6)))
 
 
 def test_a_layer_whose_inputs_are_not_groups_of_32_keeps_the_model_dtype() -> None:

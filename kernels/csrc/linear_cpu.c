@@ -40,6 +40,13 @@
  * of inputs as for bfloat16: 4 bits: panel[k / 2][64] bytes, the pair's first input in the low
  * nibble; 8 bits: panel[k / 2][64][2].
  *
+ * A weight of several parts (dtype 16, packed by pd_linear_pack_parts): a stacked projection whose parts
+ * come in different formats (a GGUF file's q and k in Q4_K beside v in Q6_K). Each part's outputs are
+ * its own call of pd_linear on the same x, written to their columns of out (and taking their slice of
+ * the bias): every part keeps its own fixed order, so the whole keeps the batch invariance. Layout: an
+ * int64 count, then per part (outputs, dtype, byte offset of its packed weight from the start), then
+ * the parts' packed weights.
+ *
  * Layouts (element strides): x row m starts at m * x_stride, out row m at m * out_stride, elements
  * contiguous. dtype: 0 float32, 1 bfloat16 (x, weight, bias and out alike). Rounding to bfloat16 is
  * to nearest even on the bits, as torch rounds.
@@ -93,6 +100,7 @@ static inline int group_offsets_held(int dtype) { return dtype == 4 || dtype == 
 static inline int grouped_bf16(int dtype) { return dtype == 4 || dtype == 6 || dtype == 10 || dtype == 12; }
 static inline int x_is_bf16(int dtype) { return dtype == 1 || dtype == 2 || grouped_bf16(dtype); }
 static inline int w8a8(int dtype) { return dtype == 8 || dtype == 9; } /* linear_w8a8.h */
+#define PARTS 16 /* the dtype of a weight of several parts (pd_linear_pack_parts) */
 
 /* Bytes of a W8A8 [n, k] weight: a scale per output, then a byte per weight. */
 static inline int64_t w8a8_packed_bytes(int64_t n, int64_t k) {
@@ -629,6 +637,7 @@ static void run_item(const void *job, int64_t block, int64_t p) {
 
 /* Whether this build can run `dtype`: 1 or 0. */
 int pd_linear_supported(int dtype) {
+    if (dtype == PARTS) return 1; /* as its parts are */
 #ifdef HAVE_AVX512_BF16
     return dtype >= 0 && dtype <= 13;
 #else
@@ -636,9 +645,59 @@ int pd_linear_supported(int dtype) {
 #endif
 }
 
+/* Writes the header of a weight of `count` parts (outputs and dtype of each) into `packed` and returns
+ * the byte offset of each part's packed weight into `offsets` (64-byte aligned, after the header);
+ * the caller packs each part there. Returns the bytes of the whole, or -1 on bad arguments. */
+int64_t pd_linear_pack_parts(int64_t count, const int64_t *outputs, const int32_t *dtypes, int64_t k, void *packed,
+                             int64_t *offsets) {
+    if (count < 1) return -1;
+    int64_t at = ((1 + 3 * count) * (int64_t)sizeof(int64_t) + 63) / 64 * 64;
+    for (int64_t i = 0; i < count; i++) {
+        if (outputs[i] <= 0 || dtypes[i] < 0 || dtypes[i] == PARTS || dtypes[i] > 13) return -1;
+        offsets[i] = at;
+        at += (pd_linear_packed_elems(outputs[i], k, dtypes[i]) * (dtypes[i] == 0 ? 4 : dtypes[i] == 1 ? 2 : 1) + 63) /
+              64 * 64;
+    }
+    if (packed != NULL) {
+        int64_t *h = (int64_t *)packed;
+        h[0] = count;
+        for (int64_t i = 0; i < count; i++) {
+            h[1 + 3 * i] = outputs[i];
+            h[2 + 3 * i] = dtypes[i];
+            h[3 + 3 * i] = offsets[i];
+        }
+    }
+    return at;
+}
+
+int pd_linear(const void *x, int64_t x_stride, const void *packed, const void *bias, void *out, int64_t out_stride,
+              int64_t m, int64_t n, int64_t k, int dtype, int threads);
+
+/* pd_linear for a weight of parts: one call a part, each on its columns of out. */
+static int linear_parts(const void *x, int64_t x_stride, const void *packed, const void *bias, void *out,
+                        int64_t out_stride, int64_t m, int64_t n, int64_t k, int threads) {
+    const int64_t *h = (const int64_t *)packed;
+    int64_t row = 0;
+    for (int64_t i = 0; i < h[0]; i++) {
+        const int64_t outputs = h[1 + 3 * i], dtype = h[2 + 3 * i], offset = h[3 + 3 * i];
+        const int64_t esize = x_is_bf16((int)dtype) || dtype == 8 ? 2 : 4; /* x, bias and out elements */
+        if (row + outputs > n) return 1;
+        const int status = pd_linear(x, x_stride, (const char *)packed + offset,
+                                     bias ? (const char *)bias + row * esize : NULL, (char *)out + row * esize,
+                                     out_stride, m, outputs, k, (int)dtype, threads);
+        if (status) return status;
+        row += outputs;
+    }
+    return row == n ? 0 : 1;
+}
+
 /* Returns 0 on success, 1 on bad arguments, 2 when out of memory, 3 when this build cannot run the dtype. */
 int pd_linear(const void *x, int64_t x_stride, const void *packed, const void *bias, void *out,
               int64_t out_stride, int64_t m, int64_t n, int64_t k, int dtype, int threads) {
+    if (dtype == PARTS) {
+        if (m < 0 || n <= 0 || k <= 0 || x_stride < k || out_stride < n) return 1;
+        return linear_parts(x, x_stride, packed, bias, out, out_stride, m, n, k, threads);
+    }
     if (m < 0 || n <= 0 || k <= 0 || x_stride < k || out_stride < n || dtype < 0 || dtype > 13) return 1;
     if ((grouped(dtype) && k % group_inputs(dtype)) || (w8a8(dtype) && k % GROUP)) return 1;
     if (!pd_linear_supported(dtype)) return 3;
