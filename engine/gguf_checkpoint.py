@@ -33,8 +33,23 @@ import numpy as np
 # GGUF token types (llama.cpp's llama_token_type): control tokens are special, user-defined ones are
 # added tokens that are not special.
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
-# Byte-level pre-tokenizers by GGUF name: whether digits are split one by one before the GPT-2 regex.
-_SPLIT_DIGITS = {"smollm": True, "starcoder": True, "refact": True, "gpt2": False, "default": False}
+# Byte-level pre-tokenizers by GGUF name (llama.cpp's names): the split rule before bytes become
+# symbols, and whether a word found whole in the vocabulary skips the merges (Llama 3's
+# "ignore_merges"). Rules: "digits": digits one by one, then GPT-2's regex; "gpt2": GPT-2's regex;
+# otherwise the regex given (the tokenizer.json ones of Llama 3 and Qwen2, which split numbers into
+# runs of up to 3 digits and into single digits). Checked against llama.cpp's own vocabulary tests
+# (tests/test_gguf_tokenizers.py).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+    r"\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+_PRE_TOKENIZERS = {
+    "smollm": ("digits", False), "starcoder": ("digits", False), "refact": ("digits", False),
+    "gpt-2": ("gpt2", False), "gpt2": ("gpt2", False), "default": ("gpt2", False),
+    "llama-bpe": (_LLAMA3_SPLIT, True), "llama3": (_LLAMA3_SPLIT, True), "llama-v3": (_LLAMA3_SPLIT, True),
+    "qwen2": (_QWEN2_SPLIT, False), "deepseek-r1-qwen": (_QWEN2_SPLIT, False),
+}  # fmt: skip
 
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
@@ -155,8 +170,11 @@ def _write_weights(reader: Any, config: dict[str, Any], path: Path) -> None:
 
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        if t.name.endswith("rope_freqs.weight"):  # llama-3 rope factors; derived from the config here
-            continue
+        if t.name.endswith("rope_freqs.weight"):  # Llama 3.1's scaled frequencies: not in the metadata
+            raise GGUFError(
+                "this GGUF file scales its rotary frequencies (rope_freqs: Llama 3.1 and later), which the "
+                "converter does not read yet; serve the model's Hugging Face checkpoint instead"
+            )
         try:
             weight = dequantize(t.data, t.tensor_type)
         except NotImplementedError as exc:
@@ -186,6 +204,22 @@ def _write_blocks(reader: Any, config: dict[str, Any], path: Path) -> None:
     save_file(tensors, str(path), metadata={"format": "pt", "gguf_types": json.dumps(types)})
 
 
+def _pre_tokenizer_steps(rule: str) -> list[Any]:
+    """The ``tokenizers`` pre-tokenizer steps of a split rule (``_PRE_TOKENIZERS``), ending with the
+    byte-level mapping."""
+    from tokenizers import Regex, pre_tokenizers
+
+    if rule in ("digits", "gpt2"):
+        steps = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        if rule == "digits":
+            steps.insert(0, pre_tokenizers.Digits(individual_digits=True))
+        return steps
+    return [
+        pre_tokenizers.Split(Regex(rule), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ]
+
+
 def _write_tokenizer(meta: dict[str, Any], out: Path) -> None:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
@@ -193,16 +227,16 @@ def _write_tokenizer(meta: dict[str, Any], out: Path) -> None:
     if kind != "gpt2":
         raise GGUFError(f"GGUF tokenizer model {kind!r} is not supported; pdfabric converts 'gpt2' (BPE)")
     pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre not in _SPLIT_DIGITS:
-        raise GGUFError(f"GGUF pre-tokenizer {pre!r} is not known; known: {', '.join(sorted(_SPLIT_DIGITS))}")
+    if pre not in _PRE_TOKENIZERS:
+        known = ", ".join(sorted(_PRE_TOKENIZERS))
+        raise GGUFError(f"GGUF pre-tokenizer {pre!r} is not known; known: {known}")
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     types: list[int] = list(meta.get("tokenizer.ggml.token_type", [_NORMAL] * len(tokens)))
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]  # none: bytes only
-    backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
-    steps = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
-    if _SPLIT_DIGITS[pre]:
-        steps.insert(0, pre_tokenizers.Digits(individual_digits=True))
-    backend.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    rule, ignore_merges = _PRE_TOKENIZERS[pre]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(_pre_tokenizer_steps(rule))
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens(
         [

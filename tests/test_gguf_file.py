@@ -18,6 +18,7 @@ from safetensors.numpy import load_file
 from pdfabric.engine import default_model
 from pdfabric.engine.default_model import ensure_gguf, resolve_model
 from pdfabric.engine.generate import ReferenceEngine
+from pdfabric.engine.gguf_checkpoint import GGUFError
 from pdfabric.sampling_params import SamplingParams
 from tests.test_gguf import _llama_cpp_permute
 
@@ -28,7 +29,10 @@ _LAYER = {
     "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
 }  # fmt: skip
-_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_GLOBAL = {
+    "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+    "rope_freqs": "rope_freqs",
+}  # fmt: skip
 
 
 def _byte_tokens() -> list[str]:
@@ -141,6 +145,18 @@ def test_a_gguf_file_is_converted_once_and_again_when_it_changes(
     again = ensure_gguf(gguf_file)
     assert again != found[0] and len(converted) == 2
     assert not list(again.parent.glob(".*.staging-*"))
+
+
+def test_a_file_with_scaled_rotary_frequencies_is_refused(tmp_path: Path) -> None:
+    """Llama 3.1's GGUF files carry their rotary scaling as a rope_freqs tensor, which the converter does
+    not read: refused with the reason, rather than served with the wrong positions."""
+    source = resolve_model("tiny")
+    cfg = json.loads((source / "config.json").read_text())
+    weights = load_file(str(source / "model.safetensors"))
+    path = tmp_path / "scaled-rope.gguf"
+    write_gguf(path, cfg, {**weights, "rope_freqs.weight": np.ones(8, dtype=np.float32)})
+    with pytest.raises(GGUFError, match="rope_freqs"):
+        ensure_gguf(path)
 
 
 def test_a_failed_conversion_leaves_no_entry(tmp_path: Path) -> None:
