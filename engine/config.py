@@ -35,6 +35,9 @@ class ModelConfig:
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: RopeScaling | None = None
+    # Each rotary frequency's divisor, as a GGUF file gives them (its rope_freqs tensor, the converter's
+    # config key "rope_freq_factors": Llama 3.1's scaling, precomputed); None: no divisors.
+    rope_freq_factors: tuple[float, ...] | None = None
     attention_bias: bool = False  # biases on q/k/v
     attention_out_bias: bool = False  # bias on o_proj (Llama's attention_bias has both; Qwen2 only q/k/v)
     tie_word_embeddings: bool = False
@@ -99,6 +102,7 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
             rope_scaling=_rope_scaling(rope or cfg.get("rope_scaling")),
+            rope_freq_factors=_freq_factors(cfg, cfg.get("head_dim") or hidden // num_heads),
             # Qwen2 always carries q/k/v biases; Llama and Mistral say so with attention_bias.
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             attention_out_bias=arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False)),
@@ -129,6 +133,19 @@ def _context_limit(cfg: dict[str, Any]) -> int:
     if window and cfg.get("use_sliding_window", True):
         limit = min(limit, int(window))
     return limit
+
+
+def _freq_factors(cfg: dict[str, Any], head_dim: int) -> tuple[float, ...] | None:
+    raw = cfg.get("rope_freq_factors")
+    if raw is None:
+        return None
+    factors = tuple(float(v) for v in raw)
+    if len(factors) != head_dim // 2 or not all(f > 0 for f in factors):
+        raise ValueError(f"rope_freq_factors must be {head_dim // 2} positive numbers (one per frequency)")
+    scaled = (cfg.get("rope_parameters") or {}).get("rope_type") not in (None, "default")
+    if cfg.get("rope_scaling") or scaled:
+        raise ValueError("rope_freq_factors and rope_scaling are two ways of one thing: give one")
+    return factors
 
 
 def _rope_scaling(raw: dict[str, Any] | None) -> RopeScaling | None:

@@ -12,11 +12,14 @@ The quantized blocks of the tensors whose type pdfabric multiplies as it is (``G
 blocks per output, under the tensor's Hugging Face name; their types in the file's metadata), so that
 a worker with ``quantization = "gguf"`` serves the file's own weights (``load_model``).
 
-Two things differ from a Hugging Face checkpoint:
+Three things differ from a Hugging Face checkpoint:
 
 * llama.cpp's converter permutes the rows of ``q_proj`` and ``k_proj`` of each head so that its
   rotary embedding can rotate adjacent pairs; Hugging Face's Llama rotates the two halves of a head.
   The permutation is undone here (:func:`unpermute_rotary_rows`).
+* Llama 3.1's rotary scaling comes as a divisor per frequency (a ``rope_freqs`` tensor) rather than as
+  parameters: it is written to ``config.json`` as ``rope_freq_factors``, which pdfabric's config
+  reads (``ModelConfig.rope_freq_factors``); a Hugging Face loader would not.
 * A GGUF "gpt2" tokenizer is a byte-level BPE given as its vocabulary and merges; the pre-tokenizer
   is named (``tokenizer.ggml.pre``) rather than stored, so the names this module knows map to the
   split rules llama.cpp applies for them.
@@ -170,11 +173,9 @@ def _write_weights(reader: Any, config: dict[str, Any], path: Path) -> None:
 
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        if t.name.endswith("rope_freqs.weight"):  # Llama 3.1's scaled frequencies: not in the metadata
-            raise GGUFError(
-                "this GGUF file scales its rotary frequencies (rope_freqs: Llama 3.1 and later), which the "
-                "converter does not read yet; serve the model's Hugging Face checkpoint instead"
-            )
+        if t.name.endswith("rope_freqs.weight"):  # Llama 3.1's scaling as a divisor per frequency
+            config["rope_freq_factors"] = [float(v) for v in np.asarray(t.data, dtype=np.float32).reshape(-1)]
+            continue
         try:
             weight = dequantize(t.data, t.tensor_type)
         except NotImplementedError as exc:

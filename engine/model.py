@@ -40,11 +40,16 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """Rotary inverse frequencies ``[head_dim / 2]`` in float32, with Llama-3 scaling if configured."""
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: RopeScaling | None, factors: tuple[float, ...] | None = None
+) -> torch.Tensor:
+    """Rotary inverse frequencies ``[head_dim / 2]`` in float32, with Llama-3 scaling if configured, or
+    each divided by its factor (``ModelConfig.rope_freq_factors``: a GGUF file's, as llama.cpp divides)."""
     inv_freq = 1.0 / theta ** (
         torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     )
+    if factors is not None:
+        return inv_freq / torch.tensor(factors, dtype=torch.float32, device="cpu")
     if scaling is None:
         return inv_freq
     old_ctx = scaling.original_max_position_embeddings
@@ -156,7 +161,7 @@ class LlamaForCausalLM(nn.Module):
             None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
         # A plain attribute, not a buffer: it is derived from the config, never loaded.
-        self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.rope_freq_factors)
 
     def forward(
         self,

@@ -7,7 +7,9 @@ exactly what ``tiny`` answers."""
 from __future__ import annotations
 
 import json
+import math
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -18,7 +20,6 @@ from safetensors.numpy import load_file
 from pdfabric.engine import default_model
 from pdfabric.engine.default_model import ensure_gguf, resolve_model
 from pdfabric.engine.generate import ReferenceEngine
-from pdfabric.engine.gguf_checkpoint import GGUFError
 from pdfabric.sampling_params import SamplingParams
 from tests.test_gguf import _llama_cpp_permute
 
@@ -147,16 +148,41 @@ def test_a_gguf_file_is_converted_once_and_again_when_it_changes(
     assert not list(again.parent.glob(".*.staging-*"))
 
 
-def test_a_file_with_scaled_rotary_frequencies_is_refused(tmp_path: Path) -> None:
-    """Llama 3.1's GGUF files carry their rotary scaling as a rope_freqs tensor, which the converter does
-    not read: refused with the reason, rather than served with the wrong positions."""
+def test_a_files_rotary_frequency_factors_are_llama3_scaling(tmp_path: Path) -> None:
+    """Llama 3.1's GGUF files carry their rotary scaling as a divisor per frequency (rope_freqs, made by
+    llama.cpp's converter from the rope_scaling parameters): served, the file answers what the Hugging
+    Face checkpoint with those parameters answers."""
     source = resolve_model("tiny")
     cfg = json.loads((source / "config.json").read_text())
-    weights = load_file(str(source / "model.safetensors"))
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}  # fmt: skip
+    scaled_dir = tmp_path / "scaled"
+    shutil.copytree(source, scaled_dir)
+    (scaled_dir / "config.json").write_text(json.dumps({**cfg, "rope_scaling": scaling}))
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    factors = []  # llama.cpp's conversion of the parameters (conversion/llama.py)
+    for freq in 1.0 / cfg["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim):
+        wavelen, old = 2 * math.pi / freq, scaling["original_max_position_embeddings"]
+        if wavelen < old / scaling["high_freq_factor"]:
+            factors.append(1.0)
+        elif wavelen > old / scaling["low_freq_factor"]:
+            factors.append(scaling["factor"])
+        else:
+            smooth = (old / wavelen - scaling["low_freq_factor"]) / (
+                scaling["high_freq_factor"] - scaling["low_freq_factor"]
+            )
+            factors.append(1 / ((1 - smooth) / scaling["factor"] + smooth))
+    assert len(set(factors)) > 2  # kept, blended and slowed frequencies all present
     path = tmp_path / "scaled-rope.gguf"
-    write_gguf(path, cfg, {**weights, "rope_freqs.weight": np.ones(8, dtype=np.float32)})
-    with pytest.raises(GGUFError, match="rope_freqs"):
-        ensure_gguf(path)
+    weights = load_file(str(source / "model.safetensors"))
+    write_gguf(path, cfg, {**weights, "rope_freqs.weight": np.array(factors, dtype=np.float32)})
+    prompt, params = list(range(10, 110)), SamplingParams(max_tokens=10, ignore_eos=True, logprobs=1)
+    want = ReferenceEngine(str(scaled_dir)).generate(prompt, params)
+    got = ReferenceEngine(str(path), dtype="float32").generate(prompt, params)
+    assert got.token_ids == want.token_ids
+    assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+    unscaled = ReferenceEngine("tiny").generate(prompt, params)
+    assert unscaled.logprobs != pytest.approx(want.logprobs, abs=1e-4)  # the scaling matters here
 
 
 def test_a_failed_conversion_leaves_no_entry(tmp_path: Path) -> None:
