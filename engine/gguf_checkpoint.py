@@ -22,7 +22,9 @@ Three things differ from a Hugging Face checkpoint:
   reads (``ModelConfig.rope_freq_factors``); a Hugging Face loader would not.
 * A GGUF "gpt2" tokenizer is a byte-level BPE given as its vocabulary and merges; the pre-tokenizer
   is named (``tokenizer.ggml.pre``) rather than stored, so the names this module knows map to the
-  split rules llama.cpp applies for them.
+  split rules llama.cpp applies for them. A "llama" tokenizer (SentencePiece's BPE) is given as
+  pieces and scores: its merges are made from the scores (a pair's rank is the score of the piece it
+  makes, as llama.cpp merges).
 """
 
 from __future__ import annotations
@@ -221,24 +223,73 @@ def _pre_tokenizer_steps(rule: str) -> list[Any]:
     ]
 
 
-def _write_tokenizer(meta: dict[str, Any], out: Path) -> None:
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+def _byte_level_bpe(meta: dict[str, Any], tokens: list[str]) -> Any:
+    """A GGUF "gpt2" vocabulary as a ``tokenizers`` byte-level BPE with its pre-tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise GGUFError(f"GGUF tokenizer model {kind!r} is not supported; pdfabric converts 'gpt2' (BPE)")
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in _PRE_TOKENIZERS:
         known = ", ".join(sorted(_PRE_TOKENIZERS))
         raise GGUFError(f"GGUF pre-tokenizer {pre!r} is not known; known: {known}")
-    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-    types: list[int] = list(meta.get("tokenizer.ggml.token_type", [_NORMAL] * len(tokens)))
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]  # none: bytes only
     rule, ignore_merges = _PRE_TOKENIZERS[pre]
     vocab = {t: i for i, t in enumerate(tokens)}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
     backend.pre_tokenizer = pre_tokenizers.Sequence(_pre_tokenizer_steps(rule))
     backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_bpe(meta: dict[str, Any], tokens: list[str]) -> Any:
+    """A GGUF "llama" vocabulary (SentencePiece's BPE: Llama 2, Mistral, TinyLlama) as a ``tokenizers``
+    BPE: a space prefix and spaces as "▁", bytes outside the vocabulary as <0xXX> tokens, and merges
+    ranked by the score of the piece they make (llama.cpp merges the pair whose piece scores highest)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    scores: list[float] = [float(s) for s in meta["tokenizer.ggml.scores"]]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    ranked = []
+    for piece, index in vocab.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-scores[index], vocab[left], vocab[right], left, right))
+    merges = [(left, right) for *_, left, right in sorted(ranked)]
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    backend = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            unk_token=tokens[int(unk)] if unk is not None else None,
+            fuse_unk=True,
+            byte_fallback=True,
+        )  # fmt: skip
+    )
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    steps = [normalizers.Prepend("\u2581")] if prefix else []
+    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "\u2581")])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+        + ([decoders.Strip(" ", 1, 0)] if prefix else [])
+    )
+    return backend
+
+
+def _write_tokenizer(meta: dict[str, Any], out: Path) -> None:
+    from tokenizers import AddedToken
+
+    kind = meta.get("tokenizer.ggml.model")
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    types: list[int] = list(meta.get("tokenizer.ggml.token_type", [_NORMAL] * len(tokens)))
+    if kind == "gpt2":
+        backend = _byte_level_bpe(meta, tokens)
+    elif kind == "llama":
+        backend = _sentencepiece_bpe(meta, tokens)
+    else:
+        raise GGUFError(
+            f"GGUF tokenizer model {kind!r} is not supported; pdfabric converts 'gpt2' (byte-level BPE) "
+            "and 'llama' (SentencePiece BPE)"
+        )
     backend.add_special_tokens(
         [
             AddedToken(t, special=True, normalized=False)

@@ -60,11 +60,42 @@ def test_an_unknown_pre_tokenizer_is_refused_with_the_known_names(tmp_path: Path
         _tokenizer(tmp_path, "deepseek-llm")
 
 
+def test_a_sentencepiece_vocabulary_merges_by_score_and_falls_back_to_bytes(tmp_path: Path) -> None:
+    """A GGUF "llama" vocabulary (Llama 2, Mistral): a space prefix and spaces as U+2581, pieces merged
+    highest score first, a character outside the vocabulary as its UTF-8 bytes; decoding gives the
+    text back."""
+    pieces = [
+        "<unk>",
+        "<s>",
+        "</s>",
+        *(f"<0x{b:02X}>" for b in range(256)),
+        "\u2581",
+        "a",
+        "b",
+        "ab",
+        "\u2581ab",
+    ]
+    scores = [0.0] * (len(pieces) - 5) + [-1.0, -2.0, -2.0, -3.0, -4.0]
+    meta = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": pieces,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.token_type": [2, 3, 3, *([6] * 256), 1, 1, 1, 1, 1],
+        "tokenizer.ggml.unknown_token_id": 0,
+    }
+    _write_tokenizer(meta, tmp_path)
+    tokenizer = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    ids = tokenizer.encode("ab abé", add_special_tokens=False).ids
+    assert [pieces[i] for i in ids] == ["\u2581ab", "\u2581ab", "<0xC3>", "<0xA9>"]
+    assert tokenizer.decode(ids) == "ab abé"
+
+
 MODELS = os.environ.get("PDFABRIC_LLAMA_CPP_MODELS")
 
 
 @pytest.mark.skipif(not MODELS, reason="PDFABRIC_LLAMA_CPP_MODELS (llama.cpp's models/ folder) is not set")
-@pytest.mark.parametrize("name", ["gpt-2", "starcoder", "refact", "llama-bpe", "qwen2"])
+@pytest.mark.parametrize("name", ["gpt-2", "starcoder", "refact", "llama-bpe", "qwen2", "llama-spm"])
 def test_llama_cpps_vocabulary_tests_tokenize_to_its_ids(tmp_path: Path, name: str) -> None:
     from gguf import GGUFReader
 
