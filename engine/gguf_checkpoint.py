@@ -1,4 +1,4 @@
-"""Converts a Llama-architecture GGUF file into a Hugging Face model directory.
+"""Converts a Llama- or Qwen2-architecture GGUF file into a Hugging Face model directory.
 
 A GGUF file (llama.cpp's format) holds the weights, often quantized, and the tokenizer, special tokens
 and chat template as metadata. pdfabric serves it by converting it once: the ``gguf`` package reads
@@ -14,9 +14,10 @@ a worker with ``quantization = "gguf"`` serves the file's own weights (``load_mo
 
 Three things differ from a Hugging Face checkpoint:
 
-* llama.cpp's converter permutes the rows of ``q_proj`` and ``k_proj`` of each head so that its
-  rotary embedding can rotate adjacent pairs; Hugging Face's Llama rotates the two halves of a head.
-  The permutation is undone here (:func:`unpermute_rotary_rows`).
+* llama.cpp's converter permutes the rows of ``q_proj`` and ``k_proj`` of each head of a llama file
+  so that its rotary embedding can rotate adjacent pairs; Hugging Face's Llama rotates the two halves
+  of a head. The permutation is undone here (:func:`unpermute_rotary_rows`); a qwen2 file's rows are
+  as Hugging Face's (its q/k/v biases come along).
 * Llama 3.1's rotary scaling comes as a divisor per frequency (a ``rope_freqs`` tensor) rather than as
   parameters: it is written to ``config.json`` as ``rope_freq_factors``, which pdfabric's config
   reads (``ModelConfig.rope_freq_factors``); a Hugging Face loader would not.
@@ -56,6 +57,7 @@ _PRE_TOKENIZERS = {
     "qwen2": (_QWEN2_SPLIT, False), "deepseek-r1-qwen": (_QWEN2_SPLIT, False),
 }  # fmt: skip
 
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}  # GGUF's name: Hugging Face's
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -107,31 +109,33 @@ def _metadata(reader: Any) -> dict[str, Any]:
             continue
         meta[name] = field.contents()
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise GGUFError(f"GGUF architecture {arch!r} is not served; pdfabric converts 'llama' files")
+    if arch not in _ARCHITECTURES:
+        known = " and ".join(repr(a) for a in _ARCHITECTURES)
+        raise GGUFError(f"GGUF architecture {arch!r} is not served; pdfabric converts {known} files")
     return meta
 
 
 def hf_config(meta: dict[str, Any], torch_dtype: str) -> dict[str, Any]:
-    """``config.json`` of a llama GGUF file's metadata."""
-    hidden = int(meta["llama.embedding_length"])
-    heads = int(meta["llama.attention.head_count"])
-    head_dim = int(meta.get("llama.rope.dimension_count", hidden // heads))
+    """``config.json`` of a llama or qwen2 GGUF file's metadata (keys under the architecture's name)."""
+    arch = meta.get("general.architecture", "llama")
+    hidden = int(meta[f"{arch}.embedding_length"])
+    heads = int(meta[f"{arch}.attention.head_count"])
+    head_dim = int(meta.get(f"{arch}.rope.dimension_count", hidden // heads))
     if head_dim != hidden // heads:
         raise GGUFError(f"partial rotary embeddings (rope dimension {head_dim}) are not supported")
-    vocab = meta.get("llama.vocab_size") or len(meta["tokenizer.ggml.tokens"])
+    vocab = meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [_ARCHITECTURES[arch]],
+        "model_type": arch,
         "vocab_size": int(vocab),
         "hidden_size": hidden,
-        "intermediate_size": int(meta["llama.feed_forward_length"]),
-        "num_hidden_layers": int(meta["llama.block_count"]),
+        "intermediate_size": int(meta[f"{arch}.feed_forward_length"]),
+        "num_hidden_layers": int(meta[f"{arch}.block_count"]),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(meta.get("llama.attention.head_count_kv", heads)),
-        "max_position_embeddings": int(meta.get("llama.context_length", 2048)),
-        "rms_norm_eps": float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
+        "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        "max_position_embeddings": int(meta.get(f"{arch}.context_length", 2048)),
+        "rms_norm_eps": float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         "hidden_act": "silu",
         "attention_bias": False,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
@@ -156,11 +160,14 @@ def _hf_name(gguf_name: str) -> str:
             return f"model.layers.{layer}.{_LAYER_TENSORS[part]}.{kind}"
     elif stem in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[stem]}.{kind}"
-    raise GGUFError(f"unexpected GGUF tensor {gguf_name!r} in a llama file")
+    raise GGUFError(f"unexpected GGUF tensor {gguf_name!r} in a llama or qwen2 file")
 
 
 def _hf_rows(gguf_name: str, rows: np.ndarray, config: dict[str, Any]) -> np.ndarray:
-    """A tensor's rows (one per output) in Hugging Face's order: q and k rows unpermuted."""
+    """A tensor's rows (one per output) in Hugging Face's order: a llama file's q and k rows
+    unpermuted (a qwen2 file's rotate halves, as Hugging Face's do)."""
+    if config["model_type"] != "llama":
+        return rows
     if ".attn_q." in gguf_name:
         return unpermute_rotary_rows(rows, config["num_attention_heads"])
     if ".attn_k." in gguf_name:

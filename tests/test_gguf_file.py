@@ -49,12 +49,13 @@ def write_gguf(
     weights: dict[str, np.ndarray],
     q6_k: dict[str, np.ndarray] | None = None,
     quantize: dict[str, str] | None = None,
+    arch: str = "llama",
 ) -> None:
-    """A llama GGUF file of Hugging Face ``weights`` in float32 (q and k rows permuted as llama.cpp's
-    converter does), ``quantize``'s tensors quantized by the ``gguf`` package to the type named, and
-    ``q6_k``'s tensors as the Q6_K blocks given (one row of blocks an output)."""
+    """A GGUF file of ``arch`` of Hugging Face ``weights`` in float32 (a llama file's q and k rows
+    permuted as llama.cpp's converter does), ``quantize``'s tensors quantized by the ``gguf`` package
+    to the type named, and ``q6_k``'s tensors as the Q6_K blocks given (one row of blocks an output)."""
     q6_k, quantize = q6_k or {}, quantize or {}
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
@@ -83,7 +84,7 @@ def write_gguf(
             continue
         part = gguf_name.split(".")[-2]
         heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}.get(part)
-        if heads:
+        if heads and arch == "llama":
             tensor = _llama_cpp_permute(tensor, heads)
         tensor = np.ascontiguousarray(tensor, dtype=np.float32)
         if name in quantize:
@@ -263,3 +264,37 @@ def test_a_gguf_files_q5_and_q6_k_tensors_are_multiplied_as_they_are(tmp_path: P
     a, b = held.generate(list(range(20, 60)), params), plain.generate(list(range(20, 60)), params)
     assert a.token_ids == b.token_ids
     assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def test_a_qwen2_gguf_file_answers_what_its_checkpoint_answers(tmp_path: Path) -> None:
+    """A qwen2 GGUF file (q/k/v biases, rows as Hugging Face keeps them, a tied head) converted and
+    served in float32 gives the logits of the Hugging Face Qwen2 checkpoint it was written from."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    config = transformers.Qwen2Config(
+        vocab_size=260, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True, rope_theta=1e6,
+    )  # fmt: skip
+    torch.manual_seed(4)
+    hf = transformers.Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)  # biases start at zero; make them matter
+    checkpoint = tmp_path / "qwen2"
+    hf.float().save_pretrained(checkpoint)
+    shutil.copy(resolve_model("tiny") / "tokenizer.json", checkpoint)
+    weights = {n: p.detach().float().numpy() for n, p in hf.state_dict().items() if n != "lm_head.weight"}
+    cfg = {"num_hidden_layers": 2, "max_position_embeddings": 1024, "hidden_size": 128,
+           "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 1e6,
+           "rms_norm_eps": config.rms_norm_eps}  # fmt: skip
+    path = tmp_path / "qwen2.gguf"
+    write_gguf(path, cfg, weights, arch="qwen2")
+    converted = ensure_gguf(path)
+    assert json.loads((converted / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    prompt, params = list(range(10, 70)), SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)
+    want = ReferenceEngine(str(checkpoint), dtype="float32").generate(prompt, params)
+    got = ReferenceEngine(str(path), dtype="float32").generate(prompt, params)
+    assert got.token_ids == want.token_ids
+    assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
