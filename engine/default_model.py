@@ -207,6 +207,9 @@ def _build_once(name: str, build: Callable[[Path], None], cache_dir: str | Path 
         try:
             build(staging)
             os.rename(staging, final)  # atomic
+        except OSError:  # where the lock is not honoured (some network file systems), a race is lost
+            if not (final / "config.json").is_file():
+                raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return final
