@@ -158,8 +158,7 @@ def can_pack(linear: nn.Linear, kind: str = "invariant", quantization: str = "no
     blocks = getattr(linear, "gguf_blocks", None) if quantization == "gguf" else None
     parts = gguf_parts(linear, quantization)
     if parts is not None:
-        codes = [_dtype_code(w.dtype, "none", blocks) for _, blocks in parts]
-        return all(lib.pd_linear_supported(c) for c in codes)
+        return all(lib.pd_linear_supported(c) for c in _part_codes(w.dtype, parts))
     if quantization == "int4" and linear.in_features % GROUP == 0:
         code = GROUPED_CODES[4, GROUP, True, w.dtype]
     elif blocks is not None:
@@ -196,6 +195,7 @@ class InvariantLinear(nn.Module):
         self.quantization = quantization if grouped is not None or eight else "none"
         self.bits = grouped.bits if grouped is not None else 8 if eight else None
         self.group = grouped.group if grouped is not None else None  # inputs a scale covers, where grouped
+        self.offsets = grouped is not None and grouped.offsets is not None  # an offset per group too
         self.dtype_code = _dtype_code(weight.dtype, quantization, grouped)
         weight = weight.detach()
         if weight.stride(1) != 1:
@@ -284,6 +284,11 @@ def _packed_weight(
     return packed
 
 
+def _part_codes(dtype: torch.dtype, parts: Parts) -> list[int]:
+    """pd_linear's dtype of each part: its blocks' format, or the compute dtype."""
+    return [_dtype_code(dtype, "none", blocks) for _, blocks in parts]
+
+
 def _packed_parts(weight: torch.Tensor, parts: Parts) -> torch.Tensor:
     """A weight whose parts (rows one after another) are packed each in its own format, behind a header
     (pd_linear_pack_parts): blocks where a part has them, else the compute dtype."""
@@ -292,7 +297,7 @@ def _packed_parts(weight: torch.Tensor, parts: Parts) -> torch.Tensor:
         raise ValueError(
             f"parts of {[n for n, _ in parts]} outputs do not make a {tuple(weight.shape)} weight"
         )
-    codes = [_dtype_code(weight.dtype, "none", b) for _, b in parts]
+    codes = _part_codes(weight.dtype, parts)
     outputs = (ctypes.c_int64 * len(parts))(*(n for n, _ in parts))
     dtypes, offsets = (ctypes.c_int32 * len(parts))(*codes), (ctypes.c_int64 * len(parts))()
     total = lib.pd_linear_pack_parts(len(parts), outputs, dtypes, weight.shape[1], None, offsets)

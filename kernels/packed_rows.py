@@ -39,7 +39,7 @@ def packed_rows(linear: InvariantLinear, ids: torch.Tensor) -> torch.Tensor:
         else:  # panel[k / 2][64][2] int8
             q = body.view(torch.int8).view(panels, pairs, COLS, 2)[p, :, c].reshape(len(ids), k).float()
         w = q.reshape(len(ids), groups, group) * scales[p, :, c][..., None]
-        if code in (GROUPED_CODES[4, 32, True, linear._dtype], GROUPED_CODES[8, 32, True, linear._dtype]):
+        if linear.offsets:
             offsets = buf[panels * groups * COLS * 4 : 2 * panels * groups * COLS * 4].view(torch.float32)
             w = w + offsets.view(panels, groups, COLS)[p, :, c][..., None]
         return w.reshape(len(ids), k).to(linear._dtype)
