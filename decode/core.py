@@ -86,6 +86,7 @@ class DecodeCore(WorkerCore):
 
 class ColocatedCore(WorkerCore):
     on_prefilled = "decode"
+    embeds = True
 
     def on_message(self, msg: object) -> Out:
         if not isinstance(msg, Generate):

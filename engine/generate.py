@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -127,6 +128,25 @@ class ReferenceEngine:
                 pending = [token.token_id]
         finally:
             self.tables.release(seq)
+
+    def embed(self, prompt_ids: list[int], mode: str, normalize: bool) -> list[float]:
+        """The pooled embedding of ``prompt_ids`` (``engine/pooling.py``'s ``mode`` and ``normalize``),
+        the prompt computed whole into fresh blocks: the oracle for the workers' ``Embed``."""
+        from pdfabric.engine.runner import StepEntry
+        from pdfabric.engine.stepper import pooled_vector
+
+        if not prompt_ids or len(prompt_ids) > self.config.max_position_embeddings:
+            raise ValueError(f"an input of 1 to {self.config.max_position_embeddings} tokens is needed")
+        seq = object()
+        try:
+            if self.tables.grow(seq, len(prompt_ids)) is None:
+                raise RuntimeError("the KV cache is too small for this input")
+            entry = StepEntry(tuple(prompt_ids), 0, tuple(self.tables.table(seq)), needs_logits=False)
+            _, hidden = self.runner.run([entry])  # [tokens, hidden]
+            vector = pooled_vector([hidden if mode == "mean" else hidden[:1]], hidden[-1:], mode, normalize)
+        finally:
+            self.tables.release(seq)
+        return array("f", vector).tolist()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -60,7 +60,7 @@ class PrefixCache:
         prefix; never its last token, which the step that computes it samples from."""
         if seq.prefix_hit is None:
             self.prompt_tokens += len(seq.prompt_ids)
-        if self.salt is None or seq.params.prompt_logprobs:  # scored prompts run whole
+        if self.salt is None or seq.runs_whole:  # scored prompts and pooled ones run whole
             seq.prefix_hit = 0
             return
         pool = self.tables.pool

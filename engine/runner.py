@@ -164,13 +164,20 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_rows, **as_long),
         )
 
-    @torch.inference_mode()
     def step(
         self, entries: list[StepEntry], after_layer: Callable[[int], None] | None = None
     ) -> torch.Tensor:
         """Runs the batch, writing its KV into the cache; returns float32 logits ``[N, vocab]`` for the
         entries with ``needs_logits`` (their last token) or ``all_logits`` (each of their tokens), in
         order. ``after_layer(i)``: called as each layer finishes."""
+        return self.run(entries, after_layer)[0]
+
+    @torch.inference_mode()
+    def run(
+        self, entries: list[StepEntry], after_layer: Callable[[int], None] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``step``'s logits, and the final hidden states ``[T, hidden]`` (after the last norm) of every
+        token of the batch, the entries' tokens end to end: what embeddings are pooled from."""
         prepared = self.prepare(entries)
         if self.decoder is not None and prepared.meta.is_decode_only:
             model = self.model
@@ -182,7 +189,7 @@ class ModelRunner:
             hidden = self.model(
                 prepared.input_ids, prepared.positions, self.kv_caches, prepared.meta, after_layer
             )
-        return self.model.compute_logits(hidden[prepared.logits_indices])
+        return self.model.compute_logits(hidden[prepared.logits_indices]), hidden
 
 
 def head_quantization(quantization: str, device: str) -> str:

@@ -4,7 +4,8 @@ Each step: 1. every running sequence gets one decode token (preempting the newes
 back to the waiting queue when blocks run out), 2. waiting sequences fill the rest of the token
 budget with prefill chunks, oldest first. After the model runs, ``complete`` advances each sequence:
 a finished prompt either starts decoding (``on_prefilled="decode"``) or is parked for hand-over
-(``"handoff"``, the prefill worker), and finished sequences give their blocks back.
+(``"handoff"``, the prefill worker), an embedding input (``Sequence.pooling``) ends with its prompt,
+and finished sequences give their blocks back.
 
 A request with several outputs (``n`` > 1) is one sequence with ``branches``: once its prompt's KV
 is complete (computed here, or arrived), each branch becomes a sequence of its own that holds a
@@ -64,8 +65,14 @@ class Chunk:
     proposal: tuple[int, ...] = ()
 
     @property
-    def sample(self) -> bool:
+    def last(self) -> bool:
+        """Whether the chunk reaches the sequence's end."""
         return self.stop == self.seq.num_tokens
+
+    @property
+    def sample(self) -> bool:
+        """Whether the step samples a token after the chunk (never for an embedding input)."""
+        return self.last and not self.seq.pooling
 
 
 class Scheduler:
@@ -266,6 +273,9 @@ class Scheduler:
                 continue
             seq.num_cached = chunk.stop
             self.prefix.record(seq)
+            if seq.pooling and chunk.last:  # an embedding input is done once its prompt is
+                self._finish(seq, "pooled")
+                changed.append(seq)
             if not chunk.sample:
                 continue
             token, logprob, *top = next(got)  # type: ignore[misc]

@@ -42,11 +42,23 @@ class Sequence:
     speculate_k: int = 0  # how many tokens to propose next (0: the worker's most; engine/speculate.py)
     proposed: int = 0  # tokens proposed for it so far
     accepted: int = 0  # of those, kept
+    # An embedding input (``engine/pooling.py``): its prompt is computed and pooled, nothing sampled.
+    pooling: str = ""  # "last", "mean" or "cls" ("": a generation request)
+    normalize: bool = False  # the pooled vector is scaled to unit length
+    pooled: list[object] = field(default_factory=list)  # the stepper's hidden rows so far (its own type)
+    embedding: bytes = b""  # the pooled vector (float32, little-endian), once its prompt is done
+    compute_s: float = 0.0  # the time of the steps that ran it
 
     @property
     def reply_id(self) -> str:
         """The request id its token deltas carry (a branch's request's)."""
         return self.group or self.request_id
+
+    @property
+    def runs_whole(self) -> bool:
+        """Whether every prompt token must be computed here (no prefix cache hit): a scored prompt,
+        or an embedding pooled from every token (mean) or from the first (cls)."""
+        return self.params.prompt_logprobs or self.pooling in ("mean", "cls")
 
     @property
     def num_tokens(self) -> int:

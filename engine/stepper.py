@@ -41,7 +41,8 @@ class Stepper:
         # A mask depends only on the tokens so far: computed before the step.
         sampled = [c for c in chunks if c.sample and not c.proposal]
         masks = self._masks([c.seq for c in sampled])
-        logits = self.runner.step(entries, after_layer)
+        logits, hidden = self.runner.run(entries, after_layer)
+        _pool(chunks, entries, hidden)
         rows: list[int] = []  # the sampling row of each chunk with ``sample``
         checks: list[torch.Tensor] = []  # each proposal chunk's rows: its last token's and the proposal's
         row = 0
@@ -119,6 +120,41 @@ def verify(chunk: Chunk, logits: torch.Tensor, masks: torch.Tensor | None = None
         if p.token_id != proposed:
             break
     return out
+
+
+def _pool(chunks: list[Chunk], entries: list[StepEntry], hidden: torch.Tensor) -> None:
+    """Keeps each embedding input's hidden rows that its pooling reads (``hidden``: the step's
+    ``[T, hidden]``, the entries' tokens end to end); an input whose last chunk this is gets its
+    vector (``Sequence.embedding``). A chunk that starts the prompt again (its blocks were taken
+    back and it restarts) drops the rows kept before."""
+    at = 0
+    for chunk, entry in zip(chunks, entries, strict=True):
+        rows = hidden[at : at + len(entry.token_ids)]  # [tokens, hidden]
+        at += len(entry.token_ids)
+        seq = chunk.seq
+        if not seq.pooling:
+            continue
+        if chunk.start == 0:
+            seq.pooled.clear()
+        if seq.pooling == "mean" or (seq.pooling == "cls" and chunk.start == 0):
+            seq.pooled.append((rows if seq.pooling == "mean" else rows[:1]).clone())
+        if chunk.last:
+            seq.embedding = pooled_vector(seq.pooled, rows[-1:], seq.pooling, seq.normalize)
+            seq.pooled.clear()
+
+
+def pooled_vector(kept: list, last: torch.Tensor, mode: str, normalize: bool) -> bytes:
+    """One input's vector as float32 little-endian bytes: the mean of the ``kept`` rows, the first of
+    them (``cls``) or the ``last`` row, computed in float32 and scaled to unit length if asked (a zero
+    vector stays zero)."""
+    if mode == "last":
+        vector = last[0].float()
+    else:
+        rows = torch.cat(kept).float()  # [tokens | 1, hidden]
+        vector = rows.mean(0) if mode == "mean" else rows[0]
+    if normalize:
+        vector = vector / vector.norm().clamp_min(1e-12)
+    return vector.cpu().numpy().astype("<f4").tobytes()
 
 
 def _score_prompt(chunk: Chunk, logits: torch.Tensor) -> None:

@@ -144,6 +144,26 @@ class HandedOff:
     kv_seconds: float = 0.0  # from the end of the prefill step to the receiver's acknowledgement
 
 
+@dataclass(frozen=True)
+class EmbedResult:
+    """One embedding input's outcome: its pooled vector (float32, little-endian: a few KB, so it rides
+    in the message), or an error."""
+
+    request_id: str
+    vector: bytes = b""
+    compute_s: float = 0.0  # the time of the steps that ran it (shared with what they ran beside it)
+    error: str = ""
+
+
+@message(7)
+@dataclass(frozen=True)
+class Embedded:
+    """The embedding inputs one worker step finished (or refused)."""
+
+    worker_id: str
+    results: tuple[EmbedResult, ...]
+
+
 # --- router -> worker ---------------------------------------------------------------------------
 
 
@@ -158,6 +178,23 @@ class Generate:
     params: SamplingParams
     eos_token_ids: tuple[int, ...]
     branches: tuple[Branch, ...] = ()
+
+
+@message(27)
+@dataclass(frozen=True)
+class Embed:
+    """Compute a prompt and pool its last hidden states into one vector (``engine/pooling.py``): a
+    prefill or colocated worker runs it in its steps beside its other prompts and answers ``Embedded``.
+    A batch of inputs arrives as one ``Embed`` each, back to back."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    pooling: str  # "last", "mean" or "cls"
+    normalize: bool
+
+    def __post_init__(self) -> None:
+        if self.pooling not in ("last", "mean", "cls") or not self.prompt_ids:
+            raise ValueError(f"Embed: a prompt and a pooling of last, mean or cls, got {self.pooling!r}")
 
 
 @message(21)

@@ -30,6 +30,7 @@ from pdfabric.worker.spec import CoreSpec, ProfileSource
 
 class PrefillCore(WorkerCore):
     on_prefilled = "handoff"
+    embeds = True
 
     def __init__(
         self,

@@ -5,8 +5,8 @@ block accounting, what a step's tokens become, what happens to transfers, and wh
 It is driven the same way by the ZeroMQ worker loop (``pdfabric.worker.loop``) and by the simulator
 (``bench.sim_worker``), and by unit tests with nothing else:
 
-1. ``handle(msg)``: a control message from the router (``Generate``, ``Reserve``, ``Prefill``, ``Abort``,
-   ``Reregister``);
+1. ``handle(msg)``: a control message from the router (``Generate``, ``Reserve``, ``Prefill``, ``Embed``,
+   ``Abort``, ``Reregister``);
 2. ``schedule()``: the next ``Step`` (chunks and their shape), or ``None``; the driver runs the model on
    its chunks (the simulator: waits for the profile's time) and calls ``complete(step, sampled,
    seconds)`` with one ``(token, logprob)`` per sampling chunk;
@@ -30,6 +30,9 @@ from dataclasses import dataclass, field, replace
 
 from pdfabric.control import (
     Abort,
+    Embed,
+    Embedded,
+    EmbedResult,
     Generate,
     Heartbeat,
     Prefill,
@@ -47,6 +50,7 @@ from pdfabric.engine.sequence import SeqState, Sequence
 from pdfabric.engine.speculate import Proposer, SpeculationGain
 from pdfabric.kvtransfer.state import TransferResult
 from pdfabric.profile import StepShape
+from pdfabric.sampling_params import SamplingParams
 from pdfabric.worker.kv import OpenPush
 from pdfabric.worker.spec import CoreSpec, ProfileSource
 
@@ -111,6 +115,7 @@ class WorkerCore:
     """What every kind shares; subclasses handle their messages and what stepped sequences become."""
 
     on_prefilled = "decode"
+    embeds = False  # it takes ``Embed``: its kind computes prompts for the router (prefill, colocated)
 
     def __init__(
         self,
@@ -169,6 +174,8 @@ class WorkerCore:
             return self.abort(msg.request_id, msg.reason)
         if isinstance(msg, Reregister):
             return self.rejoin(msg.reason)
+        if isinstance(msg, Embed):
+            return self.embed(msg)
         if isinstance(msg, Generate | Reserve | Prefill):
             self.received += 1
         if self.draining and isinstance(msg, Reserve):
@@ -176,6 +183,25 @@ class WorkerCore:
         if self.draining and isinstance(msg, Generate | Prefill):
             return self.error(msg.request_id, 0, f"{self.worker_id} is draining")
         return self.on_message(msg)
+
+    def embed(self, msg: Embed) -> Out:
+        """An embedding input: queued as a prompt that ends once computed and pooled (its vector goes
+        out in ``Embedded`` from the step that finishes it); refused at once when this worker is
+        draining or the prompt is longer than its context."""
+        if not self.embeds:
+            raise WrongMessage(f"a {type(self).__name__} does not compute embeddings")
+        self.received += 1
+        rid, n = msg.request_id, len(msg.prompt_ids)
+        why = f"{self.worker_id} is draining" if self.draining else ""
+        if not why and n > self.spec.max_model_len:
+            why = f"input of {n} tokens does not fit this worker's {self.spec.max_model_len}"
+        if why:
+            return [Embedded(self.worker_id, (EmbedResult(rid, error=why),))]
+        seq = Sequence(
+            rid, msg.prompt_ids, SamplingParams(max_tokens=1), pooling=msg.pooling, normalize=msg.normalize
+        )
+        self.scheduler.add(seq)
+        return []
 
     def rejoin(self, reason: str) -> Out:
         """The router no longer knows this worker (it restarted, or gave the worker up as silent):
@@ -225,7 +251,12 @@ class WorkerCore:
         if speculated:  # a decode step that checked proposals: what it gave each sequence, and in what time
             tokens = sum(c.seq.step_tokens for c in chunks)
             self.speculation.record(len(chunks), sum(c.stop for c in chunks), tokens, seconds + drafting)
-        return self.stepped(changed)
+        for chunk in chunks:
+            chunk.seq.compute_s += seconds
+        pooled = [seq for seq in changed if seq.pooling]
+        results = tuple(EmbedResult(seq.request_id, seq.embedding, seq.compute_s) for seq in pooled)
+        done = [Embedded(self.worker_id, results)] if results else []
+        return done + self.stepped([seq for seq in changed if not seq.pooling])
 
     def stepped(self, changed: list[Sequence]) -> Out:
         """Turns the sequences that got a token into messages."""
