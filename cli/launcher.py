@@ -214,6 +214,7 @@ async def serve(
         predictor=cfg.predictor,
         max_failovers=cfg.max_failovers,
         secret=secret,
+        embeddings=cfg.embeddings,
     )
     await dispatcher.start()
     runner: web.AppRunner | None = None

@@ -10,7 +10,13 @@ from typing import Any
 from pdfabric.cluster_config import AutoscaleConfig, RayConfig
 from pdfabric.control import KINDS
 from pdfabric.model_versions import ServedModel, parse_models, version_plan
-from pdfabric.routing_config import AdmissionConfig, PredictorConfig, is_sha256_hex
+from pdfabric.routing_config import (
+    AdmissionConfig,
+    EmbeddingConfig,
+    PredictorConfig,
+    is_sha256_hex,
+    known_keys,
+)
 from pdfabric.worker_config import WORKER_KEYS, WorkerConfig, worker_config
 
 
@@ -63,6 +69,7 @@ class ServeConfig:
     predictor: PredictorConfig = field(default_factory=PredictorConfig)  # [routing] prediction settings
     ray: RayConfig = field(default_factory=RayConfig)  # [ray]: workers placed on a Ray cluster
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)  # [autoscale]: pools resized
+    embeddings: EmbeddingConfig = field(default_factory=EmbeddingConfig)  # [embeddings]: batching
 
     def __post_init__(self) -> None:
         if min(self.prefill, self.decode, self.colocated) < 0:
@@ -136,14 +143,17 @@ class ServeConfig:
 
 # The tables a deployment's TOML file may have
 TABLES = frozenset(
-    {"serve", "worker", "speculative", "kv_store", "routing", "workers", "models", "ray", "autoscale"}
-)
+    {
+        "serve", "worker", "speculative", "kv_store", "routing", "workers", "models", "ray", "autoscale",
+        "embeddings",
+    }
+)  # fmt: skip
 
 
 def load_serve_config(path: str | Path | None, overrides: dict[str, Any]) -> ServeConfig:
     """Reads a TOML deployment config (``[serve]``, ``[worker]``, ``[speculative]``, ``[routing]``,
-    ``[[workers]]`` and ``[[models]]``, see ``pdfabric.model_versions``) and applies CLI overrides
-    (keys of ``[serve]`` or ``[worker]``, and ``routing_policy``; ``None`` values are ignored).
+    ``[embeddings]``, ``[[workers]]`` and ``[[models]]``, see ``pdfabric.model_versions``) and applies
+    CLI overrides (keys of ``[serve]`` or ``[worker]``, and ``routing_policy``; ``None`` values are ignored).
     Unknown tables and keys are a ``ValueError`` naming them."""
     data: dict[str, Any] = {}
     if path is not None:
@@ -152,7 +162,7 @@ def load_serve_config(path: str | Path | None, overrides: dict[str, Any]) -> Ser
         unknown = set(data) - TABLES
         if unknown:
             raise ValueError(f"{path}: unknown table(s) {', '.join(sorted(unknown))}")
-    tables = {"worker", "groups", "routing", "predictor", "models", "ray", "autoscale"}
+    tables = {"worker", "groups", "routing", "predictor", "models", "ray", "autoscale", "embeddings"}
     serve_keys = {f.name for f in fields(ServeConfig)} - tables
     serve = dict(data.get("serve", {}))
     worker = dict(data.get("worker", {}))
@@ -188,11 +198,12 @@ def load_serve_config(path: str | Path | None, overrides: dict[str, Any]) -> Ser
         if ray_address is not None:
             ray = replace(ray, address=ray_address)
         autoscale = AutoscaleConfig.from_mapping(data.get("autoscale", {}))
+        embeddings = EmbeddingConfig(**known_keys(EmbeddingConfig, data.get("embeddings", {}), "embeddings"))
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{path}: {exc}" if path is not None else str(exc)) from None
     return ServeConfig(
         **serve, worker=base, groups=groups, models=models, routing=routing, predictor=predictor, ray=ray,
-        autoscale=autoscale,
+        autoscale=autoscale, embeddings=embeddings,
     )  # fmt: skip
 
 

@@ -182,10 +182,10 @@ class AdmissionConfig:
     def from_mapping(cls, table: Mapping[str, Any]) -> AdmissionConfig:
         """Builds the config from a parsed ``[routing]`` TOML table (``classes``, ``tenants`` and
         ``pools`` as arrays of tables); unknown keys are a ValueError naming them."""
-        data = dict(_known(cls, table, "routing"))
+        data = dict(known_keys(cls, table, "routing"))
         for key, item in (("classes", SloClass), ("tenants", Tenant), ("pools", PoolConfig)):
             if key in data:
-                data[key] = tuple(item(**_known(item, t, f"routing.{key}")) for t in data[key])
+                data[key] = tuple(item(**known_keys(item, t, f"routing.{key}")) for t in data[key])
         return cls(**data)
 
     def slo_class(self, name: str) -> SloClass:
@@ -205,7 +205,7 @@ class AdmissionConfig:
         return PoolConfig(name or "default", kind)
 
 
-def _known(cls: type, table: Mapping[str, Any], where: str) -> Mapping[str, Any]:
+def known_keys(cls: type, table: Mapping[str, Any], where: str) -> Mapping[str, Any]:
     allowed = {f.name for f in fields(cls) if f.init}
     unknown = set(table) - allowed
     if unknown:
@@ -237,3 +237,24 @@ class PredictorConfig:
             raise ValueError("colocated_prefill_share must be in [0, 1]")
         if self.local_prefill_tokens < 0:
             raise ValueError("local_prefill_tokens must be >= 0")
+
+
+@dataclass(frozen=True)
+class EmbeddingConfig:
+    """``[embeddings]``: how the router batches embedding inputs (``router/routing/batcher.py``)."""
+
+    batch_tokens: int = 8192  # a batch's tokens at most (an input longer than this goes alone)
+    batch_inputs: int = 256  # a batch's inputs at most
+    # A batch leaves this long before its oldest input's deadline less its predicted compute: the
+    # room left for the trip to the worker, its queue and the reply.
+    margin_ms: float = 25.0
+    # An input's latency budget: its request's "slo" ttft_ms, else its tenant's or class's, else this
+    # (0: the class's ttft_ms, as for generation).
+    budget_ms: float = 0.0
+    length_buckets: bool = True  # inputs of one batch are of one power-of-two length bucket
+
+    def __post_init__(self) -> None:
+        if self.batch_tokens < 1 or self.batch_inputs < 1:
+            raise ValueError("[embeddings] batch_tokens and batch_inputs must be at least 1")
+        _check_ms("embeddings", "margin_ms", self.margin_ms)
+        _check_ms("embeddings", "budget_ms", self.budget_ms)

@@ -152,9 +152,26 @@ def keep_the_rules(body: dict[str, Any], chat: bool) -> None:
         body["min_tokens"] = limit
 
 
+EMBEDDING_INPUTS = 16  # inputs of one embeddings request, cut to these
+
+
+def keep_the_embedding_rules(body: dict[str, Any]) -> None:
+    """An embeddings request: each input cut as a prompt, at most ``EMBEDDING_INPUTS`` of them, and
+    no ``dimensions`` (``tiny`` declares no sizes to cut its vectors to)."""
+    body.pop("dimensions", None)
+    if isinstance(body.get("input"), list) and body["input"] and isinstance(body["input"][0], (str, list)):
+        body["input"] = body["input"][:EMBEDDING_INPUTS]
+    body["prompt"] = body.pop("input")
+    _completion_prompts(body)
+    body["input"] = body.pop("prompt")
+
+
 @schemathesis.hook
 def before_call(context: schemathesis.HookContext, case: schemathesis.Case, kwargs: dict[str, Any]) -> None:
     generation = case.meta.generation if case.meta is not None else None
     if generation is None or not generation.mode.is_positive or not isinstance(case.body, dict):
+        return
+    if case.operation.path.endswith("/embeddings"):
+        keep_the_embedding_rules(case.body)
         return
     keep_the_rules(case.body, chat=case.operation.path.endswith("/chat/completions"))

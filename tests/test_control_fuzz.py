@@ -18,7 +18,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 
 from pdfabric.cluster_secret import ENV, ClusterSecret
-from pdfabric.control import Heartbeat, Register, StepOutputs, TokenDelta
+from pdfabric.control import Embedded, EmbedResult, Heartbeat, Register, StepOutputs, TokenDelta
 from pdfabric.profile import WorkerProfile
 from tests.fabric import free_port, get_json, post_json, running_fabric
 from tests.wire_fuzz import frames
@@ -30,6 +30,7 @@ BASES = [  # valid messages from a stranger that serves no model the test asks f
     ),
     Heartbeat("fuzz-0", 0, 0, 0, 64, 64, 1.0, 0, 1e9, PROFILE),
     StepOutputs("fuzz-0", (TokenDelta("cmpl-fuzz", 0, (5,), (-0.1,)),)),
+    Embedded("fuzz-0", (EmbedResult("emb-fuzz-0", b"\0" * 8, 0.01),)),
 ]
 GREEDY = {
     "model": "tiny",

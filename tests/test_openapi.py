@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from pdfabric.router.front import embeddings
 from pdfabric.router.front import openai_api as api
 from pdfabric.router.front.openapi import openapi_document
 from tests.fabric import get_json, running_fabric
@@ -28,6 +29,7 @@ def test_the_description_lists_the_fields_the_parser_accepts() -> None:
     document = openapi_document(("tiny",), 260)
     assert _fields(document, "/v1/completions") == api.COMPLETION_FIELDS
     assert _fields(document, "/v1/chat/completions") == api.CHAT_FIELDS
+    assert _fields(document, "/v1/embeddings") == embeddings.FIELDS
 
 
 def test_schemathesis_finds_no_failure_of_any_check(tmp_path: Path) -> None:

@@ -190,7 +190,7 @@ class WorkerCore:
         draining or the prompt is longer than its context."""
         if not self.embeds:
             raise WrongMessage(f"a {type(self).__name__} does not compute embeddings")
-        self.received += 1
+        # (not counted in ``received``: the router counts the load of its generation requests by it)
         rid, n = msg.request_id, len(msg.prompt_ids)
         why = f"{self.worker_id} is draining" if self.draining else ""
         if not why and n > self.spec.max_model_len:

@@ -30,14 +30,16 @@ import zmq
 import zmq.asyncio
 
 from pdfabric.cluster_secret import REFUSED_EVENTS, ClusterSecret, Refusals, authenticate, stop_authenticating
-from pdfabric.control import HandedOff, Register, Shutdown, TokenDelta
+from pdfabric.control import Embedded, HandedOff, Heartbeat, Register, Shutdown, TokenDelta
 from pdfabric.router.dispatch.core import RouterCore
-from pdfabric.router.dispatch.effects import Deliver, Effect, FailedOver, Refused, Send, Started, Transferred
+from pdfabric.router.dispatch.effects import Deliver, FailedOver, Refused, Send, Started, Transferred
+from pdfabric.router.dispatch.embedder import EmbedCore, EmbedDone
 from pdfabric.router.dispatch.fleet import Fleet
+from pdfabric.router.routing.batcher import Batch
 from pdfabric.router.routing.registry import WorkerInfo
 from pdfabric.router.routing.routes import Choice
 from pdfabric.router.routing.slo import Resolved
-from pdfabric.routing_config import AdmissionConfig, PredictorConfig
+from pdfabric.routing_config import AdmissionConfig, EmbeddingConfig, PredictorConfig
 from pdfabric.sampling_params import SamplingParams
 from pdfabric.wire import WireError, decode, encode
 
@@ -94,11 +96,14 @@ class Refusal(Exception):
 
 class DispatchEvents(Protocol):
     """What a listener (``Dispatcher.listen``) hears: each KV hand-off, with the prefill worker that
-    reported it (None: gone meanwhile), and each request moved to other workers."""
+    reported it (None: gone meanwhile), each request moved to other workers, and each batch of
+    embedding inputs sent to a worker."""
 
     def handed_off(self, msg: HandedOff, worker: WorkerInfo | None) -> None: ...
 
     def failed_over(self, moved: FailedOver) -> None: ...
+
+    def batched(self, batch: Batch) -> None: ...
 
 
 class Dispatcher:
@@ -111,6 +116,7 @@ class Dispatcher:
         predictor: PredictorConfig | None = None,
         max_failovers: int = 2,
         secret: ClusterSecret | None = None,
+        embeddings: EmbeddingConfig | None = None,
     ) -> None:
         """Binds the control socket at ``bind`` (a port of 0: a free one; ``address`` says which).
         With a ``secret`` (what ``pdfabric serve`` always gives) only peers that hold it can speak on
@@ -118,6 +124,10 @@ class Dispatcher:
         and counted (``fleet.refused_peers``). Construct it on the event loop that will run it."""
         self._core = RouterCore(admission, predictor, reserve_timeout_s, max_failovers=max_failovers)
         self._registry = self._core.registry
+        self._embedder = EmbedCore(
+            self._registry, embeddings or EmbeddingConfig(), self._core.clock, max_failovers
+        )
+        self._embeds: dict[str, asyncio.Future[EmbedDone]] = {}
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -196,8 +206,16 @@ class Dispatcher:
         try:
             self._apply(
                 self._core.submit(
-                    request_id, prompt_ids, params, eos_token_ids, resolved.tenant.name,
-                    resolved.slo_class.name, resolved.budgets, deadline=deadline, n=n, served=served,
+                    request_id,
+                    prompt_ids,
+                    params,
+                    eos_token_ids,
+                    resolved.tenant.name,
+                    resolved.slo_class.name,
+                    resolved.budgets,
+                    deadline=deadline,
+                    n=n,
+                    served=served,
                 )  # fmt: skip
             )
             await stream.started
@@ -213,6 +231,26 @@ class Dispatcher:
         self.streams.pop(request_id, None)
         self._apply(self._core.end(request_id, abort_reason))
 
+    async def embed(
+        self, request_id: str, inputs: list[tuple[int, ...]], pooling: str, normalize: bool, served: str,
+        deadline: float,
+    ) -> list[EmbedDone]:  # fmt: skip
+        """Each input's pooled vector (or error), in order: batched with other requests' inputs of the
+        same kind (``embedder``), due at ``deadline`` (``time.monotonic()`` seconds). A caller that is
+        cancelled ends its inputs (those running get an ``Abort``)."""
+        loop = asyncio.get_running_loop()
+        ids = [f"{request_id}-{i}" for i in range(len(inputs))]
+        futures = [loop.create_future() for _ in ids]
+        self._embeds.update(zip(ids, futures, strict=True))
+        try:
+            for rid, prompt_ids in zip(ids, inputs, strict=True):
+                self._apply(self._embedder.submit(rid, prompt_ids, pooling, normalize, served, deadline))
+            return list(await asyncio.gather(*futures))
+        finally:
+            for rid in ids:
+                self._embeds.pop(rid, None)
+                self._apply(self._embedder.end(rid))
+
     # --- workers --------------------------------------------------------------------------------
 
     def drain_worker(self, worker_id: str, reason: str) -> None:
@@ -225,11 +263,21 @@ class Dispatcher:
         if worker_id in self._registry.workers:
             log.warning("worker %s gone: %s", worker_id, why)
         self._apply(self._core.worker_gone(worker_id, why))
+        self._apply(self._embedder.worker_gone(worker_id, why))
 
     # --- the core's effects ---------------------------------------------------------------------
 
-    def _apply(self, effects: list[Effect]) -> None:
+    def _apply(self, effects: list) -> None:  # the cores' effects (``Effect``, ``EmbedDone``)
         for effect in effects:
+            if isinstance(effect, EmbedDone):
+                future = self._embeds.get(effect.request_id)
+                if future is not None and not future.done():
+                    future.set_result(effect)
+                continue
+            if isinstance(effect, Batch):
+                for listener in self._listeners:
+                    listener.batched(effect)
+                continue
             if isinstance(effect, Send):
                 self._send(effect.worker_id, effect.msg)
                 continue
@@ -263,7 +311,8 @@ class Dispatcher:
 
     def _arm(self) -> None:
         """Wakes the core at its next deadline (one timer at a time)."""
-        at = self._core.next_deadline()
+        times = [t for t in (self._core.next_deadline(), self._embedder.next_deadline()) if t is not None]
+        at = min(times) if times else None
         if at == self._timer_at:
             return
         if self._timer is not None:
@@ -276,6 +325,7 @@ class Dispatcher:
     def _wake(self) -> None:
         self._timer = self._timer_at = None
         self._apply(self._core.poll())
+        self._apply(self._embedder.poll())
 
     def _send(self, worker_id: str, msg: object) -> None:
         try:
@@ -300,7 +350,12 @@ class Dispatcher:
                 log.exception("error handling %s", type(msg).__name__)
 
     def _on_message(self, msg: object) -> None:
+        if isinstance(msg, Embedded):
+            self._apply(self._embedder.on_result(msg))
+            return
         self._apply(self._core.on_message(msg))
+        if isinstance(msg, Heartbeat | Register):  # a worker's load or a new worker: batches may be due
+            self._apply(self._embedder.poll())
         if isinstance(msg, Register):
             log.info("worker %s registered (%s, pool %s)", msg.worker_id, msg.kind, msg.pool)
         elif isinstance(msg, HandedOff):
@@ -317,4 +372,3 @@ class Dispatcher:
             await asyncio.sleep(min(1.0, self.worker_timeout_s / 4))
             for worker_id in self._registry.expired(self.worker_timeout_s):
                 self.worker_gone(worker_id, f"no heartbeat for {self.worker_timeout_s:.0f}s")
-

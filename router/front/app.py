@@ -12,7 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pdfabric.config import ServeConfig
 from pdfabric.router.dispatch.dispatcher import Dispatcher
 from pdfabric.router.errors import ApiError
-from pdfabric.router.front import access, responses
+from pdfabric.router.front import access, embeddings, responses
 from pdfabric.router.front import idempotency as idem
 from pdfabric.router.front.access import ACCESS
 from pdfabric.router.front.keys import CATALOG, CONFIG, DISPATCHER, IDEMPOTENCY, METRICS, OBSERVED
@@ -42,6 +42,7 @@ def build_app(
     dispatcher.listen(metrics_)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/embeddings", embeddings.embeddings)
     app.router.add_get("/v1/models", access.list_models)
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/health", health)

@@ -12,38 +12,39 @@ from pdfabric.router.front.fields import token_ids
 MAX_PROMPTS = 64  # prompts in one completions request
 
 
-def prompts(body: dict[str, Any], vocab_size: int) -> tuple[str | tuple[int, ...], ...]:
-    """The completion prompts: a string, an array of token ids, or an array of either (a batch)."""
-    if "prompt" not in body or body["prompt"] is None:
-        raise bad("'prompt' is required", "prompt")
-    prompt = body["prompt"]
+def prompts(
+    body: dict[str, Any], vocab_size: int, name: str = "prompt", most: int = MAX_PROMPTS
+) -> tuple[str | tuple[int, ...], ...]:
+    """The completion prompts (or another field of that shape, ``name``: the embedding ``input``): a
+    string, an array of token ids, or an array of at most ``most`` of either (a batch)."""
+    if name not in body or body[name] is None:
+        raise bad(f"'{name}' is required", name)
+    prompt = body[name]
     batch = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
     if not batch:
-        return (_one_prompt(prompt, "prompt", vocab_size),)
-    if len(prompt) > MAX_PROMPTS:
-        raise bad(f"'prompt' holds {len(prompt)} prompts; at most {MAX_PROMPTS} are allowed", "prompt")
-    return tuple(_one_prompt(p, f"prompt[{i}]", vocab_size) for i, p in enumerate(prompt))
+        return (_one_prompt(prompt, name, vocab_size, name),)
+    if len(prompt) > most:
+        raise bad(f"'{name}' holds {len(prompt)} items; at most {most} are allowed", name)
+    return tuple(_one_prompt(p, f"{name}[{i}]", vocab_size, name) for i, p in enumerate(prompt))
 
 
-def _one_prompt(prompt: Any, where: str, vocab_size: int) -> str | tuple[int, ...]:
+def _one_prompt(prompt: Any, where: str, vocab_size: int, name: str) -> str | tuple[int, ...]:
     if isinstance(prompt, str):
         if not prompt:
-            raise bad(f"'{where}' must not be empty", "prompt")
+            raise bad(f"'{where}' must not be empty", name)
         return prompt
     ids = token_ids(prompt) if isinstance(prompt, list) else None
     if ids is not None and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         if not ids:
-            raise bad(f"'{where}' must not be empty", "prompt")
+            raise bad(f"'{where}' must not be empty", name)
         out_of_range = [t for t in ids if not 0 <= t < vocab_size]
         if out_of_range:
             raise bad(
                 f"'{where}' holds token id {out_of_range[0]} outside the vocabulary (0..{vocab_size - 1})",
-                "prompt",
+                name,
             )
         return tuple(ids)
-    raise bad(
-        f"'{where}' must be a string or an array of token ids (or 'prompt' an array of those)", "prompt"
-    )
+    raise bad(f"'{where}' must be a string or an array of token ids (or '{name}' an array of those)", name)
 
 
 def messages(body: dict[str, Any]) -> tuple[dict[str, Any], ...]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdfabric.router.front import inputs
+from pdfabric.router.front import embeddings, inputs
 from pdfabric.router.front import openai_api as api
 from pdfabric.router.front.openai_api import MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_TIMEOUT_S
 from pdfabric.routing_config import MAX_BUDGET_MS
@@ -302,6 +302,18 @@ _CHAT = {
     "parallel_tool_calls": _nullable({"type": "boolean"}),
 }
 
+_EMBEDDINGS = {name: _COMMON[name] for name in ("model", "user", "timeout", "slo")} | {
+    "encoding_format": _nullable({"enum": ["float", "base64"]}),
+    "dimensions": _nullable(
+        {
+            "type": "integer",
+            "minimum": 1,
+            "description": "cut each vector to this size: one of the sizes the model declares "
+            "(matryoshka_dimensions in its config.json; a model that declares none refuses it)",
+        }
+    ),
+}
+
 _ERROR = {
     "description": "an OpenAI-style error",
     "content": {
@@ -339,6 +351,7 @@ def _generation(
     fields = {
         **fields,
         **{name: tokens[name] for name in ("prompt", "logit_bias", "stop_token_ids") if name in fields},
+        **({"input": _inputs(tokens["prompt"])} if "input" in required else {}),
         "model": {**fields["model"], "enum": list(models)},
     }
     return {
@@ -353,7 +366,7 @@ def _generation(
                             "required": required,
                             "properties": fields,
                             "additionalProperties": False,
-                            "allOf": rules,
+                            **({"allOf": rules} if rules else {}),
                         }
                     }
                 },
@@ -388,6 +401,13 @@ def _generation(
     }
 
 
+def _inputs(prompt: dict[str, Any]) -> dict[str, Any]:
+    """The embedding ``input``: a completion prompt's shapes, with more of them in one request."""
+    one, ids, batch = prompt["anyOf"]
+    batch = {**batch, "maxItems": embeddings.MAX_INPUTS, "description": "one vector per item, in order"}
+    return {"anyOf": [one, ids, batch]}
+
+
 def openapi_document(models: tuple[str, ...], vocab_size: int) -> dict[str, Any]:
     """The OpenAPI description of a router serving ``models`` (every name a request may use): token
     ids are below ``vocab_size`` (the largest of the models' vocabularies)."""
@@ -401,6 +421,9 @@ def openapi_document(models: tuple[str, ...], vocab_size: int) -> dict[str, Any]
             ),
             "/v1/chat/completions": _generation(
                 "chat completion", _CHAT, _CHAT_RULES, ["model", "messages"], models, vocab_size
+            ),
+            "/v1/embeddings": _generation(
+                "embeddings (one vector per input)", _EMBEDDINGS, [], ["model", "input"], models, vocab_size
             ),
             "/v1/models": {"get": {"summary": "the served models", "responses": {"200": json_ok}}},
             "/health": {
