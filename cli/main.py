@@ -35,6 +35,11 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
         "pdfabric.bench.engine_bench",
         "prefill and decode speed beside the machine's floors",
     ),
+    (
+        ("bench", "embeddings"),
+        "pdfabric.bench.embed_bench",
+        "/v1/embeddings at saturation beside the engine's prefill rate; latency under Poisson load",
+    ),
     (("bench", "transfer"), "pdfabric.bench.transfer", "KV transfer bandwidth per transport beside memcpy"),
     (
         ("bench", "store"),
