@@ -200,6 +200,7 @@ async def serve(
 
     from pdfabric.router.dispatch.dispatcher import Dispatcher
     from pdfabric.router.front.app import build_app
+    from pdfabric.router.front.batch_api import RUNNER
     from pdfabric.router.platform import catalog as catalog_
     from pdfabric.router.platform.admin import LIFECYCLE
 
@@ -233,6 +234,8 @@ async def serve(
         await site.start()
         port = runner.addresses[0][1]
         url = f"http://{cfg.host}:{port}"
+        local = f"http://127.0.0.1:{port}" if cfg.host in ("0.0.0.0", "::", "") else url
+        await app[RUNNER].start(local)  # batch jobs (those of a router before this one too)
         print(f"ready: {url}", flush=True)
         names = ", ".join(repr(n) for n in catalog.names())
         print(

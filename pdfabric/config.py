@@ -12,6 +12,7 @@ from pdfabric.control import KINDS
 from pdfabric.model_versions import ServedModel, parse_models, version_plan
 from pdfabric.routing_config import (
     AdmissionConfig,
+    BatchJobsConfig,
     EmbeddingConfig,
     PredictorConfig,
     is_sha256_hex,
@@ -70,6 +71,7 @@ class ServeConfig:
     ray: RayConfig = field(default_factory=RayConfig)  # [ray]: workers placed on a Ray cluster
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)  # [autoscale]: pools resized
     embeddings: EmbeddingConfig = field(default_factory=EmbeddingConfig)  # [embeddings]: batching
+    batches: BatchJobsConfig = field(default_factory=BatchJobsConfig)  # [batches]: /v1/batches jobs
 
     def __post_init__(self) -> None:
         if min(self.prefill, self.decode, self.colocated) < 0:
@@ -145,15 +147,16 @@ class ServeConfig:
 TABLES = frozenset(
     {
         "serve", "worker", "speculative", "kv_store", "routing", "workers", "models", "ray", "autoscale",
-        "embeddings",
+        "embeddings", "batches",
     }
 )  # fmt: skip
 
 
 def load_serve_config(path: str | Path | None, overrides: dict[str, Any]) -> ServeConfig:
     """Reads a TOML deployment config (``[serve]``, ``[worker]``, ``[speculative]``, ``[routing]``,
-    ``[embeddings]``, ``[[workers]]`` and ``[[models]]``, see ``pdfabric.model_versions``) and applies
-    CLI overrides (keys of ``[serve]`` or ``[worker]``, and ``routing_policy``; ``None`` values are ignored).
+    ``[embeddings]``, ``[batches]``, ``[[workers]]`` and ``[[models]]``, see ``pdfabric.model_versions``)
+    and applies CLI overrides (keys of ``[serve]`` or ``[worker]``, and ``routing_policy``; ``None``
+    values are ignored).
     Unknown tables and keys are a ``ValueError`` naming them."""
     data: dict[str, Any] = {}
     if path is not None:
@@ -162,7 +165,9 @@ def load_serve_config(path: str | Path | None, overrides: dict[str, Any]) -> Ser
         unknown = set(data) - TABLES
         if unknown:
             raise ValueError(f"{path}: unknown table(s) {', '.join(sorted(unknown))}")
-    tables = {"worker", "groups", "routing", "predictor", "models", "ray", "autoscale", "embeddings"}
+    tables = {
+        "worker", "groups", "routing", "predictor", "models", "ray", "autoscale", "embeddings", "batches",
+    }  # fmt: skip
     serve_keys = {f.name for f in fields(ServeConfig)} - tables
     serve = dict(data.get("serve", {}))
     worker = dict(data.get("worker", {}))
@@ -199,11 +204,12 @@ def load_serve_config(path: str | Path | None, overrides: dict[str, Any]) -> Ser
             ray = replace(ray, address=ray_address)
         autoscale = AutoscaleConfig.from_mapping(data.get("autoscale", {}))
         embeddings = EmbeddingConfig(**known_keys(EmbeddingConfig, data.get("embeddings", {}), "embeddings"))
+        batches = BatchJobsConfig(**known_keys(BatchJobsConfig, data.get("batches", {}), "batches"))
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{path}: {exc}" if path is not None else str(exc)) from None
     return ServeConfig(
         **serve, worker=base, groups=groups, models=models, routing=routing, predictor=predictor, ray=ray,
-        autoscale=autoscale, embeddings=embeddings,
+        autoscale=autoscale, embeddings=embeddings, batches=batches,
     )  # fmt: skip
 
 

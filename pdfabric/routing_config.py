@@ -258,3 +258,19 @@ class EmbeddingConfig:
             raise ValueError("[embeddings] batch_tokens and batch_inputs must be at least 1")
         _check_ms("embeddings", "margin_ms", self.margin_ms)
         _check_ms("embeddings", "budget_ms", self.budget_ms)
+
+
+@dataclass(frozen=True)
+class BatchJobsConfig:
+    """``[batches]``: ``/v1/files`` and ``/v1/batches`` (``router/platform/batch_jobs.py``)."""
+
+    # where files and batches are kept, across restarts ("": PDFABRIC_CACHE_DIR's "batches" folder)
+    dir: str = ""
+    max_in_flight: int = 4  # a router's batch lines running at once, all batches together
+    slo_class: str = "batch"  # the class its lines are admitted in (the lowest priority by default)
+    retries: int = 3  # times a line answered 5xx is sent again before it is written as failed
+    max_file_mb: int = 200  # an uploaded file's size at most
+
+    def __post_init__(self) -> None:
+        if self.max_in_flight < 1 or self.retries < 0 or self.max_file_mb < 1:
+            raise ValueError("[batches] max_in_flight and max_file_mb must be >= 1, retries >= 0")

@@ -9,6 +9,7 @@ of ``tenants`` (keys, limits, usage) and ``catalog`` (models and versions).
 
 from __future__ import annotations
 
+import hmac
 import time
 from collections.abc import Awaitable, Callable
 
@@ -17,11 +18,14 @@ from aiohttp import web
 from pdfabric.router.dispatch.dispatcher import RequestStream
 from pdfabric.router.errors import ApiError, bad
 from pdfabric.router.front import openai_api as api
+from pdfabric.router.front.keys import BATCH_CLASS, BATCH_TOKEN
+from pdfabric.router.platform.batch_runner import TOKEN_HEADER
 from pdfabric.router.platform.catalog import SESSION_HEADER, Catalog, Version
 from pdfabric.router.platform.tenants import Keys, Limits, UsageBook
 from pdfabric.routing_config import AdmissionConfig
 
 TENANT = "tenant"  # the request's tenant, set by ``authenticate``
+SLO_CLASS = "slo_class"  # the class it is admitted in, when not its tenant's (a batch's line)
 
 
 class Access:
@@ -47,20 +51,30 @@ async def authenticate(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
     """Names the tenant of every ``/v1/`` request: from its API key when the deployment has keys (401
-    without a valid one), else from ``X-Tenant`` (``default`` when absent)."""
+    without a valid one), else from ``X-Tenant`` (``default`` when absent). The router's own batch
+    runner's requests (which carry its in-memory token) run as ``X-Tenant``, the batch's owner, in the
+    batch class."""
     if request.path.startswith("/v1/"):
         platform = request.app[ACCESS]
-        if platform.keys.required:
+        if _batch_runner(request):
+            request[TENANT] = request.headers.get("X-Tenant", "default")
+            request[SLO_CLASS] = request.app[BATCH_CLASS]
+        elif platform.keys.required:
             tenant = platform.keys.tenant_of(request.headers.get("Authorization", ""))
             if tenant is None:
                 platform.unauthenticated()
                 err = ApiError(401, "a valid API key is required: Authorization: Bearer KEY",
                                    kind="authentication_error")  # fmt: skip
                 return web.json_response(err.body(), status=401)
+            request[TENANT] = tenant
         else:
-            tenant = request.headers.get("X-Tenant", "default")
-        request[TENANT] = tenant
+            request[TENANT] = request.headers.get("X-Tenant", "default")
     return await handler(request)
+
+
+def _batch_runner(request: web.Request) -> bool:
+    token, given = request.app.get(BATCH_TOKEN), request.headers.get(TOKEN_HEADER)
+    return bool(token) and given is not None and hmac.compare_digest(given.encode(), token.encode())
 
 
 def version_of(request: web.Request, body: object, chat: bool) -> Version:

@@ -15,7 +15,17 @@ from pdfabric.router.errors import ApiError
 from pdfabric.router.front import access, embeddings, responses
 from pdfabric.router.front import idempotency as idem
 from pdfabric.router.front.access import ACCESS
-from pdfabric.router.front.keys import CATALOG, CONFIG, DISPATCHER, IDEMPOTENCY, METRICS, OBSERVED
+from pdfabric.router.front.batch_api import add_batch_api, batch_class
+from pdfabric.router.front.keys import (
+    BATCH_CLASS,
+    BATCH_TOKEN,
+    CATALOG,
+    CONFIG,
+    DISPATCHER,
+    IDEMPOTENCY,
+    METRICS,
+    OBSERVED,
+)  # fmt: skip
 from pdfabric.router.front.metrics import RouterMetrics
 from pdfabric.router.front.openapi import openapi_document
 from pdfabric.router.front.serve import serve
@@ -40,6 +50,8 @@ def build_app(
     app[METRICS] = metrics_ = RouterMetrics(dispatcher.fleet, usage, catalog)
     app[ACCESS] = platform = access.Access(cfg.routing, catalog, usage, metrics_.unauthenticated)
     dispatcher.listen(metrics_)
+    runner = add_batch_api(app, cfg, lambda: dispatcher.fleet.waiting)
+    app[BATCH_TOKEN], app[BATCH_CLASS] = runner.token, batch_class(cfg.routing, cfg.batches.slo_class)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/embeddings", embeddings.embeddings)

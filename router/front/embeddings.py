@@ -92,7 +92,9 @@ async def embeddings(request: web.Request) -> web.Response:
         model = version.label
         req = parse(body, version.tokenizer.vocab_size)
         try:
-            resolved = resolve(app[CONFIG].routing, body.get("slo"), tenant)
+            resolved = resolve(
+                app[CONFIG].routing, body.get("slo"), tenant, request.get(access.SLO_CLASS, "")
+            )
         except BudgetError as exc:
             raise bad(str(exc), exc.param) from None
         if resolved.tenant.models and version.model not in resolved.tenant.models:

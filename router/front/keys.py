@@ -18,3 +18,6 @@ CATALOG = web.AppKey("catalog", Catalog)
 OBSERVED = web.AppKey("observed", Observations)  # recent requests: what the pool scaler reads
 METRICS = web.AppKey("metrics", RouterMetrics)
 IDEMPOTENCY = web.AppKey("idempotency", idem.IdempotencyStore)
+# what the batch runner's own requests carry (in memory only; router/platform/batch_runner.py)
+BATCH_TOKEN = web.AppKey("batch_token", str)
+BATCH_CLASS = web.AppKey("batch_class", str)  # the class the batch runner's requests are admitted in

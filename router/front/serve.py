@@ -126,7 +126,9 @@ def authorize(call: Call) -> None:
     parsed = api.parse_request(body, call.chat, (body["model"],), call.version.tokenizer.vocab_size)
     call.parsed = replace(parsed, model=call.version.label)  # responses name the version that serves
     try:
-        call.resolved = resolve(app[CONFIG].routing, body.get("slo"), call.tenant)
+        call.resolved = resolve(
+            app[CONFIG].routing, body.get("slo"), call.tenant, call.request.get(access.SLO_CLASS, "")
+        )
     except BudgetError as exc:
         raise bad(str(exc), exc.param) from None
     allowed = call.resolved.tenant.models
@@ -236,7 +238,9 @@ def settle(call: Call) -> None:
     budgets = call.resolved.budgets
     app[OBSERVED].add(
         Finished(
-            time.monotonic(), sum(map(len, call.prompts)), sum(s.generated for s in call.streams),
+            time.monotonic(),
+            sum(map(len, call.prompts)),
+            sum(s.generated for s in call.streams),
             None if ttft is None else ttft * 1e3 <= budgets.ttft_ms,
             None if itl is None else itl * 1e3 <= budgets.itl_ms,
             call.dispatched - call.arrival,

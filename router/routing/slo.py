@@ -34,11 +34,12 @@ class Resolved:
     tenant: Tenant
 
 
-def resolve(config: AdmissionConfig, slo: object, tenant: str = "") -> Resolved:
+def resolve(config: AdmissionConfig, slo: object, tenant: str = "", slo_class: str = "") -> Resolved:
     """A request's budgets and class. ``slo`` is the request body's ``slo`` value (None if absent):
-    an object with optional ``ttft_ms`` and ``itl_ms``; anything else is a ``BudgetError``."""
+    an object with optional ``ttft_ms`` and ``itl_ms``; anything else is a ``BudgetError``.
+    ``slo_class``: its class when not its tenant's (a batch's line)."""
     t = config.tenant(tenant)
-    cls = config.slo_class(t.slo_class or config.default_class)
+    cls = config.slo_class(slo_class or t.slo_class or config.default_class)
     given: dict[str, float] = {}
     if slo is not None:
         if not isinstance(slo, Mapping):
