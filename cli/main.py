@@ -40,6 +40,11 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
         "pdfabric.bench.embed_bench",
         "/v1/embeddings at saturation beside the engine's prefill rate; latency under Poisson load",
     ),
+    (
+        ("bench", "batch-impact"),
+        "pdfabric.bench.batch_impact",
+        "online latency alone and beside a running /v1/batches job",
+    ),
     (("bench", "transfer"), "pdfabric.bench.transfer", "KV transfer bandwidth per transport beside memcpy"),
     (
         ("bench", "store"),
