@@ -19,6 +19,7 @@ import asyncio
 import json
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         from pdfabric.bench.deploy import ServerSpec, started
 
-        log = Path(args.json.parent if args.json else ".") / "batch-impact-server.log"
+        log = Path(args.json.parent if args.json else tempfile.gettempdir()) / "batch-impact-server.log"
         with started(ServerSpec.parse(args.target), log) as server:
             report = asyncio.run(_runs(server.url, args))
     report.update(cpu=cpu_name(), target=args.target, rate=args.rate, duration_s=args.duration_s)

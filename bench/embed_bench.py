@@ -23,6 +23,7 @@ import json
 import random
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -75,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         from pdfabric.bench.deploy import ServerSpec, started
 
-        log = Path(args.json.parent if args.json else ".") / "embed-bench-server.log"
+        log = Path(args.json.parent if args.json else tempfile.gettempdir()) / "embed-bench-server.log"
         with started(ServerSpec.parse(args.target), log) as server:
             result = asyncio.run(_measure(server.url, args, fractions, vocab, rng))
     report = {
