@@ -206,16 +206,8 @@ class Dispatcher:
         try:
             self._apply(
                 self._core.submit(
-                    request_id,
-                    prompt_ids,
-                    params,
-                    eos_token_ids,
-                    resolved.tenant.name,
-                    resolved.slo_class.name,
-                    resolved.budgets,
-                    deadline=deadline,
-                    n=n,
-                    served=served,
+                    request_id, prompt_ids, params, eos_token_ids, resolved.tenant.name,
+                    resolved.slo_class.name, resolved.budgets, deadline=deadline, n=n, served=served,
                 )  # fmt: skip
             )
             await stream.started

@@ -25,7 +25,7 @@ from pdfabric.router.front.keys import (
     IDEMPOTENCY,
     METRICS,
     OBSERVED,
-)  # fmt: skip
+)
 from pdfabric.router.front.metrics import RouterMetrics
 from pdfabric.router.front.openapi import openapi_document
 from pdfabric.router.front.serve import serve
