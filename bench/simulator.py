@@ -37,6 +37,10 @@ workers that share cores or a memory bus (profile each worker as it will be depl
 times around the fit, the loop-blocking KV pack and unpack copies (a few ms for a 512-token prompt on a
 CPU, against steps of tens to hundreds), online refits of the profile, prefix caching, client aborts,
 timeouts and failures (a request that could never finish ends as ``timeout``).
+
+Embedding inputs (``Request.embed``) go through the router's own embedding core and batcher
+(``router/dispatch/embedder.py``, ``[embeddings]`` of the config) to the workers' cores, which compute
+them in their steps beside the rest; the client sees one event, the vector (its TTFT and end).
 """
 
 from __future__ import annotations
@@ -53,11 +57,13 @@ from pdfabric.bench.sim_spec import SimWorker
 from pdfabric.bench.sim_worker import SimulatedWorker
 from pdfabric.bench.sse import spread_tokens
 from pdfabric.bench.workload import PREFIX_BLOCK_TOKENS, Request, Workload
-from pdfabric.control import COLOCATED, DECODE, PREFILL, TokenDelta
+from pdfabric.control import COLOCATED, DECODE, PREFILL, Embedded, Heartbeat, Register, TokenDelta
 from pdfabric.router.dispatch.core import RouterCore
 from pdfabric.router.dispatch.effects import Deliver, Effect, Refused, Send
+from pdfabric.router.dispatch.embedder import EmbedCore, EmbedDone
+from pdfabric.router.routing.batcher import Batch
 from pdfabric.router.routing.slo import resolve
-from pdfabric.routing_config import AdmissionConfig, PredictorConfig
+from pdfabric.routing_config import AdmissionConfig, EmbeddingConfig, PredictorConfig
 from pdfabric.sampling_params import SamplingParams
 
 Progress = Callable[[int, int], None]  # (requests finished, requests in all)
@@ -86,6 +92,7 @@ class SimConfig:
     routing: AdmissionConfig = field(default_factory=AdmissionConfig)
     predictor: PredictorConfig = field(default_factory=PredictorConfig)
     overhead_ms: float = 0.0  # added to every time the client sees (router, HTTP, network)
+    embeddings: EmbeddingConfig = field(default_factory=EmbeddingConfig)  # how embedding inputs are batched
 
     def __post_init__(self) -> None:
         ids = [w.worker_id for w in self.workers]
@@ -138,6 +145,9 @@ class Simulation:
         self._overhead = config.overhead_ms / 1e3
         self.router = RouterCore(config.routing, config.predictor, clock=lambda: self.now)
         self.registry = self.router.registry
+        self.embedder = EmbedCore(self.registry, config.embeddings, lambda: self.now, max_failovers=0)
+        self.batches: list[Batch] = []  # every batch of embedding inputs sent, in order
+        self._embed_armed: float | None = None
         self.workers = {w.worker_id: SimulatedWorker(self, w) for w in config.workers}
         self.link = SimLink(self.workers, lambda: self.now, self.at)  # the workers' KV side
         self._reqs: dict[str, SimulatedRequest] = {}
@@ -184,15 +194,29 @@ class Simulation:
         req = SimulatedRequest(r, rid, SamplingParams(max_tokens=r.output_len, ignore_eos=True))
         self._reqs[rid] = req
         limit = self.registry.max_model_len()
-        if r.input_len >= limit or r.output_len > limit - r.input_len:  # the router's 400
+        if (
+            r.embed
+            and r.input_len > limit
+            or not r.embed
+            and (r.input_len >= limit or r.output_len > limit - r.input_len)
+        ):  # the router's 400
             self._end(req, ERROR, 400, f"prompt and output exceed the {limit}-token context window")
             return
         prompt = _prompt(r)
+        if r.embed:
+            budget_s = (self.config.embeddings.budget_ms or self._budgets.ttft_ms) / 1e3
+            self._apply(self.embedder.submit(rid, prompt, "last", True, "", self.now + budget_s))
+            return
         self._apply(self.router.submit(rid, prompt, req.params, (), self._tenant, self._class, self._budgets))
 
     def receive(self, msg: object) -> None:
         """A message from a worker to the router."""
+        if isinstance(msg, Embedded):
+            self._apply(self.embedder.on_result(msg))
+            return
         self._apply(self.router.on_message(msg))
+        if isinstance(msg, Heartbeat | Register):  # a worker's load changed: embedding batches may be due
+            self._apply(self.embedder.poll())
 
     def _apply(self, effects: list[Effect]) -> None:
         """Carries out the router's effects (the dispatcher's part), then re-arms its deadline poll."""
@@ -205,10 +229,32 @@ class Simulation:
                 req = self._reqs[effect.request_id]
                 why = f"HTTP 429 ({effect.message})" if effect.status == 429 else effect.message
                 self._end(req, REJECTED, effect.status, why)
+            elif isinstance(effect, EmbedDone):
+                self._embedded(self._reqs[effect.request_id], effect)
+            elif isinstance(effect, Batch):
+                self.batches.append(effect)
         deadline = self.router.next_deadline()
         if deadline is not None and deadline != self._armed:
             self._armed = deadline
             self.at(deadline, self._deadline_poll, deadline)
+        due = self.embedder.next_deadline()
+        if due is not None and due != self._embed_armed:
+            self._embed_armed = due
+            self.at(due, self._embed_poll, due)
+
+    def _embed_poll(self, due: float) -> None:
+        if due == self._embed_armed:
+            self._embed_armed = None
+            self._apply(self.embedder.poll())
+
+    def _embedded(self, req: SimulatedRequest, done: EmbedDone) -> None:
+        """An embedding input's vector (or error) reaching the client: its one event."""
+        if done.error:
+            self._end(req, ERROR, 503, done.error)
+            return
+        req.times.append(self.now + self._overhead)
+        req.finish_reason = "stop"
+        self._end(req, OK, 200, None)
 
     def _deadline_poll(self, deadline: float) -> None:
         if deadline == self._armed:
@@ -240,6 +286,9 @@ class Simulation:
         self.at(self.now, self._release, req.rid)
 
     def _release(self, rid: str) -> None:
+        if self._reqs[rid].request.embed:
+            self._apply(self.embedder.end(rid))
+            return
         self._apply(self.router.end(rid, "request ended"))
 
     def _record(self, req: SimulatedRequest | None, r: Request) -> RequestRecord:
@@ -254,7 +303,8 @@ class Simulation:
                 error="no progress: the simulated deployment could not finish it",
             )
         ms = [(t - r.arrival_s) * 1e3 for t in req.times]
-        tokens, gaps = spread_tokens(ms, req.tokens)  # as the bench client counts a stream's tokens
+        # as the bench client counts a stream's tokens (an embedding input streams none)
+        tokens, gaps = spread_tokens(ms, req.tokens) if not r.embed else (0, [])
         return RequestRecord(
             index=r.index, scheduled_s=r.arrival_s, sent_s=r.arrival_s, input_len=r.input_len,
             output_len=r.output_len, status=req.status, http_status=req.http_status,

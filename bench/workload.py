@@ -26,6 +26,7 @@ class Request:
     input_len: int
     output_len: int
     hash_ids: tuple[int, ...] | None = None
+    embed: bool = False  # an embedding input (output_len unused): the simulator batches it as the router does
 
     def __post_init__(self) -> None:
         if self.arrival_s < 0:

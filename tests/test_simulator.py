@@ -310,3 +310,22 @@ def test_a_worker_whose_proposals_are_seldom_kept_gets_one_token_a_step_mostly()
     assert [r.output_tokens for r in records] == [200, 200]
     for r in records:  # a step keeps 1.25 tokens on average: 0.2 + 0.2^2 + ... beside its own
         assert 0.7 * 200 < len(r.chunk_ms) < 0.9 * 200
+
+
+def test_embedding_inputs_are_batched_by_the_routers_batcher() -> None:
+    """Embedding inputs beside generations: the router's own batcher groups them while the worker is
+    busy (an input that finds it idle leaves alone), every input gets its vector at a step's end, the
+    generations are served as before and every block is back."""
+    step = 0.05
+    worker = sim_worker("c", COLOCATED, constant(step), max_batch_tokens=2048)
+    reqs = [Request(i, i * 0.004, 32, 1, embed=i % 4 != 0) for i in range(200)]
+    sim = Simulation(SimConfig((worker,), routing=LOOSE), Workload("mixed", tuple(reqs)))
+    records = sim.run()
+    assert [r.status for r in records] == [OK] * 200
+    for r, req in zip(records, reqs, strict=True):
+        assert r.ttft_ms == r.e2e_ms if req.embed else r.output_tokens == 1
+        assert (r.output_tokens == 0) == req.embed
+    sizes = [len(b.items) for b in sim.batches]
+    assert sum(sizes) == 150 and max(sizes) > 1 and sizes[0] == 1  # the first found the worker idle
+    assert {b.trigger for b in sim.batches} <= {"idle", "deadline", "full"}
+    assert all(free == total for free, total in sim.free_blocks().values())
