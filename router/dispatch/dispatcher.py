@@ -345,6 +345,8 @@ class Dispatcher:
         if isinstance(msg, Embedded):
             self._apply(self._embedder.on_result(msg))
             return
+        if isinstance(msg, Register) and msg.worker_id in self._registry.workers:  # a new process
+            self._apply(self._embedder.worker_gone(msg.worker_id, "it registered again (restarted)"))
         self._apply(self._core.on_message(msg))
         if isinstance(msg, Heartbeat | Register):  # a worker's load or a new worker: batches may be due
             self._apply(self._embedder.poll())
