@@ -180,3 +180,49 @@ def test_a_batch_survives_a_kill_of_its_router(tmp_path: Path) -> None:
         out = _content(url, done["output_file_id"])
         assert sorted(o["custom_id"] for o in out) == sorted(f"req-{i}" for i in range(n))  # each once
         assert all(o["response"]["status_code"] == 200 for o in out)
+
+
+def test_a_batch_loses_no_line_when_a_worker_is_killed(tmp_path: Path) -> None:
+    """Two colocated workers; one is killed (SIGKILL) while the batch runs: its lines fail over (or are
+    sent again), the launcher restarts it, and every line ends answered 200, once."""
+    config = tmp_path / "serve.toml"
+    config.write_text(f'[batches]\ndir = "{tmp_path / "data"}"\n')
+    n = 60
+    flags = ("--model", "tiny", "--num-blocks", "64", "--colocated", "2", "--prefill", "0", "--decode", "0")
+    with running_fabric(*flags, "--config", str(config)) as url:
+        batch = _create(url, _lines(n, max_tokens=48), "/v1/completions")
+        deadline = time.monotonic() + 60
+        while get_json(f"{url}/v1/batches/{batch['id']}")[1]["request_counts"]["completed"] < 5:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        workers = get_json(url + "/health")[1]["workers"]
+        victim = max(workers, key=lambda w: w["requests"])
+        os.kill(victim["pid"], signal.SIGKILL)
+        done = _wait(url, batch["id"], ("completed",), timeout=180)
+        assert done["request_counts"] == {"total": n, "completed": n, "failed": 0}
+        out = _content(url, done["output_file_id"])
+        assert sorted(o["custom_id"] for o in out) == sorted(f"req-{i}" for i in range(n))
+        assert all(o["response"]["status_code"] == 200 for o in out)
+
+
+def test_files_are_listed_read_and_deleted_and_batches_paged(fabric: str) -> None:
+    data = _lines(1)
+    status, f = _upload(fabric, data, tenant="carol")
+    assert status == 200
+    listed = get_json(fabric + "/v1/files?purpose=batch", headers={"X-Tenant": "carol"})[1]["data"]
+    assert [x["id"] for x in listed] == [f["id"]]
+    assert _content(fabric, f["id"], tenant="carol") == [json.loads(data)]
+    ids = [_create(fabric, data, "/v1/completions", tenant="carol")["id"] for _ in range(3)]
+    first = get_json(fabric + "/v1/batches?limit=2", headers={"X-Tenant": "carol"})[1]
+    assert first["has_more"] and [b["id"] for b in first["data"]] == ids[::-1][:2]
+    rest = get_json(f"{fabric}/v1/batches?limit=2&after={first['last_id']}", headers={"X-Tenant": "carol"})[1]
+    assert [b["id"] for b in rest["data"]] == [ids[0]] and not rest["has_more"]
+    assert get_json(fabric + "/v1/batches?limit=0", headers={"X-Tenant": "carol"})[0] == 400
+    req = urllib.request.Request(
+        f"{fabric}/v1/files/{f['id']}", headers={"X-Tenant": "carol"}, method="DELETE"
+    )
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert json.loads(r.read()) == {"id": f["id"], "object": "file", "deleted": True}
+    assert get_json(f"{fabric}/v1/files/{f['id']}", headers={"X-Tenant": "carol"})[0] == 404
+    for batch_id in ids:
+        _wait(fabric, batch_id, ("completed",), tenant="carol")  # their lines were read at creation

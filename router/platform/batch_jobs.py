@@ -117,7 +117,7 @@ class BatchStore:
             "failed_at": None, "expired_at": None, "cancelling_at": None, "cancelled_at": None,
             "request_counts": {"total": len(lines), "completed": 0, "failed": 0}, "metadata": metadata,
         }  # fmt: skip
-        self._batches[batch["id"]] = {"tenant": tenant, "batch": batch}
+        self._batches[batch["id"]] = {"tenant": tenant, "batch": batch, "created_ns": time.time_ns()}
         self.save(batch["id"])
         return batch
 
@@ -131,13 +131,13 @@ class BatchStore:
         return self._batches[batch_id]["tenant"]
 
     def list(self, tenant: str) -> list[dict[str, Any]]:
-        mine = [r["batch"] for r in self._batches.values() if r["tenant"] == tenant]
-        return sorted(mine, key=lambda b: (b["created_at"], b["id"]), reverse=True)
+        mine = [r for r in self._batches.values() if r["tenant"] == tenant]
+        return [r["batch"] for r in sorted(mine, key=_created, reverse=True)]
 
     def active(self) -> list[str]:
         """The batches to run: unfinished ones, oldest first (those of a restarted router too)."""
-        live = [r["batch"] for r in self._batches.values() if r["batch"]["status"] in ACTIVE]
-        return [b["id"] for b in sorted(live, key=lambda b: (b["created_at"], b["id"]))]
+        live = [r for r in self._batches.values() if r["batch"]["status"] in ACTIVE]
+        return [r["batch"]["id"] for r in sorted(live, key=_created)]
 
     def cancel(self, tenant: str, batch_id: str) -> dict[str, Any]:
         batch = self.get(tenant, batch_id)
@@ -151,3 +151,8 @@ class BatchStore:
 
     def save(self, batch_id: str) -> None:
         write_atomic(self.dir / f"{batch_id}.json", json.dumps(self._batches[batch_id]).encode())
+
+
+def _created(record: dict[str, Any]) -> tuple[int, str]:
+    """When a batch was created, to the nanosecond (its ``created_at`` is in seconds)."""
+    return record.get("created_ns", record["batch"]["created_at"] * 10**9), record["batch"]["id"]

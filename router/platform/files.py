@@ -71,7 +71,7 @@ class FileStore:
         if not path.exists():
             path.touch()
         obj = FileObject(file_id, path.stat().st_size, int(time.time()), filename, purpose)
-        record = json.dumps({"tenant": tenant, "file": obj.public()}).encode()
+        record = json.dumps({"tenant": tenant, "file": obj.public(), "created_ns": time.time_ns()}).encode()
         write_atomic(self.dir / f"{file_id}.json", record)
         return obj
 
@@ -91,15 +91,16 @@ class FileStore:
         return self.data_path(file_id).read_bytes()
 
     def list(self, tenant: str, purpose: str | None = None) -> list[FileObject]:
-        out = []
+        found = []
         for meta in self.dir.glob("file-*.json"):
             try:
                 record = json.loads(meta.read_text())
             except (OSError, ValueError):
                 continue
             if record.get("tenant") == tenant and purpose in (None, record["file"]["purpose"]):
-                out.append(FileObject(**record["file"]))
-        return sorted(out, key=lambda f: (f.created_at, f.id), reverse=True)
+                found.append((record.get("created_ns", 0), FileObject(**record["file"])))
+        found.sort(key=lambda x: (x[0], x[1].id), reverse=True)  # newest first
+        return [f for _, f in found]
 
     def delete(self, tenant: str, file_id: str) -> None:
         self.get(tenant, file_id)
