@@ -226,3 +226,24 @@ def test_files_are_listed_read_and_deleted_and_batches_paged(fabric: str) -> Non
     assert get_json(f"{fabric}/v1/files/{f['id']}", headers={"X-Tenant": "carol"})[0] == 404
     for batch_id in ids:
         _wait(fabric, batch_id, ("completed",), tenant="carol")  # their lines were read at creation
+
+
+def test_the_openai_sdk_runs_a_batch_and_embeds(fabric: str, tmp_path: Path) -> None:
+    """The official client, as users run it: embeddings (it asks for base64 and decodes), a file
+    upload, a batch, its status and its output."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=fabric + "/v1", api_key="unused")
+    emb = client.embeddings.create(model="tiny", input=["hello", "world"])
+    assert [d.index for d in emb.data] == [0, 1] and len(emb.data[0].embedding) > 8
+    assert emb.usage.prompt_tokens == emb.usage.total_tokens > 0
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(_lines(3))
+    f = client.files.create(file=path.open("rb"), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    done = _wait(fabric, batch.id, ("completed",))
+    assert (
+        client.batches.retrieve(batch.id).request_counts.completed == 3 == done["request_counts"]["completed"]
+    )
+    lines = client.files.content(done["output_file_id"]).text.splitlines()
+    assert sorted(json.loads(x)["custom_id"] for x in lines) == ["req-0", "req-1", "req-2"]
+    assert batch.id in {b.id for b in client.batches.list()}
