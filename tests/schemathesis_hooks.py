@@ -171,7 +171,8 @@ def before_call(context: schemathesis.HookContext, case: schemathesis.Case, kwar
     generation = case.meta.generation if case.meta is not None else None
     if generation is None or not generation.mode.is_positive or not isinstance(case.body, dict):
         return
-    if case.operation.path.endswith("/embeddings"):
+    path = case.operation.path
+    if path.endswith("/embeddings"):
         keep_the_embedding_rules(case.body)
-        return
-    keep_the_rules(case.body, chat=case.operation.path.endswith("/chat/completions"))
+    elif path.endswith("/completions"):
+        keep_the_rules(case.body, chat=path.endswith("/chat/completions"))

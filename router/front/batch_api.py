@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from pdfabric import envs
 from pdfabric.config import ServeConfig
@@ -71,7 +72,20 @@ def _tenant(request: web.Request) -> str:
 async def upload(request: web.Request) -> web.Response:
     if not request.content_type.startswith("multipart/"):
         raise bad("upload a file as multipart/form-data with the fields 'file' and 'purpose'", "file")
-    limit = request.app[CONFIG].batches.max_file_mb * 2**20
+    try:
+        purpose, filename, data = await _form(request, request.app[CONFIG].batches.max_file_mb * 2**20)
+    except (ValueError, AssertionError, LookupError, HttpProcessingError) as exc:  # a malformed form
+        raise bad(f"the multipart form cannot be read: {exc}", "file") from None
+    if purpose != "batch":
+        raise bad(f"'purpose' must be 'batch', got {purpose!r}", "purpose")
+    if data is None:
+        raise bad("'file' is required", "file")
+    obj = request.app[BATCHES].files.create(_tenant(request), filename, purpose, data)
+    return web.json_response(obj.public())
+
+
+async def _form(request: web.Request, limit: int) -> tuple[str | None, str, bytes | None]:
+    """The upload's ``purpose``, file name and bytes (a 413 past ``limit`` bytes)."""
     purpose, filename, data = None, "", None
     reader = await request.multipart()
     while (part := await reader.next()) is not None:
@@ -84,12 +98,9 @@ async def upload(request: web.Request) -> web.Response:
                 data += chunk
                 if len(data) > limit:
                     raise ApiError(413, f"the file is larger than {limit // 2**20} MB", "file")
-    if purpose != "batch":
-        raise bad(f"'purpose' must be 'batch', got {purpose!r}", "purpose")
-    if data is None:
-        raise bad("'file' is required", "file")
-    obj = request.app[BATCHES].files.create(_tenant(request), filename, purpose, bytes(data))
-    return web.json_response(obj.public())
+        else:
+            raise bad(f"form field {part.name!r} is not supported by this server (file, purpose)", "file")
+    return purpose, filename, None if data is None else bytes(data)
 
 
 async def list_files(request: web.Request) -> web.Response:

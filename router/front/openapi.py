@@ -13,6 +13,7 @@ from typing import Any
 from pdfabric.router.front import embeddings, inputs
 from pdfabric.router.front import openai_api as api
 from pdfabric.router.front.openai_api import MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_TIMEOUT_S
+from pdfabric.router.front.openapi_jobs import job_paths
 from pdfabric.routing_config import MAX_BUDGET_MS
 from pdfabric.structure import MAX_TOOLS
 
@@ -425,6 +426,7 @@ def openapi_document(models: tuple[str, ...], vocab_size: int) -> dict[str, Any]
             "/v1/embeddings": _generation(
                 "embeddings (one vector per input)", _EMBEDDINGS, [], ["model", "input"], models, vocab_size
             ),
+            **job_paths(),
             "/v1/models": {"get": {"summary": "the served models", "responses": {"200": json_ok}}},
             "/health": {
                 "get": {
