@@ -88,7 +88,9 @@ def job_paths() -> dict[str, Any]:
             },
         },
         "/v1/files/{id}": {
-            "get": {"operationId": "getFile", "summary": "a file", "parameters": [_ID], "responses": _answers("404")},
+            "get": {
+                "operationId": "getFile", "summary": "a file", "parameters": [_ID], "responses": _answers("404"),
+            },
             "delete": {
                 "operationId": "deleteFile", "summary": "delete a file", "parameters": [_ID],
                 "responses": _answers("404"),
@@ -109,14 +111,20 @@ def job_paths() -> dict[str, Any]:
             "get": {
                 "summary": "the tenant's batches, newest first",
                 "parameters": [
-                    {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
+                    {
+                        "name": "limit", "in": "query",
+                        "schema": {"type": "integer", "minimum": 1, "maximum": 100},
+                    },
                     {"name": "after", "in": "query", "schema": {"type": "string"}},
                 ],
                 "responses": _answers("400"),
             },
         },
         "/v1/batches/{id}": {
-            "get": {"operationId": "getBatch", "summary": "a batch", "parameters": [_ID], "responses": _answers("404")}
+            "get": {
+                "operationId": "getBatch", "summary": "a batch", "parameters": [_ID],
+                "responses": _answers("404"),
+            },
         },
         "/v1/batches/{id}/cancel": {
             "post": {
