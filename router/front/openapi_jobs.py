@@ -89,7 +89,8 @@ def job_paths() -> dict[str, Any]:
         },
         "/v1/files/{id}": {
             "get": {
-                "operationId": "getFile", "summary": "a file", "parameters": [_ID], "responses": _answers("404"),
+                "operationId": "getFile", "summary": "a file", "parameters": [_ID],
+                "responses": _answers("404"),
             },
             "delete": {
                 "operationId": "deleteFile", "summary": "delete a file", "parameters": [_ID],
