@@ -104,10 +104,15 @@ class Scheduler:
     # --- admission ------------------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
-        """Queues a sequence whose prompt must be prefilled here."""
+        """Queues a sequence whose prompt must be prefilled here: behind every waiting sequence of its
+        priority or higher (``SamplingParams.priority``), ahead of those of a lower one."""
         self._admit(seq)
         seq.state = SeqState.WAITING
-        self.waiting.append(seq)
+        ahead = next((i for i, w in enumerate(self.waiting) if w.params.priority < seq.params.priority), None)
+        if ahead is None:
+            self.waiting.append(seq)
+        else:
+            self.waiting.insert(ahead, seq)
 
     def reserve(self, seq: Sequence) -> tuple[list[int], int] | None:
         """Reserves blocks for a prompt whose KV arrives from elsewhere: (its whole block table, how

@@ -191,6 +191,7 @@ class Embed:
     prompt_ids: tuple[int, ...]
     pooling: str  # "last", "mean" or "cls"
     normalize: bool
+    priority: int = 0  # its class's (``SamplingParams.priority``): higher ones are computed first
 
     def __post_init__(self) -> None:
         if self.pooling not in ("last", "mean", "cls") or not self.prompt_ids:

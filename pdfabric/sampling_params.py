@@ -28,6 +28,11 @@ class SamplingParams:
     router asks for it only where a response returns log-probabilities or ``best_of`` ranks outputs
     by them. Without it (and ``logprobs`` 0) a token's log-probability is reported as 0.0.
 
+    ``priority``: its admission class's priority (``[routing]`` classes); a worker's queue of prompts
+    to prefill takes a higher one before a lower one (first come, first served among equals), so an
+    online request does not wait behind a batch job's lines that reached the worker first. It never
+    changes the output.
+
     ``speculative_k``: the most tokens speculative decoding may propose for it a step, below the
     worker's own setting (-1: the worker's; 0: none); it never changes the output, only how fast it
     comes (``engine/speculate.py``).
@@ -65,6 +70,7 @@ class SamplingParams:
     grammar: str = ""  # what the output must follow (``pdfabric.structure``); "" none
     speculative_k: int = -1  # speculative decoding: most proposed tokens a step (-1: the worker's; 0: off)
     token_logprob: bool = True  # compute each picked token's log-probability (see above)
+    priority: int = 0  # its class's: a worker prefills waiting prompts of higher priority first
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

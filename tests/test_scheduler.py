@@ -51,9 +51,7 @@ def _seqs(n: int, rng: random.Random, eos: frozenset[int] = frozenset()) -> list
 def test_everything_finishes_without_leaks(num_blocks: int) -> None:
     rng = random.Random(num_blocks)
     tables = BlockTables(BlockPool(num_blocks, 4))
-    sched = Scheduler(
-        tables, _config(max_batch_tokens=24, max_running=6, max_model_len=num_blocks * 4)
-    )
+    sched = Scheduler(tables, _config(max_batch_tokens=24, max_running=6, max_model_len=num_blocks * 4))
     seqs = [s for s in _seqs(30, rng) if s.num_tokens + s.params.max_tokens <= num_blocks * 4]
     for s in seqs:
         sched.add(s)
@@ -70,9 +68,7 @@ def test_preemption_recomputes_to_the_same_tokens() -> None:
     rng = random.Random(3)
     seqs_large = _seqs(12, rng)
     for seqs, blocks in ((seqs_small, 40), (seqs_large, 1000)):
-        sched = Scheduler(
-            BlockTables(BlockPool(blocks, 4)), _config(max_batch_tokens=64, max_model_len=160)
-        )
+        sched = Scheduler(BlockTables(BlockPool(blocks, 4)), _config(max_batch_tokens=64, max_model_len=160))
         for s in seqs:
             sched.add(s)
         _drive(sched)
@@ -131,3 +127,24 @@ def test_handoff_reserve_and_abort() -> None:
     assert decode.kv_arrived("unknown", 1, 0.0) is None
     assert decode.finish("d", "abort") is got and tables.pool.num_free == 10
     assert decode.finish("d", "abort") is None
+
+
+def test_a_higher_priority_prompt_is_prefilled_before_lower_ones_that_came_first() -> None:
+    """``SamplingParams.priority``: an online prompt overtakes a batch job's waiting prompts (first
+    come, first served among equals); one already prefilling keeps its chunks' progress."""
+    sched = Scheduler(BlockTables(BlockPool(64, 16)), _config(max_batch_tokens=32))
+    low = [Sequence(f"low{i}", tuple(range(1, 41)), SamplingParams(max_tokens=1)) for i in range(3)]
+    for seq in low:
+        sched.add(seq)
+    first = sched.schedule()
+    assert [c.seq.request_id for c in first] == ["low0"] and first[0].stop == 32  # low0 is partway
+    sched.complete(first, [])
+    high = [Sequence(f"high{i}", (7, 8, 9), SamplingParams(max_tokens=1, priority=10)) for i in range(2)]
+    for seq in high:
+        sched.add(seq)
+    assert [s.request_id for s in sched.waiting] == ["high0", "high1", "low0", "low1", "low2"]
+    chunks = sched.schedule()
+    assert [c.seq.request_id for c in chunks][:2] == ["high0", "high1"]
+    assert low[0].num_cached == 32  # what it computed before is kept
+    _drive(sched)
+    assert sched.tables.pool.num_free == 64

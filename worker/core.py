@@ -197,9 +197,8 @@ class WorkerCore:
             why = f"input of {n} tokens does not fit this worker's {self.spec.max_model_len}"
         if why:
             return [Embedded(self.worker_id, (EmbedResult(rid, error=why),))]
-        seq = Sequence(
-            rid, msg.prompt_ids, SamplingParams(max_tokens=1), pooling=msg.pooling, normalize=msg.normalize
-        )
+        params = SamplingParams(max_tokens=1, priority=msg.priority)
+        seq = Sequence(rid, msg.prompt_ids, params, pooling=msg.pooling, normalize=msg.normalize)
         self.scheduler.add(seq)
         return []
 

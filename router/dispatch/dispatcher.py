@@ -225,7 +225,7 @@ class Dispatcher:
 
     async def embed(
         self, request_id: str, inputs: list[tuple[int, ...]], pooling: str, normalize: bool, served: str,
-        deadline: float,
+        deadline: float, priority: int = 0,
     ) -> list[EmbedDone]:  # fmt: skip
         """Each input's pooled vector (or error), in order: batched with other requests' inputs of the
         same kind (``embedder``), due at ``deadline`` (``time.monotonic()`` seconds). A caller that is
@@ -235,8 +235,9 @@ class Dispatcher:
         futures = [loop.create_future() for _ in ids]
         self._embeds.update(zip(ids, futures, strict=True))
         try:
+            embedder = self._embedder
             for rid, prompt_ids in zip(ids, inputs, strict=True):
-                self._apply(self._embedder.submit(rid, prompt_ids, pooling, normalize, served, deadline))
+                self._apply(embedder.submit(rid, prompt_ids, pooling, normalize, served, deadline, priority))
             return list(await asyncio.gather(*futures))
         finally:
             for rid in ids:

@@ -111,7 +111,12 @@ async def embeddings(request: web.Request) -> web.Response:
         tokens = sum(map(len, ids))
         app[access.ACCESS].limits.admit(resolved.tenant, tokens, max(map(len, ids)), time.monotonic())
         admitted = True
-        done = await _compute(request, version, req, ids, pooling, resolved.budgets.ttft_ms, arrival)
+        slo = body.get("slo")
+        own_budget = isinstance(slo, dict) and "ttft_ms" in slo
+        budget_ms = app[CONFIG].embeddings.budget_ms
+        budget_ms = resolved.budgets.ttft_ms if own_budget or not budget_ms else budget_ms
+        priority = resolved.slo_class.priority
+        done = await _compute(request, version, req, ids, pooling, (budget_ms, priority), arrival)
         for d in done:
             metrics.embedded(model, d)
         data = [_item(i, d.vector, req, pooling) for i, d in enumerate(done)]
@@ -151,9 +156,10 @@ def _tokenize(version: Version, req: EmbeddingRequest) -> list[tuple[int, ...]]:
 
 async def _compute(
     request: web.Request, version: Version, req: EmbeddingRequest, ids: list[tuple[int, ...]],
-    pooling: Pooling, ttft_ms: float, arrival: float,
+    pooling: Pooling, budget: tuple[float, int], arrival: float,
 ) -> list:  # fmt: skip
-    """Every input's ``EmbedDone``, once each has its vector; an ``ApiError`` otherwise."""
+    """Every input's ``EmbedDone``, once each has its vector; an ``ApiError`` otherwise. ``budget``:
+    the inputs' latency budget (ms) and their class's priority."""
     app = request.app
     dispatcher, cfg = app[DISPATCHER], app[CONFIG]
     limit = dispatcher.fleet.max_model_len(version.key)
@@ -162,13 +168,14 @@ async def _compute(
             raise bad(
                 f"'input[{i}]' has {len(one)} tokens; this model's workers hold at most {limit}", "input"
             )
-    budget_s = (cfg.embeddings.budget_ms or ttft_ms) / 1e3
+    budget_ms, priority = budget
     header = api.timeout_seconds(request.headers.get("X-Request-Timeout"), "X-Request-Timeout")
     own = [t for t in (req.timeout_s, header) if t is not None]
     timeout_s = min([*own, cfg.request_timeout_s])
     job = dispatcher.embed(
-        f"emb-{secrets.token_hex(12)}", ids, pooling.mode, pooling.normalize, version.key, arrival + budget_s
-    )
+        f"emb-{secrets.token_hex(12)}", ids, pooling.mode, pooling.normalize, version.key,
+        arrival + budget_ms / 1e3, priority,
+    )  # fmt: skip
     try:
         done = await asyncio.wait_for(job, max(0.0, arrival + timeout_s - time.monotonic()))
     except TimeoutError:

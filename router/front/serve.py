@@ -158,12 +158,14 @@ async def submit(call: Call) -> None:
     timeouts = [t for t in (parsed.timeout_s, header_timeout) if t is not None]
     call.deadline = deadline = call.arrival + min(timeouts) if timeouts else None
     eos = tuple(sorted(version.tokenizer.eos_token_ids))
+    priority = resolved.slo_class.priority  # a worker prefills higher classes' prompts first
     for i, (prompt_ids, limit) in enumerate(zip(call.prompts, call.max_tokens, strict=True)):
         sub_id = request_id if i == 0 else f"{request_id}-{i}"  # each prompt of a batch is a request
         call.submitted.append(sub_id)
+        params = replace(parsed.sampling_params(limit, seed), priority=priority)
         stream = await app[DISPATCHER].submit(
-            sub_id, prompt_ids, parsed.sampling_params(limit, seed), eos, resolved, deadline=deadline,
-            n=parsed.best_of, served=version.key,
+            sub_id, prompt_ids, params, eos, resolved, deadline=deadline, n=parsed.best_of,
+            served=version.key,
         )  # fmt: skip
         call.streams.append(stream)
         if version.first_routed_at is None:
