@@ -248,8 +248,8 @@ class EmbeddingConfig:
     # A batch leaves this long before its oldest input's deadline less its predicted compute: the
     # room left for the trip to the worker, its queue and the reply.
     margin_ms: float = 25.0
-    # An input's latency budget: its request's "slo" ttft_ms, else its tenant's or class's, else this
-    # (0: the class's ttft_ms, as for generation).
+    # An input's latency budget when its request gives no "slo" ttft_ms (0: its tenant's or class's
+    # TTFT budget, as for generation).
     budget_ms: float = 0.0
     length_buckets: bool = True  # inputs of one batch are of one power-of-two length bucket
 
