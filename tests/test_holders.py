@@ -26,7 +26,8 @@ from pdfabric.control import (
     TokenDelta,
 )
 from pdfabric.profile import WorkerProfile
-from pdfabric.router.dispatch.dispatcher import Dispatcher, RequestStream
+from pdfabric.router.dispatch.dispatcher import Dispatcher
+from pdfabric.router.dispatch.stream import RequestStream
 from pdfabric.router.routing.holders import Holders
 from pdfabric.router.routing.slo import resolve
 from pdfabric.routing_config import AdmissionConfig

@@ -23,66 +23,26 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Collection
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import zmq
 import zmq.asyncio
 
 from pdfabric.cluster_secret import REFUSED_EVENTS, ClusterSecret, Refusals, authenticate, stop_authenticating
-from pdfabric.control import Embedded, HandedOff, Heartbeat, Register, Shutdown, TokenDelta
+from pdfabric.control import Embedded, HandedOff, Heartbeat, Register, Shutdown
 from pdfabric.router.dispatch.core import RouterCore
 from pdfabric.router.dispatch.effects import Deliver, FailedOver, Refused, Send, Started, Transferred
 from pdfabric.router.dispatch.embedder import EmbedCore, EmbedDone
 from pdfabric.router.dispatch.fleet import Fleet
+from pdfabric.router.dispatch.stream import RequestStream
 from pdfabric.router.routing.batcher import Batch
 from pdfabric.router.routing.registry import WorkerInfo
-from pdfabric.router.routing.routes import Choice
 from pdfabric.router.routing.slo import Resolved
 from pdfabric.routing_config import AdmissionConfig, EmbeddingConfig, PredictorConfig
 from pdfabric.sampling_params import SamplingParams
 from pdfabric.wire import WireError, decode, encode
 
 log = logging.getLogger("pdfabric.router")
-
-
-@dataclass
-class RequestStream:
-    """One request's deltas, for the HTTP handler to consume: one queue per output (choice), each in
-    output order; a failure goes to every queue."""
-
-    request_id: str
-    prompt_len: int
-    n: int = 1
-    queues: list[asyncio.Queue[TokenDelta]] = field(init=False)
-    route: str = ""
-    choice: Choice | None = None  # the route taken, with its predicted latencies
-    waited_ms: float = 0.0  # time spent waiting for admission in the router
-    transfer_s: float | None = None  # KV push, start to acknowledgement (0 colocated; None: not yet told)
-    cached_tokens: int = 0  # prompt tokens whose KV came from a worker's prefix cache
-    generated: int = 0  # tokens its workers generated for it, every output (what its tenant is billed)
-    started: asyncio.Future[None] | None = None  # set while ``submit`` waits for the start
-    prompt_logprobs: tuple = ()  # the prompt's scores (``TokenDelta.prompt_logprobs``), once they came
-    scored: asyncio.Event = field(default_factory=asyncio.Event)  # they came (or the request failed)
-
-    def __post_init__(self) -> None:
-        self.queues = [asyncio.Queue() for _ in range(self.n)]
-
-    @property
-    def queue(self) -> asyncio.Queue[TokenDelta]:
-        """The first output's queue (the only one when ``n`` is 1)."""
-        return self.queues[0]
-
-    def put(self, delta: TokenDelta) -> None:
-        if delta.prompt_logprobs and not self.scored.is_set():
-            self.prompt_logprobs = delta.prompt_logprobs
-            self.scored.set()
-        if delta.finish_reason in ("error", "abort"):
-            self.scored.set()
-            for q in self.queues:
-                q.put_nowait(delta)
-        elif 0 <= delta.choice < self.n:
-            self.queues[delta.choice].put_nowait(delta)
 
 
 class Refusal(Exception):

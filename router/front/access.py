@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from pdfabric.router.dispatch.dispatcher import RequestStream
+from pdfabric.router.dispatch.stream import RequestStream
 from pdfabric.router.errors import ApiError, bad
 from pdfabric.router.front import openai_api as api
 from pdfabric.router.front.keys import BATCH_CLASS, BATCH_TOKEN

@@ -118,7 +118,7 @@ async def embeddings(request: web.Request) -> web.Response:
         priority = resolved.slo_class.priority
         done = await _compute(request, version, req, ids, pooling, (budget_ms, priority), arrival)
         for d in done:
-            metrics.embedded(model, d)
+            metrics.embeddings.embedded(model, d)
         data = [_item(i, d.vector, req, pooling) for i, d in enumerate(done)]
         outcome = "stop"
     except LimitError as exc:

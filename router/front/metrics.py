@@ -10,8 +10,8 @@ from prometheus_client.registry import Collector
 
 from pdfabric.control import KINDS, HandedOff
 from pdfabric.router.dispatch.effects import FailedOver
-from pdfabric.router.dispatch.embedder import EmbedDone
 from pdfabric.router.dispatch.fleet import Fleet
+from pdfabric.router.front.embedding_metrics import EmbeddingMetrics
 from pdfabric.router.platform.catalog import Catalog
 from pdfabric.router.platform.tenants import UsageBook
 from pdfabric.router.routing.batcher import Batch
@@ -310,26 +310,7 @@ class RouterMetrics:
             "Responses answered from an earlier request with the same Idempotency-Key, not computed",
             registry=r,
         )
-        self.embedding_inputs = Counter(
-            "pdfabric_embedding_inputs", "Embedding inputs computed", ["model"], registry=r
-        )
-        self.embedding_waits = {
-            part: Histogram(
-                f"pdfabric_embedding_{part}_seconds", what, ["model"], buckets=LATENCY_BUCKETS, registry=r
-            )
-            for part, what in (
-                ("batch_wait", "An embedding input's wait to be batched: arrival to its batch leaving"),
-                ("worker_wait", "Its batch's departure to its vector's return, less compute"),
-                ("compute", "The worker steps that computed it (shared with what they ran beside it)"),
-            )
-        }
-        self.embedding_batch_inputs = Histogram(
-            "pdfabric_embedding_batch_inputs",
-            "Inputs per embedding batch, by what sent it (full, deadline, idle)",
-            ["trigger"],
-            buckets=tuple(2.0**k for k in range(9)),
-            registry=r,
-        )
+        self.embeddings = EmbeddingMetrics(r, LATENCY_BUCKETS)
         for collector in (_WorkerGauges(fleet), _Waiting(fleet), _Supervision(fleet)):
             r.register(collector)
         if usage is not None:
@@ -344,18 +325,8 @@ class RouterMetrics:
         self.kv_transfer_seconds.labels(pool).observe(msg.kv_seconds)
         self.kv_transfer_bytes.labels(pool).observe(msg.kv_bytes)
 
-    def embedded(self, model: str, done: EmbedDone) -> None:
-        """An embedding input that got its vector: where its time went."""
-        self.embedding_inputs.labels(model).inc()
-        for part, seconds in (
-            ("batch_wait", done.batch_wait_s),
-            ("worker_wait", done.worker_wait_s),
-            ("compute", done.compute_s),
-        ):
-            self.embedding_waits[part].labels(model).observe(seconds)
-
     def batched(self, batch: Batch) -> None:
-        self.embedding_batch_inputs.labels(batch.trigger).observe(len(batch.items))
+        self.embeddings.batched(batch)
 
     def failed_over(self, moved: FailedOver) -> None:
         self.failovers.labels(moved.cause).inc()

@@ -26,7 +26,7 @@ from pdfabric.control import TokenDelta
 from pdfabric.engine.detokenizer import IncrementalDetokenizer
 from pdfabric.engine.sequence import TopLogprobs
 from pdfabric.engine.tokenizer import Tokenizer
-from pdfabric.router.dispatch.dispatcher import RequestStream
+from pdfabric.router.dispatch.stream import RequestStream
 from pdfabric.router.errors import ApiError
 from pdfabric.router.front import openai_api as api
 from pdfabric.router.front import shapes, tool_calls

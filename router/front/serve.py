@@ -23,8 +23,9 @@ from typing import Any
 from aiohttp import web
 
 from pdfabric.engine.detokenizer import IncrementalDetokenizer
-from pdfabric.router.dispatch.dispatcher import Refusal, RequestStream
+from pdfabric.router.dispatch.dispatcher import Refusal
 from pdfabric.router.dispatch.effects import Refused
+from pdfabric.router.dispatch.stream import RequestStream
 from pdfabric.router.errors import ApiError, bad
 from pdfabric.router.front import access, responses
 from pdfabric.router.front import openai_api as api
