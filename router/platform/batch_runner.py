@@ -26,6 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+
 from pdfabric.router.platform.batch_jobs import BatchStore, Line, parse_lines
 from pdfabric.routing_config import BatchJobsConfig
 
@@ -62,8 +64,6 @@ class BatchRunner:
 
     async def start(self, url: str) -> None:
         """Starts running every unfinished batch against the router at ``url``."""
-        import aiohttp
-
         self._url = url
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
         for batch_id in self.store.active():
@@ -135,7 +135,7 @@ class BatchRunner:
                     self._url + batch["endpoint"], json=line.body, headers=headers
                 ) as r:
                     status, body = r.status, await _json(r)
-            except (TimeoutError, OSError) as exc:
+            except (TimeoutError, OSError, aiohttp.ClientError) as exc:  # no answer: as a 5xx
                 status, body = 599, {"error": {"message": f"the router did not answer: {exc}"}}
             room = status in (429, 503)
             if status < 500 and status != 429:
