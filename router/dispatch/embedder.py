@@ -123,18 +123,11 @@ class EmbedCore:
             now = self.clock()
             waited = max(0.0, now - inp.left - r.compute_s)
             self._forget(inp)
-            out.append(
-                EmbedDone(
-                    inp.request_id,
-                    r.vector,
-                    "",
-                    inp.left - inp.arrived,
-                    waited,
-                    r.compute_s,
-                    inp.batch_inputs,
-                    inp.trigger,
-                )  # fmt: skip
-            )
+            done = EmbedDone(
+                inp.request_id, r.vector, batch_wait_s=inp.left - inp.arrived, worker_wait_s=waited,
+                compute_s=r.compute_s, batch_inputs=inp.batch_inputs, trigger=inp.trigger,
+            )  # fmt: skip
+            out.append(done)
         return out + self.poll()
 
     def worker_gone(self, worker_id: str, why: str) -> list[object]:
