@@ -127,6 +127,9 @@ async def embeddings(request: web.Request) -> web.Response:
     except ApiError as exc:
         metrics.rejections.labels("invalid" if exc.status < 500 else "no_capacity").inc()
         return responses.error_response(exc)
+    except asyncio.CancelledError:  # the client left: its inputs were ended (``Dispatcher.embed``)
+        outcome = "abort"
+        raise
     finally:
         if admitted:
             app[access.ACCESS].limits.finish(tenant, 0, time.monotonic())
