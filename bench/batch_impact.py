@@ -19,12 +19,13 @@ import asyncio
 import json
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from pdfabric.bench.deploy import serving
 from pdfabric.bench.floors import cpu_name
+from pdfabric.bench.options import served_model
 from pdfabric.bench.progress import Progress
 
 TOPICS = ("the sea", "a cat", "rain", "mountains", "coffee", "a city at night", "autumn", "a library")
@@ -50,14 +51,8 @@ def run(args: argparse.Namespace) -> int:
     if args.rate <= 0 or args.duration_s <= 0 or args.batch_lines < 1:
         print("--rate, --duration-s and --batch-lines must be positive", file=sys.stderr)
         return 2
-    if args.target.startswith("http"):
-        report = asyncio.run(_runs(args.target.rstrip("/"), args))
-    else:
-        from pdfabric.bench.deploy import ServerSpec, started
-
-        log = Path(args.json.parent if args.json else tempfile.gettempdir()) / "batch-impact-server.log"
-        with started(ServerSpec.parse(args.target), log) as server:
-            report = asyncio.run(_runs(server.url, args))
+    with serving(args.target, args.json.parent if args.json else None, "batch-impact-server.log") as url:
+        report = asyncio.run(_runs(url, served_model(url), args))
     report.update(cpu=cpu_name(), target=args.target, rate=args.rate, duration_s=args.duration_s)
     _print(report)
     if args.json:
@@ -65,12 +60,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _runs(url: str, args: argparse.Namespace) -> dict[str, Any]:
+async def _runs(url: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
     import aiohttp
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as http:
-        async with http.get(url + "/v1/models") as r:
-            model = (await r.json())["data"][0]["id"]
         alone = await _online(http, url, model, args, "online alone")
         batch_id = await _start_batch(http, url, model, args)
         beside = await _online(http, url, model, args, "online beside the batch")

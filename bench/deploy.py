@@ -25,6 +25,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -202,6 +203,19 @@ def started(spec: ServerSpec, log_path: Path, timeout_s: float = 180.0,
     finally:
         stop(proc, grace_s)
         reader.join(timeout=5)
+
+
+@contextlib.contextmanager
+def serving(target: str, log_dir: Path | None, log_name: str) -> Iterator[str]:
+    """The base URL of ``target``: a running server's URL as given, or a deployment (``serve:FLAGS`` or a
+    ``.toml`` config) started here for the ``with`` block, its log ``log_name`` in ``log_dir`` (None:
+    the temporary directory)."""
+    if target.startswith(("http://", "https://")):
+        yield target.rstrip("/")
+        return
+    log = Path(log_dir if log_dir is not None else tempfile.gettempdir()) / log_name
+    with started(ServerSpec.parse(target), log) as server:
+        yield server.url
 
 
 def _wait_ready(proc: subprocess.Popen[bytes], reader: _LogReader, deadline: float,

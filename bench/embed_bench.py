@@ -23,12 +23,13 @@ import json
 import random
 import re
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from pdfabric.bench.deploy import serving
 from pdfabric.bench.floors import cpu_name
+from pdfabric.bench.options import served_model
 from pdfabric.bench.progress import Progress
 
 DEFAULT_TARGET = "serve:--model smollm2-135m --colocated 1 --prefill 0 --decode 0"
@@ -71,14 +72,8 @@ def run(args: argparse.Namespace) -> int:
         f"engine: {engine['tokens_per_s']:.0f} tokens/s ({args.batch} x {args.input_tokens} tokens a batch)"
     )
     rng = random.Random(args.seed)
-    if args.target.startswith("http"):
-        result = asyncio.run(_measure(args.target.rstrip("/"), args, fractions, vocab, rng))
-    else:
-        from pdfabric.bench.deploy import ServerSpec, started
-
-        log = Path(args.json.parent if args.json else tempfile.gettempdir()) / "embed-bench-server.log"
-        with started(ServerSpec.parse(args.target), log) as server:
-            result = asyncio.run(_measure(server.url, args, fractions, vocab, rng))
+    with serving(args.target, args.json.parent if args.json else None, "embed-bench-server.log") as url:
+        result = asyncio.run(_measure(url, served_model(url), args, fractions, vocab, rng))
     report = {
         "cpu": cpu_name(), "model": args.model, "target": args.target, "input_tokens": args.input_tokens,
         "budget_ms": args.budget_ms, "engine": engine, **result,
@@ -124,11 +119,9 @@ def engine_rate(model: str, input_tokens: int, batch: int) -> tuple[dict[str, An
 
 
 async def _measure(
-    url: str, args: argparse.Namespace, fractions: list[float], vocab: int, rng: random.Random
+    url: str, model: str, args: argparse.Namespace, fractions: list[float], vocab: int, rng: random.Random
 ) -> dict[str, Any]:
     import aiohttp
-
-    model = await _served_model(url)
 
     def body() -> dict[str, Any]:
         ids = [rng.randrange(vocab) for _ in range(args.input_tokens)]
@@ -216,13 +209,6 @@ def _latency(seconds: list[float]) -> dict[str, float]:
         return {"p50_ms": 0.0, "p99_ms": 0.0}
     s = sorted(seconds)
     return {"p50_ms": s[len(s) // 2] * 1e3, "p99_ms": s[min(len(s) - 1, int(len(s) * 0.99))] * 1e3}
-
-
-async def _served_model(url: str) -> str:
-    import aiohttp
-
-    async with aiohttp.ClientSession() as http, http.get(url + "/v1/models") as r:
-        return (await r.json())["data"][0]["id"]
 
 
 _BATCH = re.compile(r'^pdfabric_embedding_batch_inputs_(sum|count)\{trigger="(\w+)"\} ([0-9.e+]+)$', re.M)
