@@ -251,7 +251,8 @@ class WorkerCore:
             tokens = sum(c.seq.step_tokens for c in chunks)
             self.speculation.record(len(chunks), sum(c.stop for c in chunks), tokens, seconds + drafting)
         for chunk in chunks:
-            chunk.seq.compute_s += seconds
+            if chunk.seq.pooling:  # an embedding input reports the time of the steps that ran it
+                chunk.seq.compute_s += seconds
         pooled = [seq for seq in changed if seq.pooling]
         results = tuple(EmbedResult(seq.request_id, seq.embedding, seq.compute_s) for seq in pooled)
         done = [Embedded(self.worker_id, results)] if results else []
