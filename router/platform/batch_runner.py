@@ -120,7 +120,9 @@ class BatchRunner:
         f.flush()
         os.fsync(f.fileno())
         counts["completed" if status < 300 else "failed"] += 1
-        self.store.update(batch["id"], request_counts=dict(counts))
+        # in memory only: the answer files are the record (a restart counts them again, ``done_ids``),
+        # and the batch's file is written at its next change of state
+        batch["request_counts"] = dict(counts)
 
     async def _send(self, batch: dict, tenant: str, line: Line) -> tuple[int, dict]:
         """The line's last answer: refusals for want of room go again until the batch expires, other
