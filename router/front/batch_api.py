@@ -9,6 +9,7 @@ HTTP shapes of OpenAI's Files and Batch APIs, each call as the tenant its key (o
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 
 from aiohttp import web
@@ -23,6 +24,7 @@ from pdfabric.router.json_body import parse_json_body
 from pdfabric.router.platform.batch_jobs import BatchStore
 from pdfabric.router.platform.batch_runner import BatchRunner
 from pdfabric.router.platform.files import FileStore
+from pdfabric.router.platform.jobs_db import open_jobs_db
 from pdfabric.routing_config import AdmissionConfig
 
 BATCHES = web.AppKey("batches", BatchStore)
@@ -33,10 +35,12 @@ def add_batch_api(app: web.Application, cfg: ServeConfig, waiting) -> BatchRunne
     """Adds the routes; the runner starts once the router serves (``BatchRunner.start``) and stops
     with the app. ``waiting``: the requests waiting in the router's admission queue."""
     root = Path(cfg.batches.dir or Path(envs.get("PDFABRIC_CACHE_DIR")) / "batches")
-    store = BatchStore(root, FileStore(root))
+    db = open_jobs_db(root)
+    store = BatchStore(db, FileStore(db, root))
     app[BATCHES] = store
     app[RUNNER] = runner = BatchRunner(store, cfg.batches, waiting)
     app.on_cleanup.append(lambda _: runner.close())
+    app.on_cleanup.append(lambda _: _close(db))
     for method, path, handler in (
         ("POST", "/v1/files", upload), ("GET", "/v1/files", list_files), ("GET", "/v1/files/{id}", get_file),
         ("GET", "/v1/files/{id}/content", file_content), ("DELETE", "/v1/files/{id}", delete_file),
@@ -45,6 +49,10 @@ def add_batch_api(app: web.Application, cfg: ServeConfig, waiting) -> BatchRunne
     ):  # fmt: skip
         app.router.add_route(method, path, _answering(handler))
     return runner
+
+
+async def _close(db: sqlite3.Connection) -> None:
+    db.close()
 
 
 def batch_class(routing: AdmissionConfig, wanted: str) -> str:

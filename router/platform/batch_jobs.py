@@ -6,29 +6,29 @@ A batch's life (OpenAI's states):
    unique ``custom_id``, ``method`` POST, ``url`` the batch's endpoint, a ``body`` object that does not
    stream): a bad line is a 400 naming it; a good file makes the batch ``in_progress``;
 2. the runner (``batch_runner.py``) sends its lines through the router's own API as the batch's
-   tenant, in the batch class, and appends each answer to the output file (or the error file) as
-   it comes, flushed to disk;
+   tenant, in the batch class, and records each answer as it comes (``answer``);
 3. ``completed`` when every line has its answer (``finalizing`` meanwhile), or ``cancelled`` after
    ``cancel`` (``cancelling`` while lines in flight end), or ``expired`` past its completion window:
-   the output and error files are listed then.
+   the output and error files are listed then (``finish``).
 
-Everything lives in ``DIR/batches/ID.json`` (the batch object, rewritten atomically on each change)
-and the files' folder. A router that restarts reads them back and resumes each unfinished batch
-from the lines that have no answer yet: no line is lost or answered twice (a line cut short by a
-kill is dropped and run again).
+Everything lives in the jobs database (``jobs_db.py``): the batch object, rewritten on each change,
+and each answer with its batch's counts in one transaction. A router that restarts reads them back and
+resumes each unfinished batch from the lines that have no answer yet: no line is lost or answered
+twice (a line running when the router died runs again, and its first answer is the one kept).
 """
 
 from __future__ import annotations
 
 import json
 import secrets
+import sqlite3
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from pdfabric.router.errors import ApiError, bad
-from pdfabric.router.platform.files import FileStore, write_atomic
+from pdfabric.router.platform.files import FileStore
+from pdfabric.router.platform.jobs_db import Transaction
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
 WINDOW_S = 24 * 3600  # "24h", the only completion window
@@ -72,19 +72,15 @@ def parse_lines(data: bytes, endpoint: str) -> list[Line]:
 
 
 class BatchStore:
-    """The batches of every tenant, as objects in OpenAI's shape, on disk."""
+    """The batches of every tenant, as objects in OpenAI's shape, and their answers, in the jobs
+    database (``jobs_db.py``)."""
 
-    def __init__(self, root: Path, files: FileStore) -> None:
-        self.dir = root / "batches"
-        self.dir.mkdir(parents=True, exist_ok=True)
+    def __init__(self, db: sqlite3.Connection, files: FileStore) -> None:
+        self.db = db
         self.files = files
-        self._batches: dict[str, dict[str, Any]] = {}  # id -> {"tenant", "batch"}
-        for path in sorted(self.dir.glob("batch_*.json")):
-            try:
-                record = json.loads(path.read_text())
-            except (OSError, ValueError):
-                continue
-            self._batches[record["batch"]["id"]] = record
+        self._batches: dict[str, dict[str, Any]] = {}  # id -> {"tenant", "batch", "created_ns"}
+        for batch_id, tenant, obj, made in db.execute("SELECT id, tenant, object, created_ns FROM batches"):
+            self._batches[batch_id] = {"tenant": tenant, "batch": json.loads(obj), "created_ns": made}
 
     def create(self, tenant: str, body: Any) -> dict[str, Any]:
         if not isinstance(body, dict):
@@ -117,8 +113,13 @@ class BatchStore:
             "failed_at": None, "expired_at": None, "cancelling_at": None, "cancelled_at": None,
             "request_counts": {"total": len(lines), "completed": 0, "failed": 0}, "metadata": metadata,
         }  # fmt: skip
-        self._batches[batch["id"]] = {"tenant": tenant, "batch": batch, "created_ns": time.time_ns()}
-        self.save(batch["id"])
+        record = {"tenant": tenant, "batch": batch, "created_ns": time.time_ns()}
+        with Transaction(self.db) as db:
+            db.execute(
+                "INSERT INTO batches (id, tenant, object, created_ns) VALUES (?, ?, ?, ?)",
+                (batch["id"], tenant, json.dumps(batch), record["created_ns"]),
+            )
+        self._batches[batch["id"]] = record
         return batch
 
     def get(self, tenant: str, batch_id: str) -> dict[str, Any]:
@@ -146,11 +147,41 @@ class BatchStore:
         return batch
 
     def update(self, batch_id: str, **changes: Any) -> None:
-        self._batches[batch_id]["batch"].update(changes)
-        self.save(batch_id)
+        with Transaction(self.db) as db:
+            self._change(db, batch_id, changes)
 
-    def save(self, batch_id: str) -> None:
-        write_atomic(self.dir / f"{batch_id}.json", json.dumps(self._batches[batch_id]).encode())
+    def answered(self, batch_id: str) -> set[str]:
+        """The custom ids of the batch's lines that have their answer."""
+        rows = self.db.execute("SELECT custom_id FROM answers WHERE batch_id = ?", (batch_id,))
+        return {cid for (cid,) in rows}
+
+    def answer(self, batch_id: str, custom_id: str, ok: bool, line: dict[str, Any]) -> None:
+        """Records a line's answer (``ok``: for the output file, else the error file) and counts it, in
+        one transaction; a line answered already keeps its first answer."""
+        batch = self._batches[batch_id]["batch"]
+        with Transaction(self.db) as db:
+            cur = db.execute(
+                "INSERT OR IGNORE INTO answers (batch_id, custom_id, ok, line) VALUES (?, ?, ?, ?)",
+                (batch_id, custom_id, int(ok), json.dumps(line)),
+            )
+            if cur.rowcount:
+                counts = dict(batch["request_counts"])
+                counts["completed" if ok else "failed"] += 1
+                self._change(db, batch_id, {"request_counts": counts})
+
+    def finish(self, batch_id: str, **changes: Any) -> None:
+        """Ends a batch: lists its output and error files and changes its state, in one transaction."""
+        record = self._batches[batch_id]
+        batch, tenant = record["batch"], record["tenant"]
+        with Transaction(self.db) as db:
+            self.files.publish_answers(db, tenant, batch["output_file_id"], batch_id, ok=True)
+            self.files.publish_answers(db, tenant, batch["error_file_id"], batch_id, ok=False)
+            self._change(db, batch_id, changes)
+
+    def _change(self, db: sqlite3.Connection, batch_id: str, changes: dict[str, Any]) -> None:
+        batch = {**self._batches[batch_id]["batch"], **changes}
+        db.execute("UPDATE batches SET object = ? WHERE id = ?", (json.dumps(batch), batch_id))
+        self._batches[batch_id]["batch"].update(changes)  # once written
 
 
 def _created(record: dict[str, Any]) -> tuple[int, str]:

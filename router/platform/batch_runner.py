@@ -9,21 +9,19 @@ higher class that waits goes first. A line answered 429 or 503 (no room now) wai
 without limit until the batch expires; one answered with another 5xx (or not answered) goes again
 up to ``retries`` times; its last answer is then written, to the output file (2xx) or the error file.
 
-Each answer is appended to its file as one JSON line (``{"id", "custom_id", "response": {"status_code",
-"request_id", "body"}, "error"}``) and flushed to disk before the line counts as done. A restarted
-router reads those files back (``done_ids``): the lines with an answer are not sent again.
+Each answer (``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}``) is
+committed to the jobs database with its batch's counts before the line counts as done
+(``BatchStore.answer``). A restarted router reads them back: the lines with an answer are not sent
+again.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import os
 import secrets
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -35,19 +33,6 @@ log = logging.getLogger("pdfabric.router.batches")
 
 TOKEN_HEADER = "X-Pdfabric-Batch"  # the runner's own requests: the router's in-memory token
 RETRY_S = 0.5  # a refused line's first wait before it goes again (doubling, at most 8 s)
-
-
-def done_ids(path: Path) -> set[str]:
-    """The custom ids answered in an output or error file; a last line cut short by a kill is cut
-    off the file (its line runs again)."""
-    if not path.exists():
-        return set()
-    data = path.read_bytes()
-    end = data.rfind(b"\n") + 1
-    if end < len(data):
-        with open(path, "r+b") as f:
-            f.truncate(end)
-    return {json.loads(raw)["custom_id"] for raw in data[:end].splitlines() if raw.strip()}
 
 
 class BatchRunner:
@@ -82,30 +67,32 @@ class BatchRunner:
 
     async def _run(self, batch_id: str) -> None:
         store = self.store
-        batch = store.get(store.tenant_of(batch_id), batch_id)
         tenant = store.tenant_of(batch_id)
-        out_path = store.files.data_path(batch["output_file_id"])
-        err_path = store.files.data_path(batch["error_file_id"])
-        lines = parse_lines(store.files.data_path(batch["input_file_id"]).read_bytes(), batch["endpoint"])
-        done_ok, done_err = done_ids(out_path), done_ids(err_path)
-        counts = {"total": len(lines), "completed": len(done_ok), "failed": len(done_err)}
-        store.update(batch_id, request_counts=counts)
-        pending = [line for line in lines if line.custom_id not in done_ok | done_err]
+        batch = store.get(tenant, batch_id)
+        try:
+            data = store.files.data_path(batch["input_file_id"]).read_bytes()
+        except OSError:  # its input file was deleted before a restarted router read it
+            gone = {"code": "input_file_gone", "message": "the input file was deleted"}
+            errors = {"object": "list", "data": [gone]}
+            store.finish(batch_id, status="failed", failed_at=int(time.time()), errors=errors)
+            self._tasks.pop(batch_id, None)
+            return
+        answered = store.answered(batch_id)
+        pending = [line for line in parse_lines(data, batch["endpoint"]) if line.custom_id not in answered]
         running: set[asyncio.Task[None]] = set()
-        with open(out_path, "ab") as out, open(err_path, "ab") as err:
-            for line in pending:
-                await self._slots.acquire()
-                if batch["status"] == "cancelling" or time.time() > batch["expires_at"]:
-                    self._slots.release()
-                    break
-                task = asyncio.create_task(self._line(batch, tenant, line, out, err, counts))
-                running.add(task)
-                task.add_done_callback(running.discard)
-            await asyncio.gather(*running)
-        self._finish(batch_id, batch, tenant)
+        for line in pending:
+            await self._slots.acquire()
+            if batch["status"] == "cancelling" or time.time() > batch["expires_at"]:
+                self._slots.release()
+                break
+            task = asyncio.create_task(self._line(batch_id, batch, tenant, line))
+            running.add(task)
+            task.add_done_callback(running.discard)
+        await asyncio.gather(*running)
+        self._finish(batch_id)
         self._tasks.pop(batch_id, None)
 
-    async def _line(self, batch: dict, tenant: str, line: Line, out: Any, err: Any, counts: dict) -> None:
+    async def _line(self, batch_id: str, batch: dict, tenant: str, line: Line) -> None:
         try:
             status, body = await self._send(batch, tenant, line)
         finally:
@@ -115,14 +102,7 @@ class BatchRunner:
             "response": {"status_code": status, "request_id": body.get("id", ""), "body": body},
             "error": None if status < 300 else {"code": str(status), "message": _message(body)},
         }  # fmt: skip
-        f = out if status < 300 else err
-        f.write(json.dumps(answer).encode() + b"\n")
-        f.flush()
-        os.fsync(f.fileno())
-        counts["completed" if status < 300 else "failed"] += 1
-        # in memory only: the answer files are the record (a restart counts them again, ``done_ids``),
-        # and the batch's file is written at its next change of state
-        batch["request_counts"] = dict(counts)
+        self.store.answer(batch_id, line.custom_id, status < 300, answer)
 
     async def _send(self, batch: dict, tenant: str, line: Line) -> tuple[int, dict]:
         """The line's last answer: refusals for want of room go again until the batch expires, other
@@ -151,20 +131,18 @@ class BatchRunner:
             await asyncio.sleep(wait)
             wait = min(8.0, wait * 2)
 
-    def _finish(self, batch_id: str, batch: dict, tenant: str) -> None:
-        now = int(time.time())
+    def _finish(self, batch_id: str) -> None:
+        store, now = self.store, int(time.time())
+        batch = store.get(store.tenant_of(batch_id), batch_id)
         counts = batch["request_counts"]
-        files = self.store.files
-        files.publish(tenant, batch["output_file_id"], f"{batch_id}_output.jsonl", "batch_output")
-        files.publish(tenant, batch["error_file_id"], f"{batch_id}_errors.jsonl", "batch_output")
         if batch["status"] == "cancelling":
-            self.store.update(batch_id, status="cancelled", cancelled_at=now)
+            store.finish(batch_id, status="cancelled", cancelled_at=now)
         elif counts["completed"] + counts["failed"] < counts["total"]:
-            self.store.update(batch_id, status="expired", expired_at=now)
+            store.finish(batch_id, status="expired", expired_at=now)
         else:
-            self.store.update(batch_id, status="finalizing", finalizing_at=now)
-            self.store.update(batch_id, status="completed", completed_at=now)
-        log.info("batch %s %s: %s", batch_id, batch["status"], batch["request_counts"])
+            store.update(batch_id, status="finalizing", finalizing_at=now)
+            store.finish(batch_id, status="completed", completed_at=now)
+        log.info("batch %s %s: %s", batch_id, batch["status"], counts)
 
 
 async def _json(response: Any) -> dict:

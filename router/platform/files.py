@@ -1,11 +1,12 @@
 """Files for ``/v1/files``: what tenants upload (a batch's input) and what batches write (their output
-and errors), kept in a directory so that they outlive the router.
+and errors), kept so that they outlive the router.
 
-Each file is two entries in ``DIR/files``: ``ID.data`` (its bytes) and ``ID.json`` (its OpenAI file
-object and its tenant). The object is written last, under a temporary name renamed into place, so a
-router killed mid-upload leaves no file that can be listed; a batch's output grows in its ``.data``
-while the batch runs and is listed once the batch ends. A file belongs to the tenant that made it:
-another tenant gets a 404 for it, as for a file that does not exist.
+A file is a row of the jobs database (``jobs_db.py``: its OpenAI object and tenant). An upload's bytes
+lie in ``DIR/files/ID.data``, written and flushed to disk before the row is inserted, so a router
+killed mid-upload leaves no file that can be listed (only bytes without a row, removed at the next
+start). A batch's output and error files are listed once the batch ends, and their content is the
+batch's answers as the database holds them. A file belongs to the tenant that made it: another tenant
+gets a 404 for it, as for a file that does not exist.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import sqlite3
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pdfabric.router.errors import ApiError
+from pdfabric.router.platform.jobs_db import Transaction
 
 PURPOSES = ("batch", "batch_output")  # what a tenant uploads, what a batch writes
 
@@ -47,9 +50,14 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 
 class FileStore:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, db: sqlite3.Connection, root: Path) -> None:
+        self.db = db
         self.dir = root / "files"
         self.dir.mkdir(parents=True, exist_ok=True)
+        listed = {row[0] for row in db.execute("SELECT id FROM files")}
+        for path in self.dir.iterdir():  # bytes of uploads cut short by a kill: never listed
+            if path.stem not in listed:
+                path.unlink(missing_ok=True)
 
     @staticmethod
     def new_id() -> str:
@@ -61,49 +69,65 @@ class FileStore:
         return self.dir / f"{file_id}.data"
 
     def create(self, tenant: str, filename: str, purpose: str, data: bytes) -> FileObject:
+        """An upload: its bytes, then its row."""
         file_id = self.new_id()
         write_atomic(self.data_path(file_id), data)
-        return self.publish(tenant, file_id, filename, purpose)
-
-    def publish(self, tenant: str, file_id: str, filename: str, purpose: str) -> FileObject:
-        """Lists a file whose bytes are in place (an upload, or a batch's output once it ended)."""
-        path = self.data_path(file_id)
-        if not path.exists():
-            path.touch()
-        obj = FileObject(file_id, path.stat().st_size, int(time.time()), filename, purpose)
-        record = json.dumps({"tenant": tenant, "file": obj.public(), "created_ns": time.time_ns()}).encode()
-        write_atomic(self.dir / f"{file_id}.json", record)
+        obj = FileObject(file_id, len(data), int(time.time()), filename, purpose)
+        with Transaction(self.db) as db:
+            db.execute(
+                "INSERT INTO files (id, tenant, object, created_ns) VALUES (?, ?, ?, ?)",
+                (file_id, tenant, json.dumps(obj.public()), time.time_ns()),
+            )
         return obj
+
+    def publish_answers(
+        self, db: sqlite3.Connection, tenant: str, file_id: str, batch_id: str, ok: bool
+    ) -> None:
+        """Lists a batch's output (``ok``) or error file, inside the caller's transaction ``db``."""
+        size = db.execute(
+            "SELECT COALESCE(SUM(LENGTH(CAST(line AS BLOB)) + 1), 0) FROM answers"
+            " WHERE batch_id = ? AND ok = ?",
+            (batch_id, int(ok)),
+        ).fetchone()[0]
+        name = f"{batch_id}_{'output' if ok else 'errors'}.jsonl"
+        obj = FileObject(file_id, size, int(time.time()), name, "batch_output")
+        db.execute(
+            "INSERT OR REPLACE INTO files (id, tenant, object, created_ns, batch_id, ok)"
+            " VALUES (?, ?, ?, ?, ?, ?)",
+            (file_id, tenant, json.dumps(obj.public()), time.time_ns(), batch_id, int(ok)),
+        )
 
     def get(self, tenant: str, file_id: str) -> FileObject:
         """The tenant's file; a 404 for one that does not exist, is not listed yet, or is another's."""
-        meta = self.data_path(file_id).with_suffix(".json")
-        try:
-            record = json.loads(meta.read_text())
-        except (OSError, ValueError):
-            raise ApiError(404, f"no file {file_id!r}", kind="not_found_error") from None
-        if record.get("tenant") != tenant:
+        row = self.db.execute("SELECT tenant, object FROM files WHERE id = ?", (file_id,)).fetchone()
+        if row is None or row[0] != tenant:
             raise ApiError(404, f"no file {file_id!r}", kind="not_found_error")
-        return FileObject(**record["file"])
+        return FileObject(**json.loads(row[1]))
 
     def content(self, tenant: str, file_id: str) -> bytes:
         self.get(tenant, file_id)
-        return self.data_path(file_id).read_bytes()
+        batch_id, ok = self.db.execute("SELECT batch_id, ok FROM files WHERE id = ?", (file_id,)).fetchone()
+        if batch_id is None:
+            return self.data_path(file_id).read_bytes()
+        rows = self.db.execute(
+            "SELECT line FROM answers WHERE batch_id = ? AND ok = ? ORDER BY rowid", (batch_id, ok)
+        )
+        return b"".join(line.encode() + b"\n" for (line,) in rows)
 
     def list(self, tenant: str, purpose: str | None = None) -> list[FileObject]:
-        found = []
-        for meta in self.dir.glob("file-*.json"):
-            try:
-                record = json.loads(meta.read_text())
-            except (OSError, ValueError):
-                continue
-            if record.get("tenant") == tenant and purpose in (None, record["file"]["purpose"]):
-                found.append((record.get("created_ns", 0), FileObject(**record["file"])))
-        found.sort(key=lambda x: (x[0], x[1].id), reverse=True)  # newest first
-        return [f for _, f in found]
+        """The tenant's files, newest first."""
+        rows = self.db.execute(
+            "SELECT object FROM files WHERE tenant = ? ORDER BY created_ns DESC, id DESC", (tenant,)
+        )
+        found = [FileObject(**json.loads(obj)) for (obj,) in rows]
+        return [f for f in found if purpose in (None, f.purpose)]
 
     def delete(self, tenant: str, file_id: str) -> None:
+        """Forgets the file and frees its bytes (a batch's answers of that file too)."""
         self.get(tenant, file_id)
-        path = self.data_path(file_id)
-        path.with_suffix(".json").unlink(missing_ok=True)
-        path.unlink(missing_ok=True)
+        with Transaction(self.db) as db:
+            batch_id, ok = db.execute("SELECT batch_id, ok FROM files WHERE id = ?", (file_id,)).fetchone()
+            db.execute("DELETE FROM files WHERE id = ?", (file_id,))
+            if batch_id is not None:
+                db.execute("DELETE FROM answers WHERE batch_id = ? AND ok = ?", (batch_id, ok))
+        self.data_path(file_id).unlink(missing_ok=True)
