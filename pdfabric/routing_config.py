@@ -41,13 +41,16 @@ def _check_ms(owner: str, name: str, value: float, allow_zero: bool = True) -> N
 @dataclass(frozen=True)
 class SloClass:
     """A priority class. Budgets of 0 inherit the config default; ``max_wait_ms`` 0 rejects at once
-    when no route fits, else the request may wait that long (and never past its TTFT budget)."""
+    when no route fits, else the request may wait that long (and never past its TTFT budget). A
+    ``background`` class's requests go only where they slow the other classes' sequences by at most
+    ``[routing] background_slowdown`` (``predictor.sparing``)."""
 
     name: str
     priority: int = 0  # higher is served first
     ttft_ms: float = 0.0
     itl_ms: float = 0.0
     max_wait_ms: float = 0.0
+    background: bool = False
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -128,7 +131,7 @@ class PoolConfig:
 # that could not start for a long time. Tight budgets are opted into per request, tenant or class.
 _DEFAULT_CLASSES = (
     SloClass("interactive", priority=10, max_wait_ms=10_000.0),
-    SloClass("batch", priority=0, ttft_ms=60_000.0, itl_ms=1000.0, max_wait_ms=60_000.0),
+    SloClass("batch", priority=0, ttft_ms=60_000.0, itl_ms=1000.0, max_wait_ms=60_000.0, background=True),
 )
 
 
@@ -149,6 +152,9 @@ class AdmissionConfig:
     min_retry_ms: int = 100
     max_retry_ms: int = 60_000
     policy: str = BUDGET
+    # how much a background class's request may slow the foreground sequences of the worker it goes to
+    # (predicted ITL: 0.1 is 10% slower; 0 sends it only to workers that decode no foreground sequence)
+    background_slowdown: float = 0.1
     _class_of: dict[str, SloClass] = field(init=False, repr=False, compare=False)
     _tenant_of: dict[str, Tenant] = field(init=False, repr=False, compare=False)
 
@@ -177,6 +183,8 @@ class AdmissionConfig:
             raise ValueError("routing: queue_capacity must be >= 0 and poll_probes >= 1")
         if not 1 <= self.min_retry_ms <= self.max_retry_ms:
             raise ValueError("routing: need 1 <= min_retry_ms <= max_retry_ms")
+        if not (math.isfinite(self.background_slowdown) and self.background_slowdown >= 0):
+            raise ValueError(f"routing: background_slowdown must be >= 0, got {self.background_slowdown}")
 
     @classmethod
     def from_mapping(cls, table: Mapping[str, Any]) -> AdmissionConfig:

@@ -176,3 +176,42 @@ def test_prompt_rate_sent_to_a_worker_feeds_the_colocated_itl() -> None:
     assert busy_itl > idle_itl
     now[0] = 20.0 + RATE_WINDOW_S - 1  # the window has moved past every prompt but the last
     assert routing.prompt_rate("c", now[0]) == pytest.approx(200 / RATE_WINDOW_S)
+
+
+def test_a_background_request_goes_only_where_it_spares_the_foreground() -> None:
+    """A request of a background class (the default ``batch``) goes to a decode worker only if it slows
+    the foreground sequences there by at most ``background_slowdown`` (predicted ITL), and waits when
+    no worker is spared; a worker with no foreground sequence takes any number."""
+    registry = Registry()
+    register(registry, "p", "prefill")
+    register(registry, "busy", "decode")
+    register(registry, "idle", "decode")
+    registry.heartbeat(heartbeat("busy", running=2))  # 2 foreground: 7 ms a step alone, 8 ms with a third
+
+    def line(rid: str) -> Ticket:
+        return Ticket(rid, "default", "batch", Budgets(60_000, 1000), 20, 0.0)
+
+    routing = Routing(registry, AdmissionConfig(background_slowdown=0.1), clock=lambda: 0.0)
+    ranking = routing.fit(line("b0"), Budgets(60_000, 1000))
+    assert [c.decode for c in ranking.choices] == ["idle"]  # 8 / 7 ms is more than 10% slower
+    busy = next(
+        c
+        for c in Routing(registry, clock=lambda: 0.0).fit(_ticket("x"), Budgets(5000, 100)).choices
+        if c.decode == "busy"
+    )
+    assert busy.foreground_itl_ms == pytest.approx(1.1 * 7) and busy.itl_ms == pytest.approx(1.1 * 8)
+    generous = Routing(registry, AdmissionConfig(background_slowdown=0.2), clock=lambda: 0.0)
+    assert {c.decode for c in generous.fit(line("g"), Budgets(60_000, 1000)).choices} == {"busy", "idle"}
+
+    for i in range(1, 5):  # the idle worker holds no foreground sequence: it takes them all
+        assert routing.fit(line(f"b{i}"), Budgets(60_000, 1000)).choices[0].decode == "idle"
+    online = routing.fit(_ticket("online"), Budgets(5000, 100))  # the foreground is never held back
+    assert online.fits
+    routing.routed("online", 20, next(c for c in online.choices if c.decode == "idle"))
+    held = routing.fit(line("b5"), Budgets(60_000, 1000))  # now both workers run foreground sequences
+    assert not held.fits and held.reason == "foreground" and not held.unreachable
+    assert 0 < held.wait_ms < 60_000
+    assert {c.worker_id: c.background for c in routing.candidates()} == {"p": 5, "busy": 0, "idle": 5}
+    for i in range(5):
+        routing.forget(f"b{i}")  # the lines ended
+    assert {c.worker_id: c.background for c in routing.candidates()} == {"p": 0, "busy": 0, "idle": 0}

@@ -22,6 +22,7 @@ from pdfabric.control import COLOCATED, PREFILL
 from pdfabric.router.routing.admission import AdmissionQueue, Ticket
 from pdfabric.router.routing.holders import Holders
 from pdfabric.router.routing.policies import rank_routes
+from pdfabric.router.routing.predictor import sparing
 from pdfabric.router.routing.prefix_index import prompt_hashes
 from pdfabric.router.routing.registry import Registry, Route, WorkerInfo, store_key
 from pdfabric.router.routing.routes import Budgets, Candidate, Choice, Ranking, WorkerLoad
@@ -62,12 +63,14 @@ def candidate(
     prompt_rate: float = 0.0,
     cached_tokens: int = 0,
     store_tokens: int = 0,
+    background: int = 0,
 ) -> Candidate:
     """The predictor's view of one worker: its latest profile and load plus ``pending`` prompts (token
     counts) sent since its last heartbeat and the ``prompt_rate`` (tokens/s) recently sent to it,
     under the lower of its own and its pool's limits; ``cached_tokens`` of the prompt being ranked
     are in its prefix cache, ``store_tokens`` of those only in its host KV store (read at the rate
-    its reads measured, ``store_read_rate``)."""
+    its reads measured, ``store_read_rate``); ``background`` of the sequences it holds are of a
+    background class."""
     reg = info.reg
     pool = config.pool(reg.kind, reg.pool)
     max_batch, chunk_tokens = pool.limits(reg.max_running, reg.max_batch_tokens)
@@ -83,6 +86,7 @@ def candidate(
         cost=pool.cost, host=reg.host, kv_rates=rates, cached_tokens=cached_tokens,
         speculate_below=reg.speculate_below, store_tokens=store_tokens,
         store_seconds_per_token=reg.kv_bytes_per_token / store_read_rate(info) if store_tokens else 0.0,
+        background=background,
     )  # fmt: skip
 
 
@@ -132,6 +136,7 @@ class Routing:
         self._sent: dict[str, deque[tuple[float, int]]] = {}  # worker id -> (time, prompt tokens) sent
         self._sent_tokens: dict[str, int] = {}  # worker id -> the prompt tokens in its _sent window
         self._first_sent: dict[str, float] = {}  # worker id -> when its first prompt was sent
+        self._background: set[str] = set()  # requests admitted in a background class, until forgotten
 
     # --- predictions ----------------------------------------------------------------------------
 
@@ -146,6 +151,7 @@ class Routing:
                 self.holders.pending(wid),
                 self.prompt_rate(wid, now),
                 *self._cached(w, ticket),
+                len(self.holders.on(wid) & self._background) if self._background else 0,
             )
             for wid, w in self.registry.workers.items()
             if not w.draining  # a draining worker takes no new requests
@@ -191,7 +197,12 @@ class Routing:
         ranking = rank_routes(
             self.config.policy, ticket.prompt_len, budgets, self.candidates(ticket), self.predictor, self.turn
         )
+        background = self.config.slo_class(ticket.slo_class).background
+        if background:
+            ranking = sparing(ranking, self.config.background_slowdown, self.predictor)
         if ranking.fits:
+            if background:
+                self._background.add(ticket.request_id)
             self.turn += 1
             self.routed(ticket.request_id, ticket.prompt_len, ranking.choices[0])
             first, now = ranking.choices[0].prefill, self.clock()  # the worker that prefills it
@@ -205,8 +216,9 @@ class Routing:
         self.holders.routed(request_id, prompt_len, {choice.prefill, choice.decode})
 
     def forget(self, request_id: str) -> None:
-        """No route took ``request_id``: it is pending nowhere."""
+        """No route took ``request_id`` (or it ended): it is pending nowhere."""
         self.holders.unrouted(request_id)
+        self._background.discard(request_id)
 
     def on_heartbeat(self, worker_id: str, received: int) -> None:
         """The worker's report counts the first ``received`` work messages sent to it: their pending

@@ -148,6 +148,10 @@ class Holders(Generic[W]):
         """Requests the worker holds."""
         return len(self._by_worker.get(worker_id, ()))
 
+    def on(self, worker_id: str) -> set[str]:
+        """Requests the worker holds or that are pending on it."""
+        return self._by_worker.get(worker_id, set()) | self._pending.get(worker_id, {}).keys()
+
     def __len__(self) -> int:
         """Requests held since their first ``hold`` and not yet ended."""
         return len(self._requests)

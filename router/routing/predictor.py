@@ -49,6 +49,7 @@ from pdfabric.control import COLOCATED, DECODE, PREFILL
 from pdfabric.profile import queued_attention
 from pdfabric.router.routing.routes import (
     BATCH_FULL,
+    FOREGROUND,
     ITL,
     ITL_UNREACHABLE,
     KV_FULL,
@@ -74,6 +75,7 @@ class _Side:
     itl_ms: float = 0.0
     reason: str = ""
     drain_ms: float = 0.0
+    foreground_itl_ms: float = 0.0  # the ITL of its foreground sequences alone (0: it holds none)
 
 
 def rank(
@@ -99,7 +101,8 @@ def rank(
                 misses.append(miss)
             else:
                 cost = (p.worker.cost + d.worker.cost) / 2
-                fits.append(_choice(d.worker, p.worker, p, d.itl_ms, transfer_ms, cost, budgets))
+                choice = _choice(d.worker, p.worker, p, d.itl_ms, transfer_ms, cost, budgets)
+                fits.append(replace(choice, foreground_itl_ms=d.foreground_itl_ms))
     for c in candidates:
         if c.kind == COLOCATED or _prefills_locally(c, prompt_len, config):
             side, idle_ms = _colocated_side(c, prompt_len, budgets, config)
@@ -110,7 +113,9 @@ def rank(
                 misses.append(miss)
             else:
                 choice = _choice(c, c, side, side.itl_ms, 0.0, c.cost, budgets)
-                fits.append(replace(choice, local_prefill=c.kind == DECODE))
+                fits.append(
+                    replace(choice, local_prefill=c.kind == DECODE, foreground_itl_ms=side.foreground_itl_ms)
+                )
     if fits:
         return Ranking(_order(fits, config, turn))
     counts = tuple(sorted(Counter(r for _, _, r in misses).items()))
@@ -119,6 +124,22 @@ def rank(
     drain, _, reason = min(misses)
     wait = min(w for _, w, _ in misses)
     return Ranking((), reason, drain, wait, math.isinf(drain), counts)
+
+
+def sparing(ranking: Ranking, slowdown: float, config: PredictorConfig) -> Ranking:
+    """The routes of ``ranking`` (a background request's) on which it slows the foreground sequences of
+    the decode side by at most ``slowdown`` (0.1: their predicted ITL grows at most 10%); a worker
+    that holds no foreground sequence is always spared. None left: a ``FOREGROUND`` miss that clears
+    as those sequences finish (about ``mean_remaining_tokens`` of their steps)."""
+    kept = tuple(
+        ch
+        for ch in ranking.choices
+        if not ch.foreground_itl_ms or ch.itl_ms <= (1 + slowdown) * ch.foreground_itl_ms
+    )
+    if kept or not ranking.fits:
+        return replace(ranking, choices=kept) if ranking.fits else ranking
+    drain = min(ch.foreground_itl_ms for ch in ranking.choices) * config.mean_remaining_tokens
+    return Ranking((), FOREGROUND, drain, drain, False, ((FOREGROUND, len(ranking.choices)),))
 
 
 def _prefills_locally(c: Candidate, prompt_len: int, config: PredictorConfig) -> bool:
@@ -274,7 +295,9 @@ def _batch_side(
     load = c.load
     held = load.running + load.waiting
     now_itl = itl(held + 1, load.context_tokens + prompt_len)
-    side = replace(side, itl_ms=now_itl)
+    foreground = held - min(c.background, held)
+    alone = itl(foreground, load.context_tokens * foreground / held) if foreground else 0.0
+    side = replace(side, itl_ms=now_itl, foreground_itl_ms=alone)
     if itl(1, prompt_len) > budgets.itl_ms:
         return replace(side, reason=ITL_UNREACHABLE, drain_ms=math.inf)
     if held + 1 > c.max_batch:

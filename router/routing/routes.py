@@ -16,6 +16,7 @@ from pdfabric.profile import WorkerProfile
 # Why a route does not fit. The ``*_unreachable`` ones would not fit even on an idle worker.
 TTFT, ITL, BATCH_FULL, KV_FULL = "ttft", "itl", "batch_full", "kv_full"
 TTFT_UNREACHABLE, ITL_UNREACHABLE, NO_WORKERS = "ttft_unreachable", "itl_unreachable", "no_workers"
+FOREGROUND = "foreground"  # a background request would slow the foreground ones too much (``sparing``)
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ class Candidate:
     # of those, tokens its host KV store holds and it must read first, and seconds a token's read takes
     store_tokens: int = 0
     store_seconds_per_token: float = 0.0
+    background: int = 0  # of the sequences it holds, those of a background class (the router's count)
 
     def __post_init__(self) -> None:
         if self.kind not in (PREFILL, DECODE, COLOCATED):
@@ -107,6 +109,9 @@ class Choice:
     load: float  # max(ttft / ttft budget, itl / itl budget), in [0, 1]
     cached_tokens: int = 0  # prompt tokens its workers hold in their prefix caches (each side's)
     local_prefill: bool = False  # a decode worker that prefills the rest of a prompt it mostly caches
+    # the ITL its decode worker's foreground sequences would see without any background one (0: it
+    # holds no foreground sequence), beside ``itl_ms``, theirs with this request added
+    foreground_itl_ms: float = 0.0
 
 
 @dataclass(frozen=True)
