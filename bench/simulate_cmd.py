@@ -87,6 +87,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "batch (default 0.45: SmolLM2 drafting for itself in int4, bfloat16 served, on 2 cores)",
     )
     g.add_argument(
+        "--embed-share",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="make this share of the requests (0 to 1, chosen by --seed) embedding inputs: the router's "
+        "batcher groups them under the config's [embeddings] and workers compute them beside the "
+        "generations; their latency is reported as TTFT (default 0)",
+    )
+    g.add_argument(
         "--overhead-ms",
         type=float,
         default=0.0,
@@ -164,7 +173,7 @@ def workload_at_rate(args: argparse.Namespace) -> Workload:
     workload = workload_from_args(args)
     if args.trace != "synthetic" and args.rate is not None:
         workload = workload.with_rate(args.rate)
-    return workload
+    return workload.with_embeddings(getattr(args, "embed_share", 0.0), args.seed)
 
 
 def describe(config: SimConfig) -> dict[str, Any]:

@@ -6,6 +6,7 @@ replay client turns each ``Request`` into one streaming completion call at ``arr
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -104,6 +105,16 @@ class Workload:
         )
         return replace(self, requests=reqs, scaling={**self.scaling, "repeated": copies})
 
+    def with_embeddings(self, share: float, seed: int = 0) -> Workload:
+        """The same requests with a seeded ``share`` of them (0 to 1) made embedding inputs."""
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"the embedding share must be in [0, 1], got {share}")
+        if share == 0.0:
+            return self
+        rng = random.Random(seed)
+        reqs = tuple(replace(r, embed=rng.random() < share) for r in self.requests)
+        return replace(self, requests=reqs, scaling={**self.scaling, "embed_share": share})
+
     def describe(self) -> dict[str, Any]:
         """Counts and length totals for reports."""
         n = len(self.requests)
@@ -113,6 +124,7 @@ class Workload:
             "requests": n,
             "span_s": round(self.span_s, 3),
             "mean_rate": round(rate, 4) if 0 < rate < float("inf") else None,
+            "embedding_inputs": sum(r.embed for r in self.requests),
             "input_tokens": sum(r.input_len for r in self.requests),
             "output_tokens": sum(r.output_len for r in self.requests),
             "shared_prefix_tokens": shared_prefix_tokens(self.requests),

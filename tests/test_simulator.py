@@ -254,6 +254,22 @@ def test_cli_writes_the_bench_report(tmp_path: Path) -> None:
     assert cli.main(other) == 2  # another workload than the measured one
 
 
+def test_cli_makes_a_share_of_the_requests_embedding_inputs(tmp_path: Path) -> None:
+    profile = tmp_path / "any.json"
+    ProfileFile("tiny", constant(0.01), 1024, 16, 512, 64, kv_bytes_per_s={"zmq-tcp": 1e9}).save(profile)
+    config = str(ROOT / "configs" / "default.toml")
+    argv = ["bench", "simulate", "--config", config, "--profile", str(profile), "--trace", "synthetic",
+            "--rate", "5", "--num-requests", "40", "--input-len", "64", "--output-len", "4", "--seed", "3",
+            "--embed-share", "0.5", "--out", str(tmp_path / "sim"), "--no-progress"]  # fmt: skip
+    assert cli.main(argv) == 0
+    report = json.loads((tmp_path / "sim" / "report.json").read_text())
+    embeds = report["workload"]["embedding_inputs"]
+    assert 10 <= embeds <= 30 and report["requests"]["ok"] == 40
+    records = [json.loads(x) for x in (tmp_path / "sim" / "requests.jsonl").read_text().splitlines()]
+    assert sum(r["output_tokens"] == 0 for r in records) == embeds  # an embedding input streams no token
+    assert cli.main([*argv[:-5], "--embed-share", "1.5", "--out", str(tmp_path / "x"), "--no-progress"]) != 0
+
+
 def test_prompts_that_share_hash_ids_hit_the_simulated_prefix_cache() -> None:
     """Simulated prompts share tokens exactly as their Mooncake ``hash_ids`` say (and otherwise not at
     all), so the workers' prefix caches save the prefill time they would save for real."""
