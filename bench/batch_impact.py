@@ -65,7 +65,7 @@ async def _runs(url: str, model: str, args: argparse.Namespace) -> dict[str, Any
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as http:
         alone = await _online(http, url, model, args, "online alone")
-        batch_id = await _start_batch(http, url, model, args)
+        batch_id = await start_batch(http, url, model, args)
         beside = await _online(http, url, model, args, "online beside the batch")
         beside["batch"] = await _stop_batch(http, url, batch_id)
         again = await _online(http, url, model, args, "online alone again")
@@ -129,7 +129,8 @@ async def _stream(http: Any, url: str, body: dict[str, Any]) -> tuple[float, flo
     return times[0] - t0, gaps
 
 
-async def _start_batch(http: Any, url: str, model: str, args: argparse.Namespace) -> str:
+async def start_batch(http: Any, url: str, model: str, args: argparse.Namespace) -> str:
+    """Uploads ``--batch-lines`` short chat lines and creates their batch; its id."""
     import aiohttp
 
     rng = random.Random(args.seed + 1)

@@ -45,6 +45,11 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
         "pdfabric.bench.batch_impact",
         "online latency alone and beside a running /v1/batches job",
     ),
+    (
+        ("bench", "batch-faults"),
+        "pdfabric.bench.batch_faults",
+        "a batch job run to its end through a kill -9 of a worker and of the router",
+    ),
     (("bench", "transfer"), "pdfabric.bench.transfer", "KV transfer bandwidth per transport beside memcpy"),
     (
         ("bench", "store"),

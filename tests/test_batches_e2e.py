@@ -247,3 +247,24 @@ def test_the_openai_sdk_runs_a_batch_and_embeds(fabric: str, tmp_path: Path) -> 
     lines = client.files.content(done["output_file_id"]).text.splitlines()
     assert sorted(json.loads(x)["custom_id"] for x in lines) == ["req-0", "req-1", "req-2"]
     assert batch.id in {b.id for b in client.batches.list()}
+
+
+def test_bench_batch_faults_finishes_a_batch_through_both_kills(tmp_path: Path) -> None:
+    """``pdfabric bench batch-faults``: a worker and then the router killed (SIGKILL) mid-batch, the
+    deployment started again: every line answered once."""
+    from pdfabric.cli import main as cli
+
+    config = tmp_path / "serve.toml"
+    config.write_text(f'[batches]\ndir = "{tmp_path / "data"}"\nmax_in_flight = 2\n')
+    target = f"serve:--model tiny --num-blocks 64 --colocated 1 --prefill 0 --decode 0 --config {config}"
+    out = tmp_path / "faults.json"
+    argv = ["bench", "batch-faults", "--target", target, "--batch-lines", "30", "--max-tokens", "16"]
+    assert cli.main([*argv, "--json", str(out), "--quiet"]) == 0
+    report = json.loads(out.read_text())
+    assert report["status"] == "completed" and report["answered_ok"] == 30
+    assert report["missing"] == report["answered_twice"] == report["answered_error"] == 0
+    assert [e["fault"] for e in report["events"]] == [
+        "worker colocated-0 killed",
+        "router killed",
+        "router started again",
+    ]

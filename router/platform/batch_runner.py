@@ -6,9 +6,10 @@ How lines are paced: at most ``[batches] max_in_flight`` lines run at once, over
 batch first), and a line is sent only while no request waits in the router's admission queue; lines
 are admitted in the ``[batches] slo_class`` class (the lowest priority by default), so a request of a
 higher class that waits goes first; that class is a background one by default, so admission sends a
-line only where it spares the online sequences (``predictor.sparing``). A line answered 429 or 503 (no room now) waits and goes again,
-without limit until the batch expires; one answered with another 5xx (or not answered) goes again
-up to ``retries`` times; its last answer is then written, to the output file (2xx) or the error file.
+line only where it spares the online sequences (``predictor.sparing``). A line answered 429 or 503
+(no room now) waits and goes again, without limit until the batch expires; one answered with another
+5xx (or not answered) goes again up to ``retries`` times; its last answer is then recorded, for the
+output file (2xx) or the error file.
 
 Each answer (``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}``) is
 committed to the jobs database with its batch's counts before the line counts as done
