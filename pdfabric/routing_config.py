@@ -278,7 +278,11 @@ class BatchJobsConfig:
     slo_class: str = "batch"  # the class its lines are admitted in (the lowest priority by default)
     retries: int = 3  # times a line answered 5xx is sent again before it is written as failed
     max_file_mb: int = 200  # an uploaded file's size at most
+    # a tenant's files (uploads and its batches' output and error files) at most, in all; 0: no limit
+    tenant_storage_mb: int = 2048
 
     def __post_init__(self) -> None:
-        if self.max_in_flight < 1 or self.retries < 0 or self.max_file_mb < 1:
-            raise ValueError("[batches] max_in_flight and max_file_mb must be >= 1, retries >= 0")
+        if self.max_in_flight < 1 or self.retries < 0 or self.max_file_mb < 1 or self.tenant_storage_mb < 0:
+            raise ValueError(
+                "[batches] max_in_flight and max_file_mb must be >= 1, retries and tenant_storage_mb >= 0"
+            )

@@ -77,3 +77,18 @@ def test_an_upload_without_its_row_is_never_listed_and_is_removed(tmp_path: Path
     again = _stores(tmp_path)
     assert [f.id for f in again.files.list("acme")] == [kept.id]
     assert sorted(p.name for p in (tmp_path / "files").iterdir()) == [f"{kept.id}.data"]
+
+
+def test_a_tenant_s_uploads_stay_within_its_storage_limit(tmp_path: Path) -> None:
+    store = _stores(tmp_path)
+    data = _input(3)
+    limit = 2 * len(data) + 10
+    first = store.files.create("acme", "a.jsonl", "batch", data, limit)
+    store.files.create("acme", "b.jsonl", "batch", data, limit)
+    with pytest.raises(ApiError) as refused:
+        store.files.create("acme", "c.jsonl", "batch", data, limit)
+    assert refused.value.status == 413 and "tenant_storage_mb" in str(refused.value)
+    store.files.create("other", "c.jsonl", "batch", data, limit)  # another tenant's share is its own
+    store.files.delete("acme", first.id)
+    store.files.create("acme", "c.jsonl", "batch", data, limit)  # room again
+    assert store.files.stored_bytes("acme") == 2 * len(data)

@@ -88,7 +88,8 @@ async def upload(request: web.Request) -> web.Response:
         raise bad(f"'purpose' must be 'batch', got {purpose!r}", "purpose")
     if data is None:
         raise bad("'file' is required", "file")
-    obj = request.app[BATCHES].files.create(_tenant(request), filename, purpose, data)
+    limit = request.app[CONFIG].batches.tenant_storage_mb * 2**20
+    obj = request.app[BATCHES].files.create(_tenant(request), filename, purpose, data, limit)
     return web.json_response(obj.public())
 
 

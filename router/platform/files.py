@@ -68,8 +68,24 @@ class FileStore:
             raise ApiError(404, f"no file {file_id!r}", kind="not_found_error")
         return self.dir / f"{file_id}.data"
 
-    def create(self, tenant: str, filename: str, purpose: str, data: bytes) -> FileObject:
-        """An upload: its bytes, then its row."""
+    def stored_bytes(self, tenant: str) -> int:
+        """The bytes of the tenant's listed files (uploads, and its ended batches' answers)."""
+        rows = self.db.execute("SELECT object FROM files WHERE tenant = ?", (tenant,))
+        return sum(json.loads(obj)["bytes"] for (obj,) in rows)
+
+    def create(self, tenant: str, filename: str, purpose: str, data: bytes, limit: int = 0) -> FileObject:
+        """An upload: its bytes, then its row; a 413 when the tenant's files would pass ``limit``
+        bytes in all (0: no limit)."""
+        if limit:
+            held = self.stored_bytes(tenant)
+            if held + len(data) > limit:
+                raise ApiError(
+                    413,
+                    f"the tenant's files take {held / 2**20:.1f} MB; with this one they would pass its "
+                    f"limit of {limit // 2**20} MB ([batches] tenant_storage_mb): delete files it no "
+                    "longer needs",
+                    "file",
+                )
         file_id = self.new_id()
         write_atomic(self.data_path(file_id), data)
         obj = FileObject(file_id, len(data), int(time.time()), filename, purpose)
