@@ -4,7 +4,8 @@ One deployment (``--target``: ``serve:FLAGS`` started here, or a running server'
 the same online load (Poisson arrivals of short streamed chat requests, ``--rate`` per second for
 ``--duration-s``), in this order:
 1. online alone;
-2. online while a batch of ``--batch-lines`` short chat requests (``/v1/batches``) runs beside it: the
+2. online while a batch of ``--batch-lines`` short chat requests (``/v1/batches``; with
+   ``--batch-prompt-words``, each with that much text to read first) runs beside it: the
    batch is created just before the online load starts, and cancelled when it ends;
 3. online alone again (the machine's drift between runs 1 and 3 is the noise to read run 2 against).
 
@@ -29,6 +30,9 @@ from pdfabric.bench.options import served_model
 from pdfabric.bench.progress import Progress
 
 TOPICS = ("the sea", "a cat", "rain", "mountains", "coffee", "a city at night", "autumn", "a library")
+WORDS = (
+    "river stone light window garden letter morning bridge silver quiet paper harbor winter candle".split()
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,18 +46,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration-s", type=float, default=60.0, help="seconds of online load per run")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per answer, online and batch")
     parser.add_argument("--batch-lines", type=int, default=2000, help="the batch's requests (default 2000)")
+    parser.add_argument(
+        "--batch-prompt-words",
+        type=int,
+        default=0,
+        help="give each batch line this many words of text to read first (default 0: a short prompt), "
+        "to see what long background prompts do to online TTFT",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--quiet", action="store_true", help="no progress line")
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.rate <= 0 or args.duration_s <= 0 or args.batch_lines < 1:
-        print("--rate, --duration-s and --batch-lines must be positive", file=sys.stderr)
+    if args.rate <= 0 or args.duration_s <= 0 or args.batch_lines < 1 or args.batch_prompt_words < 0:
+        print(
+            "--rate, --duration-s and --batch-lines must be positive, --batch-prompt-words >= 0",
+            file=sys.stderr,
+        )
         return 2
     with serving(args.target, args.json.parent if args.json else None, "batch-impact-server.log") as url:
         report = asyncio.run(_runs(url, served_model(url), args))
-    report.update(cpu=cpu_name(), target=args.target, rate=args.rate, duration_s=args.duration_s)
+    report.update(
+        cpu=cpu_name(),
+        target=args.target,
+        rate=args.rate,
+        duration_s=args.duration_s,
+        batch_prompt_words=args.batch_prompt_words,
+    )
     _print(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
@@ -77,8 +97,12 @@ async def _runs(url: str, model: str, args: argparse.Namespace) -> dict[str, Any
     }
 
 
-def _chat(model: str, rng: random.Random, max_tokens: int) -> dict[str, Any]:
+def _chat(model: str, rng: random.Random, max_tokens: int, words: int = 0) -> dict[str, Any]:
+    """A short chat request; with ``words``, it first asks to read that many words of filler text."""
     prompt = f"Write a short poem about {rng.choice(TOPICS)}."
+    if words:
+        text = " ".join(rng.choice(WORDS) for _ in range(words))
+        prompt = f"Read this: {text}\n\nNow, never mind it. {prompt}"
     return {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True}  # fmt: skip
 
@@ -136,7 +160,7 @@ async def start_batch(http: Any, url: str, model: str, args: argparse.Namespace)
     rng = random.Random(args.seed + 1)
     lines = [
         {"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
-         "body": _chat(model, rng, args.max_tokens)}
+         "body": _chat(model, rng, args.max_tokens, getattr(args, "batch_prompt_words", 0))}
         for i in range(args.batch_lines)
     ]  # fmt: skip
     form = aiohttp.FormData()
@@ -164,7 +188,9 @@ async def _stop_batch(http: Any, url: str, batch_id: str) -> dict[str, Any]:
 
 
 def _print(r: dict[str, Any]) -> None:
-    print(f"cpu: {r['cpu']}; {r['target']}; online {r['rate']:g} req/s for {r['duration_s']:g} s each run")
+    words = f"; batch prompts of {r['batch_prompt_words']} words" if r.get("batch_prompt_words") else ""
+    online = f"online {r['rate']:g} req/s for {r['duration_s']:g} s each run"
+    print(f"cpu: {r['cpu']}; {r['target']}; {online}{words}")
     print("| run | sent | errors | TTFT p50 (ms) | TTFT p99 (ms) | mean ITL (ms) | batch lines answered |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for run_ in r["runs"]:

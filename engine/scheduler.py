@@ -2,7 +2,8 @@
 
 Each step: 1. every running sequence gets one decode token (preempting the newest running sequence
 back to the waiting queue when blocks run out), 2. waiting sequences fill the rest of the token
-budget with prefill chunks, oldest first. After the model runs, ``complete`` advances each sequence:
+budget with prefill chunks, higher priority first, then oldest first (background ones, together, at
+most ``background_chunk_tokens``). After the model runs, ``complete`` advances each sequence:
 a finished prompt either starts decoding (``on_prefilled="decode"``) or is parked for hand-over
 (``"handoff"``, the prefill worker), an embedding input (``Sequence.pooling``) ends with its prompt,
 and finished sequences give their blocks back.
@@ -43,6 +44,8 @@ class SchedulerConfig:
     # most speculate_below sequences decode (beyond, a step is compute-bound).
     speculate_k: int = 0
     speculate_below: int = 0
+    # prompt tokens a step gives background sequences (``SamplingParams.background``), all together
+    background_chunk_tokens: int = 0  # 0: no cap
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens < 1 or self.max_running < 1:
@@ -183,12 +186,16 @@ class Scheduler:
         if wanted:
             budget += self._propose(wanted, chunks)
         prefills = 0
+        background = self.config.background_chunk_tokens or budget  # what background prompts may take
         for seq in list(self.waiting):
             if budget == 0 or len(self.running) + prefills >= self.config.max_running:
                 break
+            room = min(budget, background) if seq.params.background else budget
+            if room == 0:
+                continue  # the background share of the step is spent; a foreground prompt may come later
             if seq.request_id not in self.tables:
                 self.prefix.attach(seq)
-            stop = min(seq.num_tokens, seq.num_cached + budget)
+            stop = min(seq.num_tokens, seq.num_cached + room)
             if not self.tables.can_grow(seq.request_id, stop):
                 self._reclaim_partial(keep={c.seq for c in chunks} | {seq})
                 stop = min(stop, self._room(seq))
@@ -196,10 +203,13 @@ class Scheduler:
                 break  # wait for blocks to come back; the queue keeps its order
             self.tables.grow(seq.request_id, stop)
             chunks.append(Chunk(seq, seq.num_cached, stop))
-            budget -= stop - seq.num_cached
+            taken = stop - seq.num_cached
+            budget -= taken
+            if seq.params.background:
+                background -= taken
             prefills += 1
-            if stop < seq.num_tokens:
-                break  # a partly prefilled prompt stays at the head of the queue
+            if stop < seq.num_tokens and not (seq.params.background and background == 0):
+                break  # cut by the budget or the blocks: a partly prefilled prompt stays at the head
         return chunks
 
     def _proposal_room(self, seq: Sequence, budget: int) -> int:

@@ -33,6 +33,11 @@ class SamplingParams:
     online request does not wait behind a batch job's lines that reached the worker first. It never
     changes the output.
 
+    ``background``: its class is a background one (``[routing]`` classes, e.g. a batch job's lines): a
+    worker gives its prompt at most ``[worker] background_chunk_tokens`` of a step, so that a
+    foreground prompt arriving meanwhile waits for a short step, not a long one. It never changes
+    the output.
+
     ``speculative_k``: the most tokens speculative decoding may propose for it a step, below the
     worker's own setting (-1: the worker's; 0: none); it never changes the output, only how fast it
     comes (``engine/speculate.py``).
@@ -71,6 +76,7 @@ class SamplingParams:
     speculative_k: int = -1  # speculative decoding: most proposed tokens a step (-1: the worker's; 0: off)
     token_logprob: bool = True  # compute each picked token's log-probability (see above)
     priority: int = 0  # its class's: a worker prefills waiting prompts of higher priority first
+    background: bool = False  # its class's: a worker prefills its prompt in short chunks (see above)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

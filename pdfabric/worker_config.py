@@ -55,6 +55,9 @@ class WorkerConfig:
     # cache gets what the weights leave, so fewer bits a weight mean more blocks (0: not set)
     memory_mb: int = 0
     max_batch_tokens: int = 512
+    # prompt tokens of a step that background requests (a batch job's lines) may take, all together:
+    # a foreground prompt that arrives during such a step waits for a short one (0: no cap)
+    background_chunk_tokens: int = 128
     max_running: int = 64
     kv_host: str = "127.0.0.1"  # address a decode worker binds its KV endpoint on
     heartbeat_s: float = 0.25
@@ -112,6 +115,8 @@ class WorkerConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.memory_mb < 0:
             raise ValueError(f"memory_mb must be >= 0 (0: not set), got {self.memory_mb}")
+        if self.background_chunk_tokens < 0:
+            raise ValueError("background_chunk_tokens must be >= 0 (0: no cap)")
         if self.kv_memory_mb < 0:
             raise ValueError(f"kv_memory_mb must be >= 0 (0: auto), got {self.kv_memory_mb}")
         if self.device != "auto" and self.device != "cpu" and not self.device.startswith("cuda"):

@@ -148,3 +148,33 @@ def test_a_higher_priority_prompt_is_prefilled_before_lower_ones_that_came_first
     assert low[0].num_cached == 32  # what it computed before is kept
     _drive(sched)
     assert sched.tables.pool.num_free == 64
+
+
+def test_background_prompts_share_a_short_part_of_each_step() -> None:
+    """``SamplingParams.background``: background prompts together take at most
+    ``background_chunk_tokens`` of a step, so a foreground prompt arriving waits for a short step; the
+    foreground prompts take the rest of the budget, and every prompt still completes."""
+    sched = Scheduler(
+        BlockTables(BlockPool(128, 16)), _config(max_batch_tokens=512, background_chunk_tokens=128)
+    )
+    bg = SamplingParams(max_tokens=2, background=True)
+    for i in range(3):
+        sched.add(Sequence(f"bg{i}", tuple(range(1, 301)), bg))
+    first = sched.schedule()
+    assert [(c.seq.request_id, c.stop - c.start) for c in first] == [("bg0", 128)]
+    sched.complete(first, [])
+    sched.add(Sequence("fg", tuple(range(1, 201)), SamplingParams(max_tokens=2, priority=10)))
+    second = sched.schedule()
+    assert [(c.seq.request_id, c.stop - c.start) for c in second] == [("fg", 200), ("bg0", 128)]
+    steps = 0
+    while sched.has_work:  # never more than the share of background prompt tokens in a step
+        chunks = sched.schedule()
+        prompt = [c for c in chunks if c.seq.state is SeqState.WAITING]
+        assert sum(c.stop - c.start for c in prompt if c.seq.params.background) <= 128
+        sched.complete(chunks, [(_fake_token(c.seq, c.start, c.stop), -1.0) for c in chunks if c.sample])
+        steps += 1
+        assert steps < 100
+    assert sched.tables.pool.num_free == 128
+    uncapped = Scheduler(BlockTables(BlockPool(128, 16)), _config(max_batch_tokens=512))
+    uncapped.add(Sequence("bg", tuple(range(1, 301)), bg))
+    assert [c.stop - c.start for c in uncapped.schedule()] == [300]

@@ -142,7 +142,7 @@ class WorkerCore:
             max_batch_tokens=c.max_batch_tokens, max_running=c.max_running, max_model_len=spec.max_model_len,
             on_prefilled=self.on_prefilled, prefix_salt=prefix_salt(c.model) if c.prefix_caching else None,
             speculate_k=c.speculative_k if self._speculates(c.speculative, proposer) else 0,
-            speculate_below=c.speculative_below,
+            speculate_below=c.speculative_below, background_chunk_tokens=c.background_chunk_tokens,
         )  # fmt: skip
         self.scheduler = Scheduler(self.tables, sched, proposer, store)
         self.speculation = SpeculationGain()  # what speculating steps gained over plain ones

@@ -160,10 +160,11 @@ async def submit(call: Call) -> None:
     call.deadline = deadline = call.arrival + min(timeouts) if timeouts else None
     eos = tuple(sorted(version.tokenizer.eos_token_ids))
     priority = resolved.slo_class.priority  # a worker prefills higher classes' prompts first
+    background = resolved.slo_class.background  # and a background class's prompts in short chunks
     for i, (prompt_ids, limit) in enumerate(zip(call.prompts, call.max_tokens, strict=True)):
         sub_id = request_id if i == 0 else f"{request_id}-{i}"  # each prompt of a batch is a request
         call.submitted.append(sub_id)
-        params = replace(parsed.sampling_params(limit, seed), priority=priority)
+        params = replace(parsed.sampling_params(limit, seed), priority=priority, background=background)
         stream = await app[DISPATCHER].submit(
             sub_id, prompt_ids, params, eos, resolved, deadline=deadline, n=parsed.best_of,
             served=version.key,
