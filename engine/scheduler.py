@@ -2,11 +2,12 @@
 
 Each step: 1. every running sequence gets one decode token (preempting the newest running sequence
 back to the waiting queue when blocks run out), 2. waiting sequences fill the rest of the token
-budget with prefill chunks, higher priority first, then oldest first (background ones, together, at
-most ``background_chunk_tokens``). After the model runs, ``complete`` advances each sequence:
-a finished prompt either starts decoding (``on_prefilled="decode"``) or is parked for hand-over
-(``"handoff"``, the prefill worker), an embedding input (``Sequence.pooling``) ends with its prompt,
-and finished sequences give their blocks back.
+budget with prefill chunks, higher priority first, then oldest first (background ones only while no
+foreground sequence decodes, together at most ``background_chunk_tokens``). After the model runs,
+``complete`` advances each sequence: a finished prompt either starts decoding
+(``on_prefilled="decode"``) or is parked for hand-over (``"handoff"``, the prefill worker), an
+embedding input (``Sequence.pooling``) ends with its prompt, and finished sequences give their blocks
+back.
 
 A request with several outputs (``n`` > 1) is one sequence with ``branches``: once its prompt's KV
 is complete (computed here, or arrived), each branch becomes a sequence of its own that holds a
@@ -44,7 +45,8 @@ class SchedulerConfig:
     # most speculate_below sequences decode (beyond, a step is compute-bound).
     speculate_k: int = 0
     speculate_below: int = 0
-    # prompt tokens a step gives background sequences (``SamplingParams.background``), all together
+    # prompt tokens a step gives background sequences (``SamplingParams.background``), all together,
+    # in steps where no foreground sequence decodes (in those, none)
     background_chunk_tokens: int = 0  # 0: no cap
 
     def __post_init__(self) -> None:
@@ -186,7 +188,10 @@ class Scheduler:
         if wanted:
             budget += self._propose(wanted, chunks)
         prefills = 0
-        background = self.config.background_chunk_tokens or budget  # what background prompts may take
+        # what background prompts may take: nothing while a foreground sequence decodes (its next token
+        # would wait for their chunk), else their share of the step
+        cap = self.config.background_chunk_tokens
+        background = budget if not cap else 0 if any(not s.params.background for s in self.running) else cap
         for seq in list(self.waiting):
             if budget == 0 or len(self.running) + prefills >= self.config.max_running:
                 break

@@ -55,8 +55,9 @@ class WorkerConfig:
     # cache gets what the weights leave, so fewer bits a weight mean more blocks (0: not set)
     memory_mb: int = 0
     max_batch_tokens: int = 512
-    # prompt tokens of a step that background requests (a batch job's lines) may take, all together:
-    # a foreground prompt that arrives during such a step waits for a short one (0: no cap)
+    # prompt tokens of a step that background requests (a batch job's lines) may take, all together, in
+    # steps where no foreground sequence decodes (none in the others), so that a foreground prompt
+    # that arrives waits for a short step (0: no cap, background prompts are scheduled as any other)
     background_chunk_tokens: int = 128
     max_running: int = 64
     kv_host: str = "127.0.0.1"  # address a decode worker binds its KV endpoint on

@@ -152,8 +152,9 @@ def test_a_higher_priority_prompt_is_prefilled_before_lower_ones_that_came_first
 
 def test_background_prompts_share_a_short_part_of_each_step() -> None:
     """``SamplingParams.background``: background prompts together take at most
-    ``background_chunk_tokens`` of a step, so a foreground prompt arriving waits for a short step; the
-    foreground prompts take the rest of the budget, and every prompt still completes."""
+    ``background_chunk_tokens`` of a step, so a foreground prompt arriving waits for a short step, and
+    none of a step in which a foreground sequence decodes; the foreground prompts take the rest of the
+    budget, and every prompt still completes."""
     sched = Scheduler(
         BlockTables(BlockPool(128, 16)), _config(max_batch_tokens=512, background_chunk_tokens=128)
     )
@@ -166,6 +167,8 @@ def test_background_prompts_share_a_short_part_of_each_step() -> None:
     sched.add(Sequence("fg", tuple(range(1, 201)), SamplingParams(max_tokens=2, priority=10)))
     second = sched.schedule()
     assert [(c.seq.request_id, c.stop - c.start) for c in second] == [("fg", 200), ("bg0", 128)]
+    sched.complete(second, [(_fake_token(c.seq, c.start, c.stop), -1.0) for c in second if c.sample])
+    assert [(c.seq.request_id, c.stop - c.start) for c in sched.schedule()] == [("fg", 1)]  # fg decodes alone
     steps = 0
     while sched.has_work:  # never more than the share of background prompt tokens in a step
         chunks = sched.schedule()
