@@ -50,7 +50,7 @@ OVERRIDES: tuple[tuple[str, type, str], ...] = (
     ("kv_memory_mb", int, "KV-cache memory budget"),
     ("memory_mb", int, "memory for the weights and the KV cache together (KV gets what the weights leave)"),
     ("max_batch_tokens", int, "tokens per step"),
-    ("background_chunk_tokens", int, "prompt tokens a step gives background requests, together (0: no cap)"),
+    ("background_step_ms", float, "how long a step may run background requests' prompts (0: no limit)"),
     ("max_running", int, "sequences decoding at once"),
     ("kv_host", str, "address a decode worker binds its KV endpoint on"),
     ("heartbeat_s", float, "seconds between heartbeats to the router"),
@@ -92,7 +92,7 @@ OVERRIDES: tuple[tuple[str, type, str], ...] = (
     ("speculative_k", int, "tokens proposed at most per sequence and step"),
     ("speculative_below", int, "speculate only while at most this many sequences decode"),
 )
-_QUOTED = ("model", "pool", "block_size", "kv_memory_mb", "max_batch_tokens", "background_chunk_tokens",
+_QUOTED = ("model", "pool", "block_size", "kv_memory_mb", "max_batch_tokens", "background_step_ms",
            "max_running", "kv_host",
            "heartbeat_s", "drain_timeout_s", "device", "profile_seconds", "kv_transport",
            "prefix_caching", "linears", "kv_encryption", "quantization", "kv_cache_dtype", "speculative",

@@ -46,7 +46,8 @@ class SchedulerConfig:
     speculate_k: int = 0
     speculate_below: int = 0
     # prompt tokens a step gives background sequences (``SamplingParams.background``), all together,
-    # in steps where no foreground sequence decodes (in those, none)
+    # in steps where no foreground sequence decodes (in those, none); the worker core sets
+    # ``Scheduler.background_tokens`` from its profile as it learns it
     background_chunk_tokens: int = 0  # 0: no cap
 
     def __post_init__(self) -> None:
@@ -105,6 +106,7 @@ class Scheduler:
         self.preemptions = 0  # running sequences sent back to wait, their blocks freed
         self.accepted_tokens = 0  # of those, kept
         self.checks = 0  # decodes that checked a proposal (tokens per check: 1 + accepted / checks)
+        self.background_tokens = config.background_chunk_tokens  # the cap now (0: none)
 
     # --- admission ------------------------------------------------------------------------------
 
@@ -190,7 +192,7 @@ class Scheduler:
         prefills = 0
         # what background prompts may take: nothing while a foreground sequence decodes (its next token
         # would wait for their chunk), else their share of the step
-        cap = self.config.background_chunk_tokens
+        cap = self.background_tokens
         background = budget if not cap else 0 if any(not s.params.background for s in self.running) else cap
         for seq in list(self.waiting):
             if budget == 0 or len(self.running) + prefills >= self.config.max_running:

@@ -34,9 +34,9 @@ class SamplingParams:
     changes the output.
 
     ``background``: its class is a background one (``[routing]`` classes, e.g. a batch job's lines): a
-    worker prefills its prompt only in steps where no foreground sequence decodes, in at most
-    ``[worker] background_chunk_tokens`` of such a step, so that foreground tokens never wait for its
-    chunks and a foreground prompt arriving waits for a short step. It never changes the output.
+    worker prefills its prompt only in steps where no foreground sequence decodes, in as many tokens
+    of such a step as fit in ``[worker] background_step_ms``, so that foreground tokens never wait for
+    its chunks and a foreground prompt arriving waits for a short step. It never changes the output.
 
     ``speculative_k``: the most tokens speculative decoding may propose for it a step, below the
     worker's own setting (-1: the worker's; 0: none); it never changes the output, only how fast it

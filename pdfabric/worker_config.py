@@ -4,6 +4,7 @@ and ``[[workers]]`` tables, the command line, or the JSON a launcher hands a wor
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields, replace
 from typing import Any
@@ -55,10 +56,11 @@ class WorkerConfig:
     # cache gets what the weights leave, so fewer bits a weight mean more blocks (0: not set)
     memory_mb: int = 0
     max_batch_tokens: int = 512
-    # prompt tokens of a step that background requests (a batch job's lines) may take, all together, in
-    # steps where no foreground sequence decodes (none in the others), so that a foreground prompt
-    # that arrives waits for a short step (0: no cap, background prompts are scheduled as any other)
-    background_chunk_tokens: int = 128
+    # how long a step may run background requests' prompts (a batch job's lines), all together, by the
+    # worker's step-time profile (the tokens that fit, at least 16), in steps where no foreground
+    # sequence decodes (none in the others), so that a foreground prompt that arrives waits for a
+    # short step (0: no limit, background prompts are scheduled as any other)
+    background_step_ms: float = 40.0
     max_running: int = 64
     kv_host: str = "127.0.0.1"  # address a decode worker binds its KV endpoint on
     heartbeat_s: float = 0.25
@@ -116,8 +118,8 @@ class WorkerConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.memory_mb < 0:
             raise ValueError(f"memory_mb must be >= 0 (0: not set), got {self.memory_mb}")
-        if self.background_chunk_tokens < 0:
-            raise ValueError("background_chunk_tokens must be >= 0 (0: no cap)")
+        if not (math.isfinite(self.background_step_ms) and self.background_step_ms >= 0):
+            raise ValueError(f"background_step_ms must be >= 0 (0: no limit), got {self.background_step_ms}")
         if self.kv_memory_mb < 0:
             raise ValueError(f"kv_memory_mb must be >= 0 (0: auto), got {self.kv_memory_mb}")
         if self.device != "auto" and self.device != "cpu" and not self.device.startswith("cuda"):

@@ -28,7 +28,7 @@ from pdfabric.kvtransfer.state import TransferResult, TransferState
 from pdfabric.prefill.core import PrefillCore
 from pdfabric.profile import WorkerProfile
 from pdfabric.sampling_params import SamplingParams
-from pdfabric.worker.core import Out, WorkerCore
+from pdfabric.worker.core import Out, WorkerCore, background_tokens
 from pdfabric.worker.kv import CancelKV, ExpectKV, PushKV
 from pdfabric.worker.spec import CoreSpec, FixedProfile
 from tests.core_helpers import core_spec
@@ -315,3 +315,13 @@ def test_a_decode_core_holds_a_failed_transfers_blocks_until_they_are_released()
     assert dec.tables.held == 1 and dec.tables.pool.num_free == 5 and not dec.idle
     dec.kv_released("r")
     assert dec.tables.held == 0 and dec.tables.pool.num_free == 8 and dec.idle
+
+
+def test_background_prompts_get_the_tokens_a_short_step_holds_by_the_profile() -> None:
+    """``[worker] background_step_ms``: the tokens whose prefill step the profile predicts within it
+    (16 at least, the step's budget at most); 0 is no cap."""
+    slow = WorkerProfile(prefill=(0.0125, 0.000586, 0.0))  # 12.5 ms a step + 0.586 ms a token
+    assert background_tokens(slow, 40.0, 512) == 32  # 31.3 ms; 48 tokens would take 40.6 ms
+    assert background_tokens(slow, 5.0, 512) == 16  # never below 16: background prompts progress
+    assert background_tokens(WorkerProfile(prefill=(1e-3, 1e-6, 0.0)), 40.0, 512) == 512
+    assert background_tokens(slow, 0.0, 512) == 0

@@ -49,7 +49,7 @@ from pdfabric.engine.scheduler import Chunk, Pick, Scheduler, SchedulerConfig, s
 from pdfabric.engine.sequence import SeqState, Sequence
 from pdfabric.engine.speculate import Proposer, SpeculationGain
 from pdfabric.kvtransfer.state import TransferResult
-from pdfabric.profile import StepShape
+from pdfabric.profile import StepShape, WorkerProfile
 from pdfabric.sampling_params import SamplingParams
 from pdfabric.worker.kv import OpenPush
 from pdfabric.worker.spec import CoreSpec, ProfileSource
@@ -98,6 +98,15 @@ class KVRates:
         return {k: b / s for k, (b, s) in totals.items()}
 
 
+def background_tokens(profile: WorkerProfile, step_ms: float, max_tokens: int) -> int:
+    """The prompt tokens a step may give background requests so that it lasts about ``step_ms`` by
+    ``profile`` (at least 16, at most ``max_tokens``); 0 (no cap) when ``step_ms`` is 0."""
+    if not step_ms:
+        return 0
+    fits = [n for n in range(16, max_tokens + 1, 16) if profile.prefill_seconds(n, n) * 1e3 <= step_ms]
+    return min(max_tokens, max(fits, default=16))
+
+
 def delta_of(seq: Sequence, new: int = 1) -> TokenDelta:
     """The delta for a sequence that just got ``new`` tokens (and maybe finished)."""
     index = len(seq.output_ids) - new
@@ -138,11 +147,13 @@ class WorkerCore:
         self.store = store
         evict = store.save if store is not None else None
         self.tables = BlockTables(BlockPool(spec.num_blocks, c.block_size, on_evict=evict))
+        background = background_tokens(profile.profile(), c.background_step_ms, c.max_batch_tokens)
         sched = SchedulerConfig(
             max_batch_tokens=c.max_batch_tokens, max_running=c.max_running, max_model_len=spec.max_model_len,
             on_prefilled=self.on_prefilled, prefix_salt=prefix_salt(c.model) if c.prefix_caching else None,
             speculate_k=c.speculative_k if self._speculates(c.speculative, proposer) else 0,
-            speculate_below=c.speculative_below, background_chunk_tokens=c.background_chunk_tokens,
+            speculate_below=c.speculative_below,
+            background_chunk_tokens=background,
         )  # fmt: skip
         self.scheduler = Scheduler(self.tables, sched, proposer, store)
         self.speculation = SpeculationGain()  # what speculating steps gained over plain ones
@@ -277,6 +288,9 @@ class WorkerCore:
         s, pool = self.scheduler, self.tables.pool
         cached, evicted = pool.take_events()
         profile = self.profile.profile()
+        s.background_tokens = background_tokens(
+            profile, self.spec.config.background_step_ms, s.config.max_batch_tokens
+        )
         return Heartbeat(
             worker_id=self.worker_id,
             queued_tokens=s.queued_tokens,
