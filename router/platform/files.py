@@ -12,6 +12,7 @@ gets a 404 for it, as for a file that does not exist.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import sqlite3
@@ -21,6 +22,8 @@ from pathlib import Path
 
 from pdfabric.router.errors import ApiError
 from pdfabric.router.platform.jobs_db import Transaction
+
+log = logging.getLogger("pdfabric.router.files")
 
 PURPOSES = ("batch", "batch_output")  # what a tenant uploads, what a batch writes
 
@@ -55,9 +58,16 @@ class FileStore:
         self.dir = root / "files"
         self.dir.mkdir(parents=True, exist_ok=True)
         listed = {row[0] for row in db.execute("SELECT id FROM files")}
-        for path in self.dir.iterdir():  # bytes of uploads cut short by a kill: never listed
-            if path.stem not in listed:
+        for path in self.dir.glob("*.data"):  # the bytes of an upload killed before its row: never listed
+            if path.stem not in listed and not path.with_suffix(".json").exists():
                 path.unlink(missing_ok=True)
+        for path in self.dir.glob(".file-*.tmp"):  # one killed while it was written
+            path.unlink(missing_ok=True)
+        if any(self.dir.glob("file-*.json")):
+            log.warning(
+                "%s holds files kept by an earlier pdfabric (one JSON file each): they are not listed",
+                self.dir,
+            )
 
     @staticmethod
     def new_id() -> str:
