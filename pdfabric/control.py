@@ -192,6 +192,7 @@ class Embed:
     pooling: str  # "last", "mean" or "cls"
     normalize: bool
     priority: int = 0  # its class's (``SamplingParams.priority``): higher ones are computed first
+    background: bool = False  # its class's (``SamplingParams.background``): computed in short chunks
 
     def __post_init__(self) -> None:
         if self.pooling not in ("last", "mean", "cls") or not self.prompt_ids:

@@ -190,3 +190,11 @@ def test_a_waiting_batch_leaves_at_its_deadline() -> None:
     out = core.poll()
     assert [m.request_id for _, m in _sent(out)] == ["b"]
     assert [e.trigger for e in out if isinstance(e, Batch)] == [DEADLINE]
+
+
+def test_a_background_class_s_inputs_tell_the_worker_so() -> None:
+    """A batch job's embedding inputs carry their class's priority and background flag to the worker,
+    whose scheduler then computes them in short chunks (``SamplingParams.background``)."""
+    core, _, clock = _core("p0")
+    out = core.submit("a", (1, 2, 3), "last", True, "", clock.now + 1.0, priority=0, background=True)
+    assert _sent(out) == [("p0", Embed("a", (1, 2, 3), "last", True, 0, True))]

@@ -95,7 +95,8 @@ def test_a_vector_is_the_same_in_any_batch_and_chunks(hf_llama_dir: Path, dtype:
 def test_prefill_core_embeds_and_decode_core_refuses(hf_llama_dir: Path) -> None:
     reference = ReferenceEngine(hf_llama_dir, block_size=BLOCK)
     core = PrefillCore(core_spec("prefill", 32, block_size=BLOCK, max_model_len=64), PROFILE)
-    core.handle(Embed("a", _ids(20, 2), "mean", False))
+    core.handle(Embed("a", _ids(20, 2), "mean", False, priority=0, background=True))
+    assert core.scheduler.get("a").params.background  # a batch job's input: prefilled in short chunks
     vectors = _drive(core, Stepper(ModelRunner(reference.model, 32, BLOCK)))
     assert array("f", vectors["a"]).tolist() == reference.embed(list(_ids(20, 2)), "mean", False)
     assert core.tables.pool.num_free == 32 and core.received == 0

@@ -208,7 +208,7 @@ class WorkerCore:
             why = f"input of {n} tokens does not fit this worker's {self.spec.max_model_len}"
         if why:
             return [Embedded(self.worker_id, (EmbedResult(rid, error=why),))]
-        params = SamplingParams(max_tokens=1, priority=msg.priority)
+        params = SamplingParams(max_tokens=1, priority=msg.priority, background=msg.background)
         seq = Sequence(rid, msg.prompt_ids, params, pooling=msg.pooling, normalize=msg.normalize)
         self.scheduler.add(seq)
         return []

@@ -185,7 +185,7 @@ class Dispatcher:
 
     async def embed(
         self, request_id: str, inputs: list[tuple[int, ...]], pooling: str, normalize: bool, served: str,
-        deadline: float, priority: int = 0,
+        deadline: float, priority: int = 0, background: bool = False,
     ) -> list[EmbedDone]:  # fmt: skip
         """Each input's pooled vector (or error), in order: batched with other requests' inputs of the
         same kind (``embedder``), due at ``deadline`` (``time.monotonic()`` seconds). A caller that is
@@ -197,7 +197,8 @@ class Dispatcher:
         try:
             embedder = self._embedder
             for rid, prompt_ids in zip(ids, inputs, strict=True):
-                self._apply(embedder.submit(rid, prompt_ids, pooling, normalize, served, deadline, priority))
+                kind = (pooling, normalize, served)
+                self._apply(embedder.submit(rid, prompt_ids, *kind, deadline, priority, background))
             return list(await asyncio.gather(*futures))
         finally:
             for rid in ids:

@@ -55,6 +55,7 @@ class _Input:
     arrived: float
     deadline: float
     priority: int = 0  # its class's: the worker computes higher ones first
+    background: bool = False  # its class's: the worker computes it in short chunks
     attempt: int = 0
     worker: str = ""  # where it runs now ("": waiting in the batcher)
     left: float = 0.0  # when its batch left
@@ -84,16 +85,16 @@ class EmbedCore:
 
     def submit(
         self, request_id: str, prompt_ids: tuple[int, ...], pooling: str, normalize: bool, served: str,
-        deadline: float, priority: int = 0,
+        deadline: float, priority: int = 0, background: bool = False,
     ) -> list[object]:  # fmt: skip
-        """A new input, due at ``deadline`` (on the clock), of its class's ``priority``; it ends at once
-        if no worker could run it."""
+        """A new input, due at ``deadline`` (on the clock), of its class's ``priority`` (and
+        ``background``, ``SamplingParams.background``); it ends at once if no worker could run it."""
         if request_id in self._inputs:
             raise ValueError(f"input {request_id!r} is already here")
         key = (served, pooling, normalize)
         if not self._workers(key):
             return [EmbedDone(request_id, error=NO_WORKER)]
-        inp = _Input(request_id, prompt_ids, key, self.clock(), deadline, priority)
+        inp = _Input(request_id, prompt_ids, key, self.clock(), deadline, priority, background)
         self._inputs[request_id] = self._wire[request_id] = inp
         self.batcher.add(Item(request_id, key, len(prompt_ids), inp.arrived, deadline))
         return self.poll()
@@ -193,7 +194,7 @@ class EmbedCore:
             inp.worker, inp.left = worker.worker_id, now
             inp.batch_inputs, inp.trigger = len(batch.items), batch.trigger
             self._tokens[worker.worker_id] = self._tokens.get(worker.worker_id, 0) + len(inp.prompt_ids)
-            embed = Embed(inp.wire_id, inp.prompt_ids, pooling, normalize, inp.priority)
+            embed = Embed(inp.wire_id, inp.prompt_ids, pooling, normalize, inp.priority, inp.background)
             out.append(Send(worker.worker_id, embed))
 
     def _retry(self, inp: _Input, why: str, out: list[object]) -> None:

@@ -115,8 +115,8 @@ async def embeddings(request: web.Request) -> web.Response:
         own_budget = isinstance(slo, dict) and "ttft_ms" in slo
         budget_ms = app[CONFIG].embeddings.budget_ms
         budget_ms = resolved.budgets.ttft_ms if own_budget or not budget_ms else budget_ms
-        priority = resolved.slo_class.priority
-        done = await _compute(request, version, req, ids, pooling, (budget_ms, priority), arrival)
+        budget = (budget_ms, resolved.slo_class.priority, resolved.slo_class.background)
+        done = await _compute(request, version, req, ids, pooling, budget, arrival)
         for d in done:
             metrics.embeddings.embedded(model, d)
         data = [_item(i, d.vector, req, pooling) for i, d in enumerate(done)]
@@ -159,10 +159,10 @@ def _tokenize(version: Version, req: EmbeddingRequest) -> list[tuple[int, ...]]:
 
 async def _compute(
     request: web.Request, version: Version, req: EmbeddingRequest, ids: list[tuple[int, ...]],
-    pooling: Pooling, budget: tuple[float, int], arrival: float,
+    pooling: Pooling, budget: tuple[float, int, bool], arrival: float,
 ) -> list:  # fmt: skip
     """Every input's ``EmbedDone``, once each has its vector; an ``ApiError`` otherwise. ``budget``:
-    the inputs' latency budget (ms) and their class's priority."""
+    the inputs' latency budget (ms), their class's priority and whether it is a background one."""
     app = request.app
     dispatcher, cfg = app[DISPATCHER], app[CONFIG]
     limit = dispatcher.fleet.max_model_len(version.key)
@@ -171,13 +171,13 @@ async def _compute(
             raise bad(
                 f"'input[{i}]' has {len(one)} tokens; this model's workers hold at most {limit}", "input"
             )
-    budget_ms, priority = budget
+    budget_ms, priority, background = budget
     header = api.timeout_seconds(request.headers.get("X-Request-Timeout"), "X-Request-Timeout")
     own = [t for t in (req.timeout_s, header) if t is not None]
     timeout_s = min([*own, cfg.request_timeout_s])
     job = dispatcher.embed(
         f"emb-{secrets.token_hex(12)}", ids, pooling.mode, pooling.normalize, version.key,
-        arrival + budget_ms / 1e3, priority,
+        arrival + budget_ms / 1e3, priority, background,
     )  # fmt: skip
     try:
         done = await asyncio.wait_for(job, max(0.0, arrival + timeout_s - time.monotonic()))
