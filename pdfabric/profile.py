@@ -121,6 +121,12 @@ class WorkerProfile:
         a, b, c = self.prefill
         return a * math.ceil(tokens / max(1, chunk_tokens)) + b * tokens + c * attention
 
+    def chunk_within(self, seconds: float, max_tokens: int, step: int = 16) -> int:
+        """The largest prompt chunk (a multiple of ``step`` tokens, at least ``step``, at most
+        ``max_tokens``) whose step this profile predicts within ``seconds``."""
+        fits = [n for n in range(step, max_tokens + 1, step) if self.prefill_seconds(n, n) <= seconds]
+        return min(max_tokens, max(fits, default=step))
+
 
 def queued_attention(queued_tokens: int, queued_prompts: int) -> float:
     """Attention work of ``queued_tokens`` split evenly over ``queued_prompts`` fresh prompts (the

@@ -99,12 +99,8 @@ class KVRates:
 
 
 def background_tokens(profile: WorkerProfile, step_ms: float, max_tokens: int) -> int:
-    """The prompt tokens a step may give background requests so that it lasts about ``step_ms`` by
-    ``profile`` (at least 16, at most ``max_tokens``); 0 (no cap) when ``step_ms`` is 0."""
-    if not step_ms:
-        return 0
-    fits = [n for n in range(16, max_tokens + 1, 16) if profile.prefill_seconds(n, n) * 1e3 <= step_ms]
-    return min(max_tokens, max(fits, default=16))
+    """Background prompts' tokens a step: as many as ``step_ms`` holds by ``profile``; 0 (no cap) for 0."""
+    return profile.chunk_within(step_ms / 1e3, max_tokens) if step_ms else 0
 
 
 def delta_of(seq: Sequence, new: int = 1) -> TokenDelta:
