@@ -125,14 +125,19 @@ class FileStore:
 
     def get(self, tenant: str, file_id: str) -> FileObject:
         """The tenant's file; a 404 for one that does not exist, is not listed yet, or is another's."""
-        row = self.db.execute("SELECT tenant, object FROM files WHERE id = ?", (file_id,)).fetchone()
+        return self._row(tenant, file_id)[0]
+
+    def _row(self, tenant: str, file_id: str) -> tuple[FileObject, str | None, int | None]:
+        """The tenant's file and, for a batch's output or error file, the batch and which (``ok``)."""
+        row = self.db.execute(
+            "SELECT tenant, object, batch_id, ok FROM files WHERE id = ?", (file_id,)
+        ).fetchone()
         if row is None or row[0] != tenant:
             raise ApiError(404, f"no file {file_id!r}", kind="not_found_error")
-        return FileObject(**json.loads(row[1]))
+        return FileObject(**json.loads(row[1])), row[2], row[3]
 
     def content(self, tenant: str, file_id: str) -> bytes:
-        self.get(tenant, file_id)
-        batch_id, ok = self.db.execute("SELECT batch_id, ok FROM files WHERE id = ?", (file_id,)).fetchone()
+        _, batch_id, ok = self._row(tenant, file_id)
         if batch_id is None:
             return self.data_path(file_id).read_bytes()
         rows = self.db.execute(
@@ -150,9 +155,8 @@ class FileStore:
 
     def delete(self, tenant: str, file_id: str) -> None:
         """Forgets the file and frees its bytes (a batch's answers of that file too)."""
-        self.get(tenant, file_id)
+        _, batch_id, ok = self._row(tenant, file_id)
         with Transaction(self.db) as db:
-            batch_id, ok = db.execute("SELECT batch_id, ok FROM files WHERE id = ?", (file_id,)).fetchone()
             db.execute("DELETE FROM files WHERE id = ?", (file_id,))
             if batch_id is not None:
                 db.execute("DELETE FROM answers WHERE batch_id = ? AND ok = ?", (batch_id, ok))
