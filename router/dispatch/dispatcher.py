@@ -197,8 +197,11 @@ class Dispatcher:
         try:
             embedder = self._embedder
             for rid, prompt_ids in zip(ids, inputs, strict=True):
-                kind = (pooling, normalize, served)
-                self._apply(embedder.submit(rid, prompt_ids, *kind, deadline, priority, background))
+                self._apply(
+                    embedder.submit(
+                        rid, prompt_ids, pooling, normalize, served, deadline, priority, background
+                    )
+                )
             return list(await asyncio.gather(*futures))
         finally:
             for rid in ids:

@@ -36,6 +36,7 @@ from pdfabric.router.json_body import parse_json_body
 from pdfabric.router.platform.catalog import VERSION_HEADER, Version
 from pdfabric.router.platform.tenants import LimitError
 from pdfabric.router.routing.slo import BudgetError, resolve
+from pdfabric.routing_config import SloClass
 
 MAX_INPUTS = 2048  # inputs in one request, as OpenAI allows
 FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "user", "slo", "timeout"})
@@ -115,8 +116,7 @@ async def embeddings(request: web.Request) -> web.Response:
         own_budget = isinstance(slo, dict) and "ttft_ms" in slo
         budget_ms = app[CONFIG].embeddings.budget_ms
         budget_ms = resolved.budgets.ttft_ms if own_budget or not budget_ms else budget_ms
-        budget = (budget_ms, resolved.slo_class.priority, resolved.slo_class.background)
-        done = await _compute(request, version, req, ids, pooling, budget, arrival)
+        done = await _compute(request, version, req, ids, pooling, budget_ms, resolved.slo_class, arrival)
         for d in done:
             metrics.embeddings.embedded(model, d)
         data = [_item(i, d.vector, req, pooling) for i, d in enumerate(done)]
@@ -159,10 +159,10 @@ def _tokenize(version: Version, req: EmbeddingRequest) -> list[tuple[int, ...]]:
 
 async def _compute(
     request: web.Request, version: Version, req: EmbeddingRequest, ids: list[tuple[int, ...]],
-    pooling: Pooling, budget: tuple[float, int, bool], arrival: float,
+    pooling: Pooling, budget_ms: float, slo_class: SloClass, arrival: float,
 ) -> list:  # fmt: skip
-    """Every input's ``EmbedDone``, once each has its vector; an ``ApiError`` otherwise. ``budget``:
-    the inputs' latency budget (ms), their class's priority and whether it is a background one."""
+    """Every input's ``EmbedDone``, once each has its vector; an ``ApiError`` otherwise. ``budget_ms``:
+    the inputs' latency budget; ``slo_class``: their class (its priority, and whether background)."""
     app = request.app
     dispatcher, cfg = app[DISPATCHER], app[CONFIG]
     limit = dispatcher.fleet.max_model_len(version.key)
@@ -171,13 +171,12 @@ async def _compute(
             raise bad(
                 f"'input[{i}]' has {len(one)} tokens; this model's workers hold at most {limit}", "input"
             )
-    budget_ms, priority, background = budget
     header = api.timeout_seconds(request.headers.get("X-Request-Timeout"), "X-Request-Timeout")
     own = [t for t in (req.timeout_s, header) if t is not None]
     timeout_s = min([*own, cfg.request_timeout_s])
     job = dispatcher.embed(
         f"emb-{secrets.token_hex(12)}", ids, pooling.mode, pooling.normalize, version.key,
-        arrival + budget_ms / 1e3, priority, background,
+        arrival + budget_ms / 1e3, slo_class.priority, slo_class.background,
     )  # fmt: skip
     try:
         done = await asyncio.wait_for(job, max(0.0, arrival + timeout_s - time.monotonic()))
