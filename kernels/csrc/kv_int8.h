@@ -199,9 +199,12 @@ static void attend_tile_int8(const job_t *j, int h, int t0, const int8_view_t *v
         corr[r] = 128 * sum;
     }
     for (int m = 0; m < rows_padded; m += MR)
-        for (int b = 0; b < panels; b++)
+        for (int b = 0; b < panels; b++) {
+            if (m == 0)
+                prefetch_panel_values((const void *const *)view->vs, view->seg_pairs, 2 * (int64_t)d, b, keys);
             qk_int8(q8 + (int64_t)m * d, f + m, corr + m, d, view->kg + 4 * b, scores + m * lds + (int64_t)b * PANEL,
                     lds);
+        }
     for (int r = 0; r < rows_padded; r++) {
         if (r < rows)
             inv[r] = softmax_row(scores + r * lds, probs + r * lds, past + t0 + r / group + 1, (int)lds, view->vs,

@@ -309,6 +309,23 @@ static inline __attribute__((always_inline)) void pv_block(const uint32_t *p, in
         for (int x = 0; x < 4; x++) _mm512_storeu_ps(o + m * ldo + c0 + 16 * x, acc[m][x]);
 }
 
+/* Asks for the values of key panel b, into L2, while the panel's scores are computed: P V reads them
+ * next. A block table scatters a sequence over memory, so the hardware prefetcher loses the stream at
+ * every block, and the few rows of a decode tile multiply too little to hide a miss: without this, a
+ * decode row took its compute plus its reads (the score loops ask for the next panel's keys).
+ * Values come in segments of seg_pairs key pairs, segment i at vs[i], pair_bytes a pair. */
+static inline void prefetch_panel_values(const void *const *vs, int seg_pairs, int64_t pair_bytes, int b,
+                                         int keys) {
+    const int first = b * PANEL / 2, last = ((b + 1) * PANEL < keys ? (b + 1) * PANEL : keys + 1) / 2;
+    for (int pair = first; pair < last;) { /* a segment's run of the panel's pairs at a time */
+        const int seg = pair / seg_pairs, at = pair % seg_pairs;
+        const int run = seg_pairs - at < last - pair ? seg_pairs - at : last - pair;
+        const char *values = (const char *)vs[seg] + at * pair_bytes;
+        for (int64_t off = 0; off < run * pair_bytes; off += 64) _mm_prefetch(values + off, _MM_HINT_T1);
+        pair += run;
+    }
+}
+
 /* Step 3: the tile's rows of o (rows, MR-padded, d wide, the query heads sharing kv head h of tokens
  * t0 ...) divided by their sums and written to out in bfloat16. */
 static void write_rows(const job_t *j, int h, int t0, int rows, int group, const float *o, const float *inv) {
@@ -340,9 +357,12 @@ static void attend_tile(const job_t *j, int h, int t0, const kv_view_t *view, fl
         memcpy(qpack + (int64_t)r * pairs, src, (size_t)d * sizeof *src);
     }
     for (int m = 0; m < rows_padded; m += MR)
-        for (int b = 0; b < panels; b++)
+        for (int b = 0; b < panels; b++) {
+            if (m == 0)
+                prefetch_panel_values((const void *const *)view->vs, view->seg_pairs, 4 * (int64_t)d, b, keys);
             qk_block(qpack + (int64_t)m * pairs, pairs, view->kg + 4 * b, j->scale, scores + m * lds + (int64_t)b * PANEL,
                      lds);
+        }
 
     /* exact softmax per row over its causal range; probabilities past the range are zero */
     for (int r = 0; r < rows_padded; r++) {
