@@ -45,6 +45,7 @@ class ReferenceEngine:
         worker's settings of those names."""
         from pdfabric.engine.default_model import resolve_model
         from pdfabric.engine.loader import load_model
+        from pdfabric.engine.quantized_cache import quantizer_for
         from pdfabric.engine.runner import ModelRunner
 
         self.path = resolve_model(model)
@@ -53,8 +54,9 @@ class ReferenceEngine:
         self._tokenizer = None
         self._grammars = None
         self.runner = ModelRunner(
-            self.model, num_blocks, block_size, quantization=quantization, kv_cache_dtype=kv_cache_dtype
-        )
+            self.model, num_blocks, block_size, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+            quantizer=quantizer_for(self.path, self.model, quantization),
+        )  # fmt: skip
         self.tables = BlockTables(BlockPool(num_blocks, block_size))
 
     @property

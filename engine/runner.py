@@ -19,6 +19,7 @@ from pdfabric.engine.model import HeadEmbedding, LlamaForCausalLM
 from pdfabric.kernels import AttentionMetadata, get_backend
 from pdfabric.kernels.decoder_cpu import Decoder
 from pdfabric.kernels.linear import can_pack, check_kind, check_quantization, pack_linears, packed, row_reader
+from pdfabric.kernels.linear_cpu import Quantizer
 from pdfabric.kernels.paged_attention_cpu import int8_kv_supported, tiled_kv_supported
 
 
@@ -49,7 +50,9 @@ class ModelRunner:
     ``"cublas"`` for the vendor library's, which gives up batch invariance) unless the kernel backend
     is ``torch`` (the plain reference path); the model passed in is changed in place. Steps of decode
     rows only then run their decoder layers in one C call (``kernels/decoder_cpu.py``) where every
-    kernel of a layer is a C one; other steps run the model's forward.
+    kernel of a layer is a C one; other steps run the model's forward. ``quantizer``: where the
+    weights ``quantization`` holds quantized come from (``engine/quantized_cache.py``; default:
+    computed here).
     """
 
     def __init__(
@@ -60,9 +63,10 @@ class ModelRunner:
         linears: str = "invariant",
         quantization: str = "none",
         kv_cache_dtype: str = "auto",
+        quantizer: Quantizer | None = None,
     ) -> None:
         if get_backend() != "torch":
-            _pack_model(model, linears, quantization)
+            _pack_model(model, linears, quantization, quantizer)
         elif quantization != "none":
             raise ValueError(f"quantization {quantization!r} needs the C kernels (not the torch backend)")
         self.model = model
@@ -202,16 +206,19 @@ def head_quantization(quantization: str, device: str) -> str:
     return "int8" if device == "cpu" else "none"
 
 
-def _pack_model(model: LlamaForCausalLM, kind: str, quantization: str = "none") -> None:
+def _pack_model(
+    model: LlamaForCausalLM, kind: str, quantization: str = "none", quantizer: Quantizer | None = None
+) -> None:
     """Packs the linear layers, and the head (a tied one as a layer of its own: it then runs the same
     kernel as every other projection; on CUDA it multiplies the table itself). ``quantization``: how
     the packed weights are held (``kernels/linear.py``), the head's as ``head_quantization`` says. A
     tied head packed for the CPU kernels also serves the embedding lookup (``HeadEmbedding``): the
-    table is held once, as the head holds it (quantized rows where the head is quantized)."""
+    table is held once, as the head holds it (quantized rows where the head is quantized).
+    ``quantizer``: where quantized weights come from (``engine/quantized_cache.py``; default: computed)."""
     device = model.model.norm.weight.device.type  # (the table may be the packed head's already)
     check_kind(kind, device)
     check_quantization(quantization, kind, device)
-    pack_linears(model.model, kind, quantization)
+    pack_linears(model.model, kind, quantization, quantizer, "model.")
     head = model.lm_head
     if head is None:
         embed = model.model.embed_tokens.weight
@@ -220,7 +227,7 @@ def _pack_model(model: LlamaForCausalLM, kind: str, quantization: str = "none") 
         head.gguf_blocks = model.__dict__.pop("tied_head_blocks", None)  # load_model's, under "gguf"
     held_as = head_quantization(quantization, device)
     if isinstance(head, nn.Linear) and can_pack(head, kind, held_as):
-        model.lm_head = packed(head, kind, held_as)
+        model.lm_head = packed(head, kind, held_as, quantizer, "lm_head")
         rows = row_reader(model.lm_head) if head.weight is model.model.embed_tokens.weight else None
         if rows is not None:
             model.model.embed_tokens = HeadEmbedding(rows, head.in_features)

@@ -75,10 +75,18 @@ def can_pack(linear: nn.Linear, kind: str = "invariant", quantization: str = "no
     return dispatch.runs_triton(linear.weight) and linear.weight.dtype in FLOAT_DTYPES
 
 
-def packed(linear: nn.Linear, kind: str = "invariant", quantization: str = "none") -> nn.Module:
-    """``linear`` as a module of ``kind`` (the caller checks ``can_pack`` first)."""
+def packed(
+    linear: nn.Linear,
+    kind: str = "invariant",
+    quantization: str = "none",
+    quantizer: linear_cpu.Quantizer | None = None,
+    name: str = "",
+) -> nn.Module:
+    """``linear`` (the model's ``name``) as a module of ``kind`` (the caller checks ``can_pack`` first).
+    ``quantizer``: where a CPU layer's quantized weight comes from (``linear_cpu.Quantizer``; default:
+    computed)."""
     if linear.weight.device.type == "cpu":
-        return linear_cpu.packed(linear, kind, quantization)
+        return linear_cpu.packed(linear, kind, quantization, quantizer or linear_cpu.COMPUTE, name)
     grouped = linear_cpu.grouped_form(linear, quantization)
     # the Triton matmul takes groups of 32, offsets for 4 bits only: Q6_K, Q5_1, Q5_K in the compute dtype
     triton_form = grouped is not None and grouped.group == GROUP
@@ -92,16 +100,23 @@ def packed(linear: nn.Linear, kind: str = "invariant", quantization: str = "none
     return TritonLinear(linear.weight, linear.bias)
 
 
-def pack_linears(module: nn.Module, kind: str = "invariant", quantization: str = "none") -> int:
+def pack_linears(
+    module: nn.Module,
+    kind: str = "invariant",
+    quantization: str = "none",
+    quantizer: linear_cpu.Quantizer | None = None,
+    prefix: str = "",
+) -> int:
     """Replaces every ``nn.Linear`` under ``module`` that ``can_pack`` by its module of ``kind``; returns
-    how many. The plain weights are released, so the model's weights stay in memory once."""
+    how many. The plain weights are released, so the model's weights stay in memory once. ``prefix``:
+    ``module``'s path in the model, which names each layer to ``quantizer``."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear) and can_pack(child, kind, quantization):
-            setattr(module, name, packed(child, kind, quantization))
+            setattr(module, name, packed(child, kind, quantization, quantizer, prefix + name))
             count += 1
         else:
-            count += pack_linears(child, kind, quantization)
+            count += pack_linears(child, kind, quantization, quantizer, f"{prefix}{name}.")
     return count
 
 

@@ -100,6 +100,24 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale.contiguous()
 
 
+Int8Form = tuple[torch.Tensor, torch.Tensor]  # quantize_int8's: int8 [n, k] and a float32 scale per row
+
+
+class Quantizer:
+    """Where packing gets a layer's quantized weight: computed here (``quantize_int8``,
+    ``quantize_int4``); ``engine/quantized_cache.py`` keeps what it computes in the model cache.
+    ``name``: the layer's module path in the model, ``weight``: its ``[n, k]`` weight."""
+
+    def int8(self, name: str, weight: torch.Tensor) -> Int8Form:
+        return quantize_int8(weight)
+
+    def int4(self, name: str, weight: torch.Tensor) -> GroupedWeight:
+        return quantize_int4(weight)
+
+
+COMPUTE = Quantizer()
+
+
 PARTS_CODE = 16  # pd_linear's dtype for a weight of parts in different formats (csrc/linear_cpu.c)
 Parts = tuple[tuple[int, GroupedWeight | None], ...]  # each part's outputs and blocks (None: the dtype)
 
@@ -110,14 +128,17 @@ def gguf_parts(linear: nn.Linear, quantization: str) -> Parts | None:
     return getattr(linear, "gguf_parts", None) if quantization == "gguf" else None
 
 
-def grouped_form(linear: nn.Linear, quantization: str) -> GroupedWeight | None:
-    """The grouped weight ``linear`` is held as under ``quantization``: its int4 quantization, the GGUF
-    blocks the loader gave it (``gguf_blocks``), or None where it keeps its own dtype (another
-    quantization, an input count that is not a multiple of 32, no blocks)."""
+def grouped_form(
+    linear: nn.Linear, quantization: str, quantizer: Quantizer = COMPUTE, name: str = ""
+) -> GroupedWeight | None:
+    """The grouped weight ``linear`` (the model's ``name``) is held as under ``quantization``: its int4
+    quantization (from ``quantizer``), the GGUF blocks the loader gave it (``gguf_blocks``), or None
+    where it keeps its own dtype (another quantization, an input count that is not a multiple of 32,
+    no blocks)."""
     if linear.in_features % GROUP:
         return None
     if quantization == "int4":
-        return quantize_int4(linear.weight)
+        return quantizer.int4(name, linear.weight)
     if quantization == "gguf":
         return getattr(linear, "gguf_blocks", None)
     return None
@@ -184,6 +205,7 @@ class InvariantLinear(nn.Module):
         quantization: str = "none",
         grouped: GroupedWeight | None = None,
         parts: Parts | None = None,
+        int8: Int8Form | None = None,
     ) -> None:
         super().__init__()
         # weight: [out_features, in_features]; bias: [out_features] or None, both in the compute dtype
@@ -204,7 +226,7 @@ class InvariantLinear(nn.Module):
             self.dtype_code, self.quantization = PARTS_CODE, "gguf"
             packed = _packed_parts(weight, parts)
         else:
-            packed = _packed_weight(weight, quantization, grouped, self.dtype_code)
+            packed = _packed_weight(weight, quantization, grouped, self.dtype_code, int8)
         self.parts = None if parts is None else tuple((n, None if b is None else b.bits) for n, b in parts)
         self.register_buffer("packed_weight", packed)
         self.register_buffer("bias", None if bias is None else bias.detach().to(weight.dtype).contiguous())
@@ -250,10 +272,14 @@ class InvariantLinear(nn.Module):
 
 
 def _packed_weight(
-    weight: torch.Tensor, quantization: str, grouped: GroupedWeight | None, code: int
+    weight: torch.Tensor,
+    quantization: str,
+    grouped: GroupedWeight | None,
+    code: int,
+    int8: Int8Form | None = None,
 ) -> torch.Tensor:
     """``weight`` ``[n, k]`` packed for pd_linear's dtype ``code``: ``grouped``'s blocks, its int8 form
-    (``int8``, ``w8a8``) or itself."""
+    (``int8``, ``w8a8``: ``int8`` where given, else ``quantize_int8``'s) or itself."""
     lib = _library()
     n, k = weight.shape
     size = lib.pd_linear_packed_elems(n, k, code)
@@ -266,7 +292,9 @@ def _packed_weight(
             n, k, grouped.bits, grouped.group, packed.data_ptr(),
         )  # fmt: skip
     elif quantization in ("int8", "w8a8"):
-        q, scale = quantize_int8(weight)
+        q, scale = int8 if int8 is not None else quantize_int8(weight)
+        if q.shape != weight.shape:
+            raise ValueError(f"int8 weight {tuple(q.shape)} does not fit a {tuple(weight.shape)} layer")
         packed = torch.empty(size, dtype=torch.uint8)  # the scales, then int8 panels or quads of weights
         if quantization == "w8a8":
             status = lib.pd_linear_pack_w8a8(
@@ -311,11 +339,19 @@ def _packed_parts(weight: torch.Tensor, parts: Parts) -> torch.Tensor:
     return packed
 
 
-def packed(linear: nn.Linear, kind: str = "invariant", quantization: str = "none") -> nn.Module:
-    """``linear`` packed for ``kind`` (the caller checks ``can_pack`` first)."""
+def packed(
+    linear: nn.Linear,
+    kind: str = "invariant",
+    quantization: str = "none",
+    quantizer: Quantizer = COMPUTE,
+    name: str = "",
+) -> nn.Module:
+    """``linear`` (the model's ``name``) packed for ``kind``, its quantized weight from ``quantizer``
+    (the caller checks ``can_pack`` first)."""
     if kind == "onednn":
         return PackedLinear(linear)
     parts = gguf_parts(linear, quantization)
-    return InvariantLinear(
-        linear.weight, linear.bias, quantization, grouped_form(linear, quantization), parts
-    )
+    grouped = grouped_form(linear, quantization, quantizer, name)
+    eight = _w8a8_or_none(quantization, linear.in_features) in ("int8", "w8a8")
+    int8 = quantizer.int8(name, linear.weight) if eight and grouped is None and parts is None else None
+    return InvariantLinear(linear.weight, linear.bias, quantization, grouped, parts, int8)

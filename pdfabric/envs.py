@@ -27,7 +27,8 @@ REGISTRY: dict[str, tuple[str, Callable[[str], object], str]] = {
     "PDFABRIC_CACHE_DIR": (
         str(Path.home() / ".cache" / "pdfabric"),
         lambda v: str(Path(v).expanduser()),
-        "where the built-in default models and the compiled CPU kernels are written",
+        "where the built-in default models, the compiled CPU kernels and weights quantized at start are "
+        "written",
     ),
     "PDFABRIC_CLUSTER_SECRET": (
         "",

@@ -245,6 +245,7 @@ def build_engine(cfg: WorkerConfig) -> Engine:
     from pdfabric.engine.grammar import Grammars
     from pdfabric.engine.kv_cache import kv_bytes_per_token
     from pdfabric.engine.loader import load_model
+    from pdfabric.engine.quantized_cache import quantizer_for
     from pdfabric.engine.runner import ModelRunner
     from pdfabric.kernels.dispatch import prepare_sampler
 
@@ -257,11 +258,16 @@ def build_engine(cfg: WorkerConfig) -> Engine:
     prepare_sampler()
     path = resolve_model(cfg.model)
     model = load_model(path, cfg.dtype, _device(cfg.device), cfg.quantization)
-    # the weights are packed (and quantized) first: with memory_mb the KV cache gets what they leave
+    # the weights are packed (and quantized, or read quantized from the model cache) first: with
+    # memory_mb the KV cache gets what they leave
+    quantizer = quantizer_for(path, model, cfg.quantization)
     runner = ModelRunner(
         model, 1, cfg.block_size, linears=cfg.linears, quantization=cfg.quantization,
-        kv_cache_dtype=cfg.kv_cache_dtype,
+        kv_cache_dtype=cfg.kv_cache_dtype, quantizer=quantizer,
     )  # fmt: skip
+    if quantizer is not None:
+        log.info("%s weights: %d layers read from %s, %d quantized now",
+                 cfg.quantization, quantizer.read, quantizer.root, quantizer.written)  # fmt: skip
     spec = CoreSpec.sized(
         cfg, worker_id=cfg.worker_id or f"{cfg.kind}-{os.getpid()}",
         model_max_len=model.config.max_position_embeddings,
@@ -293,6 +299,7 @@ def build_draft(cfg: WorkerConfig, target: Path, served: ModelRunner) -> DraftMo
     from pdfabric.engine.default_model import resolve_model
     from pdfabric.engine.draft import DraftModel, truncated
     from pdfabric.engine.loader import load_model
+    from pdfabric.engine.quantized_cache import quantizer_for
     from pdfabric.engine.runner import ModelRunner
 
     path = resolve_model(cfg.draft_model or cfg.model)
@@ -311,6 +318,7 @@ def build_draft(cfg: WorkerConfig, target: Path, served: ModelRunner) -> DraftMo
     runner = ModelRunner(
         draft, 1, cfg.block_size, linears=cfg.linears, quantization=cfg.draft_quantization,
         kv_cache_dtype=served.kv_cache_dtype,  # it reads the served model's caches
+        quantizer=quantizer_for(path, draft, cfg.draft_quantization),
     )  # fmt: skip
     return DraftModel(runner, served)
 
