@@ -18,7 +18,7 @@ A worker's ``quantization`` setting holds the invariant kernel's weights quantiz
 ``int8`` with a scale per output (CPUs only: ``linear_cpu.quantize_int8``; ``w8a8`` the same weights
 times activations quantized in groups of 32 inputs, CPUs only), ``int4`` and ``gguf`` in
 groups of 32 inputs (``quantized.py``; on CPUs ``linear_cpu``, on CUDA ``quantized_triton``; GGUF's
-Q6_K in groups of 16 and Q5_1/Q5_K as 8 bits with offsets, CPUs only). A layer the format cannot
+Q3_K and Q6_K in groups of 16 and Q5_1/Q5_K as 8 bits with offsets, CPUs only). A layer the format cannot
 hold (inputs not a multiple of 32, a GGUF tensor of another type, those three on CUDA) keeps its
 dtype.
 """
@@ -88,7 +88,8 @@ def packed(
     if linear.weight.device.type == "cpu":
         return linear_cpu.packed(linear, kind, quantization, quantizer or linear_cpu.COMPUTE, name)
     grouped = linear_cpu.grouped_form(linear, quantization)
-    # the Triton matmul takes groups of 32, offsets for 4 bits only: Q6_K, Q5_1, Q5_K in the compute dtype
+    # the Triton matmul takes groups of 32, offsets for 4 bits only: Q3_K, Q6_K, Q5_1, Q5_K in the
+    # compute dtype
     triton_form = grouped is not None and grouped.group == GROUP
     if triton_form and (grouped.bits == 4) == (grouped.offsets is not None):
         from pdfabric.kernels.quantized_triton import TritonGroupedLinear  # imports Triton

@@ -46,7 +46,8 @@ LINEAR_KINDS = ("invariant", "onednn")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 INT8_CODES = {torch.bfloat16: 2, torch.float32: 3}  # int8 weights beside inputs and outputs of this dtype
 W8A8_CODES = {torch.bfloat16: 8, torch.float32: 9}  # int8 weights times rows quantized to int8 per call
-# weights in groups of inputs, by bits, inputs a group (Q6_K's 16), offsets held and the inputs' dtype
+# weights in groups of inputs, by bits, inputs a group (Q3_K's and Q6_K's 16), offsets held and the
+# inputs' dtype
 GROUPED_CODES = {
     (4, 32, True, torch.bfloat16): 4, (4, 32, True, torch.float32): 5,
     (8, 32, False, torch.bfloat16): 6, (8, 32, False, torch.float32): 7,
@@ -195,8 +196,8 @@ class InvariantLinear(nn.Module):
     half the bytes of bfloat16 to read; with ``"w8a8"`` the same weight multiplies the input rows
     quantized to int8 in groups of 32 as each call starts (``w8a8_ref.w8a8_reference``): integer products.
     With ``grouped`` (``grouped_form``: int4, or a GGUF tensor's blocks) it is held in groups of 32
-    inputs (16 for Q6_K's); with ``parts`` (``gguf_parts``) each part of a stacked projection in its
-    own format. The inputs and outputs stay in the compute dtype."""
+    inputs (16 for Q3_K's and Q6_K's); with ``parts`` (``gguf_parts``) each part of a stacked
+    projection in its own format. The inputs and outputs stay in the compute dtype."""
 
     def __init__(
         self,

@@ -1,5 +1,5 @@
 """Weights quantized in groups of 32 inputs: pdfabric's int4, and GGUF's Q4_0, Q4_1, Q4_K and Q8_0 as
-they are; and in groups of 16 inputs: GGUF's Q6_K.
+they are; and in groups of 16 inputs: GGUF's Q3_K and Q6_K.
 
 A ``GroupedWeight`` holds an ``[n, k]`` weight as one small integer ``q`` a weight and, for each output
 and each run of 32 inputs (a group), a float32 scale ``d`` and (4 bits) a float32 offset ``m``:
@@ -20,7 +20,9 @@ and each run of 32 inputs (a group), a float32 scale ``d`` and (4 bits) a float3
   which float32 holds exactly), Q5_0 (8 bits: ``q - 16`` in -16..15, ``d`` half precision), Q5_1 and
   Q5_K (8 bits with offsets: ``q`` in 0..31; Q5_K's scales and offsets made as Q4_K's) and Q6_K
   (8 bits in groups of 16: ``q - 32`` in -32..31 and ``d``
-  the super-block's half-precision scale times the sub-block's 8-bit one, exact in float32).
+  the super-block's half-precision scale times the sub-block's 8-bit one, exact in float32) and Q3_K
+  (8 bits in groups of 16: ``q`` in -4..3 and ``d`` the half-precision scale times the sub-block's
+  6-bit one less 32, exact too).
   ``dequantize`` of the result equals the ``gguf`` package's own dequantization to the bit
   (``tests/test_quantized.py``).
 
@@ -39,6 +41,7 @@ GROUP = 32  # inputs per quantization group
 GGUF_TYPES = (
     "Q4_0",
     "Q4_1",
+    "Q3_K",
     "Q4_K",
     "Q5_0",
     "Q5_1",
@@ -125,6 +128,8 @@ def from_gguf(type_name: str, blocks: np.ndarray, shape: tuple[int, int]) -> Gro
         return _from_q4_k(blocks, n, k)
     if type_name == "Q6_K":
         return _from_q6_k(blocks, n, k)
+    if type_name == "Q3_K":
+        return _from_q3_k(blocks, n, k)
     if type_name in ("Q5_0", "Q5_1"):
         return _from_q5(type_name, blocks, n, k)
     if type_name == "Q5_K":
@@ -179,6 +184,33 @@ def _from_q6_k(blocks: np.ndarray, n: int, k: int) -> GroupedWeight:
     return GroupedWeight(
         torch.from_numpy(np.ascontiguousarray(q)).view(torch.uint8), torch.from_numpy(scales), None, 8, 16
     )
+
+
+def _from_q3_k(blocks: np.ndarray, n: int, k: int) -> GroupedWeight:
+    # A super-block of 256 inputs, 110 bytes: 32 bytes of high bits (bit j of byte i for input 32 j + i),
+    # 64 bytes of low bit pairs (each 32 bytes: four inputs 32 apart, pairs 0, 2, 4, 6 of each byte),
+    # sixteen 6-bit sub-block scales in 12 bytes (low nibbles of bytes 0-7, scales 0-7 then 8-15; high
+    # bit pairs of bytes 8-11, scales 0-3, 4-7, ... in pairs 0, 2, 4, 6), then d (half). A weight is
+    # d * (scale - 32) * q, q the low pair minus 4 where its high bit is clear (-4..3), over 16-input
+    # sub-blocks: held as 8 bits in groups of 16, each group's scale d * (scale - 32), exact in float32.
+    b = blocks.reshape(n, k // 256, 110)
+    high = _fields(b[..., :32], 1) & 1
+    low = _fields(b[..., 32:96].reshape(n, k // 256, 2, 32), 2).reshape(n, k // 256, 256) & 3
+    q = low.astype(np.int8) - (4 * (high ^ 1)).astype(np.int8)
+    nibbles = _fields(b[..., 96:104], 4) & 0x0F
+    pairs = _fields(b[..., 104:108], 2) & 3
+    scale = (nibbles | (pairs << 4)).astype(np.float32) - 32.0
+    d = b[..., 108:110].copy().view(np.float16).astype(np.float32)
+    q8 = torch.from_numpy(np.ascontiguousarray(q.reshape(n, k))).view(torch.uint8)
+    return GroupedWeight(q8, torch.from_numpy((d * scale).reshape(n, k // 16)), None, 8, 16)
+
+
+def _fields(packed: np.ndarray, bits: int) -> np.ndarray:
+    """Each byte of ``packed`` (its last axis) shifted right by 0, ``bits``, 2 ``bits``, ... up to 8:
+    the byte's fields, lowest first, as runs over the last axis (run i: every byte's field i)."""
+    shifts = np.arange(0, 8, bits, dtype=np.uint8)
+    fields = packed[..., None, :] >> shifts.reshape(len(shifts), 1)
+    return fields.reshape(*packed.shape[:-1], len(shifts) * packed.shape[-1])
 
 
 def _k_scales(b: np.ndarray, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:

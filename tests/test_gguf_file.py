@@ -47,14 +47,15 @@ def write_gguf(
     path: Path,
     cfg: dict,
     weights: dict[str, np.ndarray],
-    q6_k: dict[str, np.ndarray] | None = None,
+    k_blocks: dict[str, tuple[str, np.ndarray]] | None = None,
     quantize: dict[str, str] | None = None,
     arch: str = "llama",
 ) -> None:
     """A GGUF file of ``arch`` of Hugging Face ``weights`` in float32 (a llama file's q and k rows
     permuted as llama.cpp's converter does), ``quantize``'s tensors quantized by the ``gguf`` package
-    to the type named, and ``q6_k``'s tensors as the Q6_K blocks given (one row of blocks an output)."""
-    q6_k, quantize = q6_k or {}, quantize or {}
+    to the type named, and ``k_blocks``' tensors as the blocks given of the K-quant type named (one row of
+    blocks an output)."""
+    k_blocks, quantize = k_blocks or {}, quantize or {}
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_context_length(cfg["max_position_embeddings"])
@@ -72,15 +73,15 @@ def write_gguf(
     writer.add_token_merges([])
     writer.add_bos_token_id(256)
     writer.add_eos_token_id(257)
-    for name, tensor in {**weights, **q6_k}.items():
+    for name, tensor in {**weights, **{n: blocks for n, (_, blocks) in k_blocks.items()}}.items():
         stem, _, kind = name.rpartition(".")
         if stem.startswith("model.layers."):
             layer, part = stem.removeprefix("model.layers.").split(".", 1)
             gguf_name = f"blk.{layer}.{_LAYER[part]}.{kind}"
         else:
             gguf_name = f"{_GLOBAL[stem]}.{kind}"
-        if name in q6_k:
-            writer.add_tensor(gguf_name, tensor, raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+        if name in k_blocks:
+            writer.add_tensor(gguf_name, tensor, raw_dtype=gguf.GGMLQuantizationType[k_blocks[name][0]])
             continue
         part = gguf_name.split(".")[-2]
         heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}.get(part)
@@ -197,19 +198,23 @@ def test_a_failed_conversion_leaves_no_entry(tmp_path: Path) -> None:
         resolve_model(str(tmp_path / "missing.gguf"))
 
 
-def _q6_k_blocks(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
-    raw = rng.integers(0, 256, (n, k // 256, 210), dtype=np.uint8)
-    raw[..., 208:210] = np.full((n, k // 256, 1), 2e-5, np.float16).view(np.uint8)  # a small d
-    return raw.reshape(n, k // 256 * 210)
+def _k_blocks(rng: np.random.Generator, kind: str, n: int, k: int) -> tuple[str, np.ndarray]:
+    """Random ``kind`` (Q3_K or Q6_K) blocks of an ``[n, k]`` weight, each super-block's d small."""
+    size = {"Q3_K": 110, "Q6_K": 210}[kind]  # d is a super-block's last two bytes in both
+    raw = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
+    raw[..., size - 2 :] = np.full((n, k // 256, 1), 2e-5, np.float16).view(np.uint8)
+    return kind, raw.reshape(n, k // 256 * size)
 
 
 @pytest.mark.parametrize("mixed", [False, True])
-def test_a_gguf_files_q5_and_q6_k_tensors_are_multiplied_as_they_are(tmp_path: Path, mixed: bool) -> None:
-    """Q5_0, Q5_1 and Q6_K tensors (what Q4_K_M and Q5_K_M files use) are served in their own blocks
-    under ``--quantization gguf``: the layers hold them (8 bits; Q5_1 with offsets; Q6_K in groups of
-    16), a stacked projection whose parts differ (``mixed``: q and k in Q5_1 beside v in Q6_K; gate in
-    Q5_0 beside up in float32) part by part, and the answers are those of the file's weights
-    dequantized to float32."""
+def test_a_gguf_files_q5_q3_k_and_q6_k_tensors_are_multiplied_as_they_are(
+    tmp_path: Path, mixed: bool
+) -> None:
+    """Q5_0, Q5_1, Q3_K and Q6_K tensors (what Q4_K_M, Q5_K_M and Q3_K_M files use) are served in their
+    own blocks under ``--quantization gguf``: the layers hold them (8 bits; Q5_1 with offsets; Q3_K and
+    Q6_K in groups of 16), a stacked projection whose parts differ (``mixed``: q and k in Q5_1 beside
+    v in Q6_K; gate in Q5_0 beside up in float32) part by part, and the answers are those of the
+    file's weights dequantized to float32."""
     cfg = {"num_hidden_layers": 2, "max_position_embeddings": 1024, "hidden_size": 256,
            "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
            "rope_theta": 10000.0, "rms_norm_eps": 1e-5}  # fmt: skip
@@ -217,8 +222,12 @@ def test_a_gguf_files_q5_and_q6_k_tensors_are_multiplied_as_they_are(tmp_path: P
     hidden, inter, kv = 256, 512, 2 * 64
     shapes = {"model.embed_tokens.weight": (260, hidden), "lm_head.weight": (260, hidden),
               "model.norm.weight": (hidden,)}  # fmt: skip
-    in_q6_k = ("self_attn.o_proj", "mlp.down_proj", *(("self_attn.v_proj",) if mixed else ()))
-    q6_k = {}
+    in_k = {
+        "self_attn.o_proj": "Q6_K",
+        "mlp.down_proj": "Q3_K",
+        **({"self_attn.v_proj": "Q6_K"} if mixed else {}),
+    }
+    k_blocks = {}
     for layer in range(2):
         pre = f"model.layers.{layer}."
         shapes |= {
@@ -229,8 +238,8 @@ def test_a_gguf_files_q5_and_q6_k_tensors_are_multiplied_as_they_are(tmp_path: P
                              ("self_attn.v_proj", (kv, hidden)), ("self_attn.o_proj", (hidden, hidden)),
                              ("mlp.gate_proj", (inter, hidden)), ("mlp.up_proj", (inter, hidden)),
                              ("mlp.down_proj", (hidden, inter))):  # fmt: skip
-            if name in in_q6_k:
-                q6_k[pre + name + ".weight"] = _q6_k_blocks(rng, n, k)
+            if name in in_k:
+                k_blocks[pre + name + ".weight"] = _k_blocks(rng, in_k[name], n, k)
             else:
                 shapes[pre + name + ".weight"] = (n, k)
     weights = {
@@ -246,7 +255,7 @@ def test_a_gguf_files_q5_and_q6_k_tensors_are_multiplied_as_they_are(tmp_path: P
     else:
         kinds = {n: "Q5_0" if ".self_attn." in n else "Q5_1" for n in weights if n.endswith("proj.weight")}
     path = tmp_path / "q5-q6k.gguf"
-    write_gguf(path, cfg, weights, q6_k, kinds)
+    write_gguf(path, cfg, weights, k_blocks, kinds)
     held = ReferenceEngine(str(path), dtype="float32", quantization="gguf")
     plain = ReferenceEngine(str(path), dtype="float32")
     layer = held.model.model.layers[0]

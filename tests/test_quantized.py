@@ -110,7 +110,7 @@ def test_int4_groups_span_their_range_within_half_a_step() -> None:
     assert torch.equal(dequantize(g)[5, 32:64], w[5, 32:64]) and g.scales[5, 1] == 0
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 def test_gguf_blocks_unpack_to_the_gguf_packages_dequantization_to_the_bit(kind: str) -> None:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
@@ -120,7 +120,8 @@ def test_gguf_blocks_unpack_to_the_gguf_packages_dequantization_to_the_bit(kind:
     qtype = GGMLQuantizationType[kind]
     if kind.endswith("_K"):  # no quantizer in the package: random blocks, finite half-precision d
         size, halves_at = {
-            "Q4_K": (144, ((0, 2), (2, 4))), "Q5_K": (176, ((0, 2), (2, 4))), "Q6_K": (210, ((208, 210),))
+            "Q3_K": (110, ((108, 110),)), "Q4_K": (144, ((0, 2), (2, 4))), "Q5_K": (176, ((0, 2), (2, 4))),
+            "Q6_K": (210, ((208, 210),)),
         }[kind]  # fmt: skip
         raw = rng.integers(0, 256, (24, 2, size), dtype=np.uint8)
         for lo, hi in halves_at:
@@ -130,7 +131,14 @@ def test_gguf_blocks_unpack_to_the_gguf_packages_dequantization_to_the_bit(kind:
     else:
         blocks = gguf_quantize((rng.standard_normal((24, 512)) * 0.05).astype(np.float32), qtype)
     g = from_gguf(kind, blocks, (24, 512))
-    eight = {"Q8_0": (8, 32), "Q5_0": (8, 32), "Q5_1": (8, 32), "Q5_K": (8, 32), "Q6_K": (8, 16)}
+    eight = {
+        "Q8_0": (8, 32),
+        "Q5_0": (8, 32),
+        "Q5_1": (8, 32),
+        "Q5_K": (8, 32),
+        "Q6_K": (8, 16),
+        "Q3_K": (8, 16),
+    }
     assert (g.bits, g.group) == eight.get(kind, (4, 32))
     assert (g.offsets is not None) == (kind in ("Q4_0", "Q4_1", "Q4_K", "Q5_1", "Q5_K"))
     assert np.array_equal(dequantize(g).numpy(), gguf_dequantize(blocks, qtype).reshape(24, 512))
