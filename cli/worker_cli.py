@@ -81,6 +81,12 @@ OVERRIDES: tuple[tuple[str, type, str], ...] = (
     ),
     ("kv_store_queue_mb", int, "evicted blocks waiting to be written to the host KV store, MiB at most"),
     (
+        "kv_store_write_through",
+        bool,
+        "on or off: save a prefix the pool serves again to the host KV store at once, not only when "
+        "evicted (the host's other workers read it, a crash keeps it)",
+    ),
+    (
         "speculative",
         str,
         "speculative decoding on decode and colocated workers: off, ngram (prompt lookup) or draft "

@@ -34,9 +34,18 @@ class HostTier(Protocol):
         """How many leading ``hashes`` it holds."""
         ...
 
+    def reused(self, blocks: list[int], hashes: list[bytes]) -> None:
+        """The pool's ``blocks`` (of ``hashes``) serve a prompt again: a tier that keeps hot prefixes
+        at once (write-through) saves those it does not hold, as ``save`` does."""
+        ...
+
     def load(self, hashes: Seq[bytes], blocks: list[int]) -> int:
         """Reads the KV of ``hashes`` into ``blocks``; how many leading ones it read and checked (the
         rest are not to be used)."""
+        ...
+
+    def take_stored(self) -> tuple[bytes, ...]:
+        """The hashes ``reused`` saved since the last call (``Heartbeat.stored``)."""
         ...
 
     def counters(self) -> dict[str, float]:
@@ -67,6 +76,8 @@ class PrefixCache:
         hashes = self.hashes(seq, cacheable_blocks(seq.num_tokens, pool.block_size))
         blocks = pool.lookup(hashes)
         pool.acquire(blocks)
+        if self.tier is not None and blocks:
+            self.tier.reused(blocks, hashes[: len(blocks)])
         loaded: list[int] = []
         if self.tier is not None and len(blocks) < len(hashes):
             loaded = self._load(hashes[len(blocks) :])

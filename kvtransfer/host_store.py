@@ -6,7 +6,10 @@ A block's life in it:
 1. ``save(blocks, hashes)``: the pool is about to reuse cached blocks. Their KV is copied out at once
    into one host buffer and queued for the writer thread, which writes each block to the RAM tier
    (without one, to the disk tier, if the admission rule takes it). The queue is bounded in bytes: a
-   save that finds it full is dropped and counted; the step never waits for a write.
+   save that finds it full is dropped and counted; the step never waits for a write. With
+   ``write_through``, ``reused(blocks, hashes)`` saves the same way a prefix the pool serves again
+   (the first time it is reused), so the host's other workers find it while this worker still holds
+   it, and a crash does not lose it.
 2. The RAM tier over its capacity moves its least recently used blocks down to the disk tier, those
    the admission rule takes (``"reused"``: blocks read back from the store, or offered twice), and
    deletes the rest; the disk tier deletes its least recently used.
@@ -48,6 +51,7 @@ CHUNK = 16  # blocks per staging buffer, and per read of a hit
 WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)  # the widest that divides a block's bytes
 GHOSTS = 1 << 16  # keys remembered as offered once, for the "reused" admission rule
 HOT = 1 << 16  # keys remembered as read back from the store
+THROUGH = 1 << 16  # prefix hashes remembered as saved through (write-through), and reported at most
 
 
 def default_ram_dir() -> Path:
@@ -93,6 +97,9 @@ class HostKVStore:
         self.ram = TierDir("ram", ram_dir, ram_mb << 20) if ram_mb else None
         self.disk = TierDir("disk", cfg.kv_store_disk_dir, disk_mb << 20) if disk_mb else None
         self.admit_all = cfg.kv_store_disk_admission == "all"
+        self.write_through = cfg.kv_store_write_through
+        self._through: OrderedDict[bytes, None] = OrderedDict()  # hashes saved through, the latest
+        self._stored: list[bytes] = []  # hashes saved through since ``take_stored``
         tiers = [str(t.path.resolve()) for t in (self.ram, self.disk) if t is not None]
         self.ident = hashlib.blake2b(json.dumps([*tiers, salt.hex()]).encode(), digest_size=8).hexdigest()
         self.capacity_blocks = sum(t.capacity for t in (self.ram, self.disk) if t is not None) // (
@@ -129,6 +136,25 @@ class HostKVStore:
                 return
             self.gather([blocks[i] for i in part], buf[: len(part)])
             self._queue.put(([keys[i] for i in part], buf))
+
+    def reused(self, blocks: list[int], hashes: list[bytes]) -> None:
+        if not self.write_through:
+            return
+        new = [i for i, h in enumerate(hashes) if h not in self._through]
+        if not new:
+            return
+        dropped = self.dropped
+        self.save([blocks[i] for i in new], [hashes[i] for i in new])
+        if self.dropped == dropped:  # queued (or held already); a full queue drops it, and it is
+            for i in new:  # offered again when reused again
+                _remember(self._through, hashes[i], THROUGH)
+            self._stored += [hashes[i] for i in new]
+            del self._stored[:-THROUGH]
+
+    def take_stored(self) -> tuple[bytes, ...]:
+        """The prefix hashes saved through since the last call (for the router's view of the store)."""
+        stored, self._stored = tuple(self._stored), []
+        return stored
 
     def find(self, hashes: Sequence[bytes]) -> int:
         n = 0

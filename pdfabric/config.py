@@ -222,14 +222,16 @@ SPECULATIVE_KEYS = {
 
 # [kv_store] keys and the [worker] keys they set
 KV_STORE_KEYS = {
-    k: f"kv_store_{k}" for k in ("ram_mb", "ram_dir", "disk_dir", "disk_mb", "disk_admission", "queue_mb")
+    k: f"kv_store_{k}"
+    for k in ("ram_mb", "ram_dir", "disk_dir", "disk_mb", "disk_admission", "queue_mb", "write_through")
 }
 
 
 def _worker_table(name: str, table: Any, keys: dict[str, str], worker: dict[str, Any]) -> dict[str, Any]:
     """A table that names ``[worker]`` settings by shorter keys (``[speculative]``: ``method``, ``k``,
     ``below``, ``draft_model``, ``draft_quantization``, ``draft_layers``; ``[kv_store]``: ``ram_mb``,
-    ``ram_dir``, ``disk_dir``, ``disk_mb``, ``disk_admission``, ``queue_mb``) as those settings; a
+    ``ram_dir``, ``disk_dir``, ``disk_mb``, ``disk_admission``, ``queue_mb``, ``write_through``) as those
+    settings; a
     setting given in both tables is an error, the command line's flags override either."""
     if not isinstance(table, dict):
         raise ValueError(f"[{name}] must be a table")

@@ -77,6 +77,9 @@ class Heartbeat:
     prefix_hit_tokens: int = 0  # of those, found in its prefix cache
     cached: tuple[bytes, ...] = ()  # prefix hashes of the blocks it cached since its last heartbeat
     evicted: tuple[bytes, ...] = ()  # prefix hashes it dropped from its cache since then
+    # prefix hashes it saved in its host KV store since then while its cache keeps them (write-through;
+    # what it evicts goes there too)
+    stored: tuple[bytes, ...] = ()
     received: int = 0  # work messages (Generate, Reserve, Prefill) taken in since it registered
     refused_peers: int = 0  # handshakes its KV endpoint refused since it started (no cluster secret)
     proposed_tokens: int = 0  # tokens speculative decoding proposed here since it started

@@ -102,13 +102,16 @@ class WorkerConfig:
     # evicts go to a RAM tier (a directory in shared memory, "": /dev/shm/pdfabric-kv-store-UID) and a
     # disk tier, shared by the host's workers and kept across restarts; a prompt's cached prefix
     # continues there. 0 MiB: that tier is off. The disk takes a block the RAM tier lets go if it was
-    # read back or offered twice ("reused"), or every one ("all"). Saves queue at most queue_mb.
+    # read back or offered twice ("reused"), or every one ("all"). Saves queue at most queue_mb. With
+    # write_through, a pool block that serves a prompt again (a hot prefix) is saved at once, not only
+    # when evicted: the host's other workers read it while this one holds it, and a crash keeps it.
     kv_store_ram_mb: int = 0
     kv_store_ram_dir: str = ""
     kv_store_disk_dir: str = ""
     kv_store_disk_mb: int = 0
     kv_store_disk_admission: str = "reused"
     kv_store_queue_mb: int = 64
+    kv_store_write_through: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

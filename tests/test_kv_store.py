@@ -222,7 +222,7 @@ def tiny() -> tuple:
     return ReferenceEngine("tiny"), Path(ReferenceEngine("tiny").path)
 
 
-def _worker(path: Path, tmp_path: Path, num_blocks: int) -> tuple:
+def _worker(path: Path, tmp_path: Path, num_blocks: int, **store: object) -> tuple:
     from pdfabric.engine.loader import load_model
     from pdfabric.engine.runner import ModelRunner
     from pdfabric.engine.stepper import Stepper
@@ -230,7 +230,7 @@ def _worker(path: Path, tmp_path: Path, num_blocks: int) -> tuple:
     runner = ModelRunner(load_model(path), num_blocks, 16)
     cfg = dict(block_size=16, max_model_len=2048, max_running=4, max_batch_tokens=64, model="tiny",
                prefix_caching=True, kv_store_ram_mb=4, kv_store_ram_dir=str(tmp_path / "ram"),
-               kv_store_disk_dir=str(tmp_path / "disk"), kv_store_disk_mb=8)  # fmt: skip
+               kv_store_disk_dir=str(tmp_path / "disk"), kv_store_disk_mb=8, **store)  # fmt: skip
     spec = core_spec("colocated", num_blocks, **cfg)
     store = HostKVStore(spec.config, b"tiny", lambda: runner.kv_caches, runner.kv_tiled)
     return ColocatedCore(spec, FixedProfile(WorkerProfile()), store=store), Stepper(runner), store
@@ -289,6 +289,50 @@ def test_prefixes_the_pool_evicted_or_a_restart_lost_come_back_from_the_store_to
         assert core.tables.pool.num_free == core.tables.pool.num_blocks
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("write_through", [False, True])
+def test_a_prefix_served_again_is_in_the_store_for_the_hosts_other_workers_with_write_through(
+    tiny: tuple, tmp_path: Path, write_through: bool
+) -> None:
+    """Worker A computes a prompt and serves its prefix again from its pool (a second prompt with the
+    same 96 tokens); its pool never evicts. With write-through, worker B on the same host reads the
+    prefix from the store; without, B computes it. Both token-exact; A's heartbeat says what it
+    saved, and the router's view of the store holds it."""
+    from pdfabric.router.routing.registry import Registry, store_key
+
+    reference, path = tiny
+    shared = tuple(range(30, 126))  # 6 full blocks
+    prompts = {"a1": (*shared, 7, 8), "a2": (*shared, 9), "b1": (*shared, 11, 12, 13)}
+    want = {r: reference.generate(list(p), SamplingParams(max_tokens=8, ignore_eos=True)).token_ids
+            for r, p in prompts.items()}  # fmt: skip
+    a, a_stepper, a_store = _worker(path, tmp_path, 32, kv_store_write_through=write_through)
+    b, b_stepper, b_store = _worker(path, tmp_path, 32, kv_store_write_through=write_through)
+    try:
+        got = _serve(a, a_stepper, {"a1": prompts["a1"]}) + _serve(a, a_stepper, {"a2": prompts["a2"]})
+        _settle(a_store)
+        got += _serve(b, b_stepper, {"b1": prompts["b1"]})
+        for rid in prompts:
+            assert _tokens(got, rid) == want[rid]
+        hits = {d.request_id: d.cached_tokens for d in got if d.index == 0}
+        assert hits["a2"] == 96  # from A's pool
+        assert hits["b1"] == (96 if write_through else 0)  # from the store, or computed
+        assert b.scheduler.prefix.tier_hit_tokens == hits["b1"]
+        hb = a.heartbeat(1e9)
+        assert hb is not None and hb.evicted == ()  # nothing left A's pool
+        shared_hashes = chain_hashes(shared, 16, a.scheduler.prefix.salt, [])
+        assert set(hb.stored) == (set(shared_hashes) if write_through else set())
+        registry = Registry()
+        registry.register(a.registration())
+        registry.heartbeat(hb)
+        assert registry.stores.cached_blocks(store_key(a.registration()), shared_hashes) == (
+            6 if write_through else 0
+        )
+        for core in (a, b):
+            assert core.tables.pool.num_free == core.tables.pool.num_blocks
+    finally:
+        a_store.close()
+        b_store.close()
 
 
 def test_a_block_that_fails_its_check_is_recomputed_not_served(tiny: tuple, tmp_path: Path) -> None:

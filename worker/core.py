@@ -304,6 +304,7 @@ class WorkerCore:
             prefix_hit_tokens=s.prefix_hit_tokens,
             cached=cached,
             evicted=evicted,
+            stored=self.store.take_stored() if self.store is not None else (),
             received=self.received,
             refused_peers=refused_peers,
             proposed_tokens=s.proposed_tokens,

@@ -37,7 +37,8 @@ class Registry:
         self.workers: dict[str, WorkerInfo] = {}
         self.prefixes = PrefixIndex()  # which prefixes each worker reported in its cache
         # which prefixes each host KV store holds (by ``store_key``): what its workers' pools evicted,
-        # which went to the store; kept while workers come and go, since the store outlives them
+        # which went to the store, and what they saved through (``Heartbeat.stored``); kept while
+        # workers come and go, since the store outlives them
         self.stores = PrefixIndex()
 
     def register(self, reg: Register) -> WorkerInfo:
@@ -54,8 +55,9 @@ class Registry:
         info.out_of_blocks = False  # the report was sent after the refusal: it says how full it is
         info.last_seen = time.monotonic()
         self.prefixes.update(hb.worker_id, hb.cached, hb.evicted, info.reg.num_blocks)
-        if info.reg.kv_store and hb.evicted:  # a worker with a store saves what its pool evicts
-            self.stores.update(store_key(info.reg), hb.evicted, (), info.reg.kv_store_blocks)
+        if info.reg.kv_store and (hb.evicted or hb.stored):  # a worker with a store saves what its pool
+            # evicts, and with write-through what it reuses
+            self.stores.update(store_key(info.reg), hb.evicted + hb.stored, (), info.reg.kv_store_blocks)
         return True
 
     def remove(self, worker_id: str) -> WorkerInfo | None:
