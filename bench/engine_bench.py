@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=QUANTIZATIONS,
         default="none",
         help="how the linear layers' weights are held, as a worker's setting: none (the model's dtype), "
-        "int8, int4, gguf (weight-only) or w8a8 (activations too); the decode floor counts the bytes "
+        "int8, int4, gguf (weight-only), w8a8 or w4a8 (activations too); the decode floor counts the bytes "
         "actually read",
     )
     parser.add_argument(

@@ -6,7 +6,7 @@ that do not overlap; each window is one prefill through the engine's own runner 
 weight format and the dtype are those a worker serves with), and every token after a window's first
 (or from ``--score-from`` on) is scored given the tokens before it in the window. Perplexity is exp of
 the mean negative log-likelihood over all scored tokens. Comparing formats (``--quantization
-none,int8,int4,gguf,w8a8``) on the same text and windows tells what a format costs in accuracy; greedy
+none,int8,int4,gguf,w8a8,w4a8``) on the same text and windows tells what a format costs in accuracy; greedy
 text is not expected to stay the same. ``--text FILE --score-from 257`` (for 512-token windows)
 scores what llama.cpp's ``llama-perplexity -f FILE -c 512`` scores, so the two can be set side by
 side on one GGUF file (docs/engine.md).
@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         default="none",
         help="comma-separated weight formats to score, each on the same windows: none (the model's dtype), "
-        "int8, int4, gguf, w8a8 (default none)",
+        "int8, int4, gguf, w8a8, w4a8 (default none)",
     )
     parser.add_argument(
         "--kv-cache-dtype",

@@ -83,8 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=QUANTIZATIONS,
         help="how workers hold the linear layers' weights, weight-only: int8 (a scale per output; CPUs), "
         "int4 (groups of 32 inputs), gguf (a GGUF model's own Q3_K/Q4/Q5/Q6_K/Q8_0 blocks), or none "
-        "(default: the model's dtype); w8a8 (CPUs): int8 weights times activations quantized in groups "
-        "of 32, for prompts and large batches",
+        "(default: the model's dtype); w8a8 and w4a8 (CPUs): int8 or int4 weights times activations "
+        "quantized in groups of 32, for prompts and large batches",
     )
     parser.add_argument(
         "--kv-cache-dtype",

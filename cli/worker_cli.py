@@ -68,7 +68,7 @@ OVERRIDES: tuple[tuple[str, type, str], ...] = (
         "trusted network; the same on every worker)",
     ),
     ("served", str, "the model version it serves, NAME@VERSION, for a router with [[models]]"),
-    ("quantization", str, "linear weights: none (the model's dtype), int8 (CPUs), int4, gguf or w8a8 (CPUs)"),
+    ("quantization", str, "linear weights: none (the model's dtype), int8, int4, gguf, w8a8 or w4a8"),
     ("kv_cache_dtype", str, "KV-cache rows: auto (the model dtype) or int8 (a scale per row; bf16, CPUs)"),
     ("kv_store_ram_mb", int, "the host KV store's RAM tier, MiB (0: off)"),
     ("kv_store_ram_dir", str, "the RAM tier's directory (default: /dev/shm/pdfabric-kv-store-UID)"),

@@ -1,5 +1,5 @@
-"""Weights a worker quantizes as it starts (``quantization`` ``int8``, ``w8a8``, ``int4``; an int4
-model's head in int8), kept in the model cache so that the next start reads them instead of
+"""Weights a worker quantizes as it starts (``quantization`` ``int8``, ``w8a8``, ``int4``, ``w4a8``; a
+4-bit model's head in int8), kept in the model cache so that the next start reads them instead of
 quantizing again (docs/engine.md#quantized-weights).
 
 ``cached_quantizer(path, dtype)`` gives the packing (``ModelRunner(quantizer=...)``) a
@@ -115,7 +115,8 @@ class CachedQuantizer(Quantizer):
         self.written += 1
 
 
-QUANTIZED_AT_LOAD = ("int8", "w8a8", "int4")  # the settings whose weights are quantized as a worker starts
+# the settings whose weights are quantized as a worker starts
+QUANTIZED_AT_LOAD = ("int8", "w8a8", "int4", "w4a8")
 
 
 def quantizer_for(path: Path, model: LlamaForCausalLM, quantization: str) -> CachedQuantizer | None:

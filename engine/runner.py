@@ -200,7 +200,9 @@ def head_quantization(quantization: str, device: str) -> str:
     """How the head is held when the layers are held as ``quantization``: the same, except that an
     int4 model keeps its head in int8 on CPUs and in its dtype elsewhere (at 4 bits SmolLM2's head
     cost 27% in perplexity against bfloat16, in 8 bits 0.1%: docs/engine.md; GGUF files too keep
-    their output layer in 6 or 8 bits)."""
+    their output layer in 6 or 8 bits); a ``w4a8`` model keeps its head in ``w8a8``."""
+    if quantization == "w4a8":
+        return "w8a8"
     if quantization != "int4":
         return quantization
     return "int8" if device == "cpu" else "none"

@@ -20,7 +20,8 @@ times activations quantized in groups of 32 inputs, CPUs only), ``int4`` and ``g
 groups of 32 inputs (``quantized.py``; on CPUs ``linear_cpu``, on CUDA ``quantized_triton``; GGUF's
 Q3_K and Q6_K in groups of 16 and Q5_1/Q5_K as 8 bits with offsets, CPUs only). A layer the format cannot
 hold (inputs not a multiple of 32, a GGUF tensor of another type, those three on CUDA) keeps its
-dtype.
+dtype. ``w4a8`` holds ``int4``'s weights and multiplies them by activations quantized as ``w8a8``'s
+(CPUs only).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def check_quantization(quantization: str, kind: str, device: str) -> None:
         )
     if quantization == "none":
         return
-    cpu_only = quantization in ("int8", "w8a8")
+    cpu_only = quantization in ("int8", "w8a8", "w4a8")
     if kind != "invariant" or device not in ("cpu", "cuda") or (cpu_only and device != "cpu"):
         where = "CPUs" if cpu_only else "CPUs and CUDA"
         raise ValueError(f"quantization {quantization!r} runs on {where} with the invariant linears only")

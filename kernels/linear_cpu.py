@@ -46,6 +46,7 @@ LINEAR_KINDS = ("invariant", "onednn")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 INT8_CODES = {torch.bfloat16: 2, torch.float32: 3}  # int8 weights beside inputs and outputs of this dtype
 W8A8_CODES = {torch.bfloat16: 8, torch.float32: 9}  # int8 weights times rows quantized to int8 per call
+W4A8_CODES = {torch.bfloat16: 14, torch.float32: 15}  # int4's weights times rows quantized as W8A8's
 # weights in groups of inputs, by bits, inputs a group (Q3_K's and Q6_K's 16), offsets held and the
 # inputs' dtype
 GROUPED_CODES = {
@@ -72,6 +73,8 @@ def _library() -> ctypes.CDLL | None:
         lib.pd_linear_pack_int8.restype = ctypes.c_int
         lib.pd_linear_pack_w8a8.argtypes = [p, i64, p, i64, i64, p]
         lib.pd_linear_pack_w8a8.restype = ctypes.c_int
+        lib.pd_linear_pack_w4a8.argtypes = [p, i64, p, p, i64, i64, p]
+        lib.pd_linear_pack_w4a8.restype = ctypes.c_int
         lib.pd_linear_pack_grouped.argtypes = [p, i64, p, p, i64, i64, i32, i32, p]
         lib.pd_linear_pack_grouped.restype = ctypes.c_int
         lib.pd_linear_pack_parts.argtypes = [i64, p, p, i64, p, p]
@@ -138,7 +141,7 @@ def grouped_form(
     no blocks)."""
     if linear.in_features % GROUP:
         return None
-    if quantization == "int4":
+    if quantization in ("int4", "w4a8"):
         return quantizer.int4(name, linear.weight)
     if quantization == "gguf":
         return getattr(linear, "gguf_blocks", None)
@@ -146,11 +149,14 @@ def grouped_form(
 
 
 def _w8a8_or_none(quantization: str, in_features: int) -> str:
-    """``w8a8`` quantizes activations in groups of 32 inputs: a layer of other widths keeps its dtype."""
-    return "none" if quantization == "w8a8" and in_features % GROUP else quantization
+    """``w8a8`` and ``w4a8`` quantize activations in groups of 32 inputs: a layer of other widths keeps
+    its dtype."""
+    return "none" if quantization in ("w8a8", "w4a8") and in_features % GROUP else quantization
 
 
 def _dtype_code(dtype: torch.dtype, quantization: str, grouped: GroupedWeight | None) -> int:
+    if quantization == "w4a8" and grouped is not None:
+        return W4A8_CODES[dtype]
     if grouped is not None:
         return grouped_code(grouped, dtype)
     if quantization == "w8a8":
@@ -183,6 +189,8 @@ def can_pack(linear: nn.Linear, kind: str = "invariant", quantization: str = "no
         return all(lib.pd_linear_supported(c) for c in _part_codes(w.dtype, parts))
     if quantization == "int4" and linear.in_features % GROUP == 0:
         code = GROUPED_CODES[4, GROUP, True, w.dtype]
+    elif quantization == "w4a8":  # (its input count a multiple of 32: _w8a8_or_none)
+        code = W4A8_CODES[w.dtype]
     elif blocks is not None:
         code = grouped_code(blocks, w.dtype)
     else:
@@ -284,7 +292,14 @@ def _packed_weight(
     lib = _library()
     n, k = weight.shape
     size = lib.pd_linear_packed_elems(n, k, code)
-    if grouped is not None:
+    if grouped is not None and code in W4A8_CODES.values():  # scales, offsets, panels (linear_w4a8.h)
+        packed = torch.empty(size, dtype=torch.uint8)
+        q, scales = grouped.q.contiguous(), grouped.scales.float().contiguous()
+        offsets = grouped.offsets.float().contiguous()
+        status = lib.pd_linear_pack_w4a8(
+            q.data_ptr(), q.stride(0), scales.data_ptr(), offsets.data_ptr(), n, k, packed.data_ptr()
+        )
+    elif grouped is not None:
         packed = torch.empty(size, dtype=torch.uint8)  # scales, offsets, then the panels (linear_cpu.c)
         q, scales = grouped.q.contiguous(), grouped.scales.float().contiguous()
         offsets = None if grouped.offsets is None else grouped.offsets.float().contiguous()

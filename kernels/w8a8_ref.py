@@ -1,11 +1,11 @@
-"""The ``w8a8`` linear in torch, the bits the C kernel (``csrc/linear_w8a8.h``) must give: how it
-quantizes its input rows, and the sums it makes of them."""
+"""The ``w8a8`` and ``w4a8`` linears in torch, the bits the C kernels (``csrc/linear_w8a8.h``,
+``csrc/linear_w4a8.h``) must give: how they quantize their input rows, and the sums they make of them."""
 
 from __future__ import annotations
 
 import torch
 
-from pdfabric.kernels.quantized import GROUP
+from pdfabric.kernels.quantized import GROUP, GroupedWeight
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,6 +39,28 @@ def w8a8_reference(
     for g in range(groups):  # in order, a multiply and an add, as the kernel rounds them
         y = y + parts[g] * sx[:, g : g + 1]
     y = y * scale[None, :]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def w4a8_reference(x: torch.Tensor, weight: GroupedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """The ``w4a8`` linear in torch, to the bit: ``x`` quantized by ``quantize_rows``; for each group,
+    the integer sums of its products with the 4-bit levels and of its quantized inputs (exact), then
+    in float32 and in this order: the group's scale d times the first, its offset o times the second,
+    their sum, times the inputs' scale, added group after group; plus the bias, rounded to ``x``'s
+    dtype. ``weight``: ``quantize_int4``'s (4 bits, groups of 32, offsets)."""
+    qx, sx = quantize_rows(x)
+    m, k = qx.shape
+    groups = k // GROUP
+    xg = qx.double().reshape(m, groups, GROUP)
+    parts = torch.einsum("mgi,ngi->gmn", xg, weight.q.double().reshape(-1, groups, GROUP)).float()
+    sums = xg.sum(dim=2).float()  # [m, groups]
+    d, o = weight.scales.float(), weight.offsets.float()  # [n, groups]
+    y = torch.zeros(m, weight.q.shape[0])
+    for g in range(groups):  # each step rounded as the kernel rounds it
+        t = d[None, :, g] * parts[g] + o[None, :, g] * sums[:, g : g + 1]
+        y = y + t * sx[:, g : g + 1]
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)

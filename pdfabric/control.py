@@ -39,7 +39,7 @@ class Register:
     profile: WorkerProfile  # fitted from the start-up profiling run
     host: str = ""  # host name and boot id: workers on one host move KV over shared memory ("": unknown)
     served: str = ""  # the model version it serves, "name@version" ("": the deployment's one model)
-    weights: str = "none"  # how it holds its linear weights: its quantization (none, int8, int4, gguf, w8a8)
+    weights: str = "none"  # how it holds its linear weights: its quantization (QUANTIZATIONS)
     speculate_below: int = 0  # it speculates while at most this many sequences decode (0: never)
     weight_bytes: int = 0  # its model's weights as held in memory (quantized or not; 0: not measured)
     kv_cache_dtype: str = "auto"  # what its KV cache stores a row as (auto: the model's dtype, or int8)

@@ -31,7 +31,7 @@ AUTO_KV_MIN_MB = 256
 LINEARS = ("invariant", "onednn", "cublas")
 SPECULATIVE = ("off", "ngram", "draft")  # speculative decoding's proposers
 # How linear weights may be held (kernels/linear_cpu.py), named here so that configs import no torch
-QUANTIZATIONS = ("none", "int8", "int4", "gguf", "w8a8")
+QUANTIZATIONS = ("none", "int8", "int4", "gguf", "w8a8", "w4a8")
 # What a KV-cache row is stored as (engine/kv_cache.py): "auto", the model's dtype; "int8", int8 values
 # and a float32 scale per token and kv head (bfloat16 models on CPUs with AVX512-BF16 and AVX512-VNNI)
 KV_CACHE_DTYPES = ("auto", "int8")
@@ -77,7 +77,8 @@ class WorkerConfig:
     # output (half of bfloat16's bytes for a decode step to read); "int4", groups of 32 inputs;
     # "gguf", a GGUF model's own blocks as they are (Q4_0, Q4_1, Q4_K, Q8_0; other tensors in the
     # model's dtype); "none", the model's dtype. "w8a8" (CPUs): int8's weights times activations
-    # quantized to int8 per row, integer products at twice bfloat16's rate (docs/engine.md#quantized-weights)
+    # quantized to int8 per row, integer products at twice bfloat16's rate (docs/engine.md#quantized-weights);
+    # "w4a8" (CPUs): int4's weights times activations quantized the same way
     quantization: str = "none"
     # the KV cache's rows (KV_CACHE_DTYPES): "int8" halves the KV memory a token takes and the bytes
     # decode attention reads (docs/engine.md#int8-kv-cache); the same on a deployment's prefill and

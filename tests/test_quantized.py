@@ -15,7 +15,7 @@ from pdfabric.engine.generate import ReferenceEngine
 from pdfabric.kernels.cpu_build import cpu_has_half_math
 from pdfabric.kernels.linear_cpu import InvariantLinear, quantize_int8
 from pdfabric.kernels.quantized import GroupedWeight, dequantize, from_gguf, quantize_int4
-from pdfabric.kernels.w8a8_ref import quantize_rows, w8a8_reference
+from pdfabric.kernels.w8a8_ref import quantize_rows, w4a8_reference, w8a8_reference
 from pdfabric.sampling_params import SamplingParams
 from tests.fabric import get_json, post_json, running_fabric, wait_blocks_free
 
@@ -95,6 +95,32 @@ def test_w8a8_linear_equals_its_torch_twin_to_the_bit_and_is_batch_invariant(
     assert torch.equal(lin(x[5:6]), y[5:6]) and torch.equal(y[3], b)
     # a byte a weight and a scale a column, columns padded to panels of 64
     assert lin.packed_weight.numel() == -(-n // 64) * 64 * (4 + k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(64, 64), (100, 96), (1536, 576), (49, 1536)])
+def test_w4a8_linear_equals_its_torch_twin_to_the_bit_and_is_batch_invariant(
+    dtype: torch.dtype, shape: tuple
+) -> None:
+    n, k = shape
+    torch.manual_seed(n + k + 1)
+    w, b = (torch.randn(n, k) * 0.05).to(dtype), (torch.randn(n) * 0.1).to(dtype)
+    g = quantize_int4(w)
+    lin = InvariantLinear(w, b, "w4a8", g)
+    assert (lin.quantization, lin.bits, lin.dtype_code) == ("w4a8", 4, 14 if dtype == torch.bfloat16 else 15)
+    x = (torch.randn(200, k) * torch.rand(200, 1) * 4).to(dtype)  # rows of many ranges, several blocks
+    x[3] = 0.0
+    x[4, 32:64] = 0.0  # a group of zeros beside others
+    x[6, 7] = 50.0  # an outlier: only its group's scale grows
+    y = lin(x)
+    assert torch.equal(y, w4a8_reference(x, g, b))  # the integer sums are exact: same bits
+    close = x.double() @ dequantize(g).double().t() + b.double()
+    assert (y.double() - close).abs().max() < 0.02 * close.abs().max()
+    for rows in (1, 2, 5, 33, 97):  # each row's bits alone and among others
+        assert torch.equal(lin(x[:rows]), y[:rows])
+    assert torch.equal(lin(x[5:6]), y[5:6]) and torch.equal(y[3], b)
+    # half a byte a weight, a scale and an offset a group and column, columns padded to panels of 64
+    assert lin.packed_weight.numel() == -(-n // 64) * 64 * (k // 2 + 8 * (k // 32))
 
 
 def test_int4_groups_span_their_range_within_half_a_step() -> None:
@@ -248,19 +274,20 @@ def test_a_layer_whose_inputs_are_not_groups_of_32_keeps_the_model_dtype() -> No
         assert (model[1].quantization, model[1].bits) == ("none", None)
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4", "w8a8"])
+@pytest.mark.parametrize("quantization", ["int8", "int4", "w8a8", "w4a8"])
 def test_a_quantized_reference_engine_answers_close_to_the_full_one(quantization: str) -> None:
     full, quantized = ReferenceEngine("tiny"), ReferenceEngine("tiny", quantization=quantization)
     prompt = list(range(10, 60))
     a = full.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True))
     b = quantized.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True))
     assert quantized.model.lm_head.bits == 8  # int4 keeps the head in int8 (runner.head_quantization)
-    agree = 1 if quantization == "int4" else 2  # tiny random weights, the worst case for 4 bits
+    four = quantization in ("int4", "w4a8")
+    agree = 1 if four else 2  # tiny random weights, the worst case for 4 bits
     assert a.token_ids[:agree] == b.token_ids[:agree]
-    assert b.logprobs[0] == pytest.approx(a.logprobs[0], abs=0.3 if quantization == "int4" else 0.05)
+    assert b.logprobs[0] == pytest.approx(a.logprobs[0], abs=0.3 if four else 0.05)
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4", "w8a8"])
+@pytest.mark.parametrize("quantization", ["int8", "int4", "w8a8", "w4a8"])
 @pytest.mark.parametrize("flags", [("--colocated", "1"), ("--prefill", "1", "--decode", "1")])
 def test_a_fabric_with_quantized_weights_serves_what_the_quantized_reference_gives(
     flags: tuple[str, ...], quantization: str

@@ -40,7 +40,7 @@ def _no_quantizing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(linear_cpu, "quantize_int4", refuse)
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4", "w8a8"])
+@pytest.mark.parametrize("quantization", ["int8", "int4", "w8a8", "w4a8"])
 def test_the_next_start_reads_every_layer_and_packs_the_same_bytes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, quantization: str
 ) -> None:

@@ -100,12 +100,19 @@ static inline int group_offsets_held(int dtype) { return dtype == 4 || dtype == 
 static inline int grouped_bf16(int dtype) { return dtype == 4 || dtype == 6 || dtype == 10 || dtype == 12; }
 static inline int x_is_bf16(int dtype) { return dtype == 1 || dtype == 2 || grouped_bf16(dtype); }
 static inline int w8a8(int dtype) { return dtype == 8 || dtype == 9; } /* linear_w8a8.h */
+static inline int w4a8(int dtype) { return dtype == 14 || dtype == 15; } /* linear_w4a8.h */
 #define PARTS 16 /* the dtype of a weight of several parts (pd_linear_pack_parts) */
 
 /* Bytes of a W8A8 [n, k] weight: a scale per output, then a byte per weight. */
 static inline int64_t w8a8_packed_bytes(int64_t n, int64_t k) {
     const int64_t panels = (n + COLS - 1) / COLS;
     return panels * COLS * (int64_t)sizeof(float) + panels * COLS * k;
+}
+
+/* Bytes of a W4A8 [n, k] weight: a scale and an offset per output and group of 32, half a byte a weight. */
+static inline int64_t w4a8_packed_bytes(int64_t n, int64_t k) {
+    const int64_t panels = (n + COLS - 1) / COLS;
+    return 2 * panels * (k / 32) * COLS * (int64_t)sizeof(float) + panels * COLS * k / 2;
 }
 
 #define GROUP 32 /* inputs per quantization group: 16 pairs (16 inputs for dtypes 10 and 11) */
@@ -125,6 +132,7 @@ static inline int64_t grouped_header_bytes(int64_t n, int64_t k, int offsets, in
 int64_t pd_linear_packed_elems(int64_t n, int64_t k, int dtype) {
     const int64_t panels = (n + COLS - 1) / COLS;
     if (w8a8(dtype)) return w8a8_packed_bytes(n, k);
+    if (w4a8(dtype)) return w4a8_packed_bytes(n, k);
     if (grouped(dtype))
         return grouped_header_bytes(n, k, group_offsets_held(dtype), group_inputs(dtype)) +
                panels * pairs_of(k) * grouped_row_bytes(group_bits(dtype));
@@ -268,6 +276,7 @@ static void run_items(void (*item)(const void *job, int64_t block, int64_t panel
 }
 
 #include "linear_w8a8.h" /* dtypes 8 and 9: int8 weights times int8 activations */
+#include "linear_w4a8.h" /* dtypes 14 and 15: 4-bit weights times int8 activations */
 
 /* Writes the `rows` x 64 float32 sums `acc` (row stride COLS) of panel p to the output rows from m0. */
 static void store_tile(const job_t *j, int64_t m0, int rows, int64_t p, const float *acc) {
@@ -639,9 +648,10 @@ static void run_item(const void *job, int64_t block, int64_t p) {
 int pd_linear_supported(int dtype) {
     if (dtype == PARTS) return 1; /* as its parts are */
 #ifdef HAVE_AVX512_BF16
-    return dtype >= 0 && dtype <= 13;
+    return dtype >= 0 && dtype <= 15;
 #else
-    return dtype == 0 || dtype == 3 || dtype == 5 || dtype == 7 || dtype == 9 || dtype == 11 || dtype == 13;
+    return dtype == 0 || dtype == 3 || dtype == 5 || dtype == 7 || dtype == 9 || dtype == 11 || dtype == 13 ||
+           dtype == 15;
 #endif
 }
 
@@ -698,10 +708,11 @@ int pd_linear(const void *x, int64_t x_stride, const void *packed, const void *b
         if (m < 0 || n <= 0 || k <= 0 || x_stride < k || out_stride < n) return 1;
         return linear_parts(x, x_stride, packed, bias, out, out_stride, m, n, k, threads);
     }
-    if (m < 0 || n <= 0 || k <= 0 || x_stride < k || out_stride < n || dtype < 0 || dtype > 13) return 1;
-    if ((grouped(dtype) && k % group_inputs(dtype)) || (w8a8(dtype) && k % GROUP)) return 1;
+    if (m < 0 || n <= 0 || k <= 0 || x_stride < k || out_stride < n || dtype < 0 || dtype > 15) return 1;
+    if ((grouped(dtype) && k % group_inputs(dtype)) || ((w8a8(dtype) || w4a8(dtype)) && k % GROUP)) return 1;
     if (!pd_linear_supported(dtype)) return 3;
     if (w8a8(dtype)) return linear_w8a8(x, x_stride, packed, bias, out, out_stride, m, n, k, dtype, threads);
+    if (w4a8(dtype)) return linear_w4a8(x, x_stride, packed, bias, out, out_stride, m, n, k, dtype, threads);
     float *xsums = NULL;
 #ifdef HAVE_AVX512_BF16
     if ((dtype == 4 || dtype == 12) && m > 0) { /* once a call, not once a panel: the same sums either way */
