@@ -48,6 +48,11 @@ class HostTier(Protocol):
         """The hashes ``reused`` saved since the last call (``Heartbeat.stored``)."""
         ...
 
+    def take_dropped(self) -> tuple[bytes, ...]:
+        """The hashes of blocks it no longer holds since the last call, as far as it knows
+        (``Heartbeat.store_dropped``)."""
+        ...
+
     def counters(self) -> dict[str, float]:
         """What it did since it started, by name (``Heartbeat.kv_store``)."""
         ...

@@ -116,7 +116,9 @@ class HostKVStore:
         self.load_seconds = 0.0
         self._ghosts: OrderedDict[bytes, None] = OrderedDict()  # writer thread only
         self._hot: OrderedDict[bytes, None] = OrderedDict()
-        self._queue: queue.SimpleQueue[tuple[list[bytes], torch.Tensor] | None] = queue.SimpleQueue()
+        # blocks to write: their keys, their prefix hashes, their KV in a staging buffer
+        self._queue: queue.SimpleQueue[tuple[list[bytes], list[bytes], torch.Tensor] | None]
+        self._queue = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_loop, name="kv-store-writer", daemon=True)
         self._writer.start()
 
@@ -135,7 +137,7 @@ class HostKVStore:
                 self.dropped += len(keep) - start
                 return
             self.gather([blocks[i] for i in part], buf[: len(part)])
-            self._queue.put(([keys[i] for i in part], buf))
+            self._queue.put(([keys[i] for i in part], [hashes[i] for i in part], buf))
 
     def reused(self, blocks: list[int], hashes: list[bytes]) -> None:
         if not self.write_through:
@@ -150,6 +152,18 @@ class HostKVStore:
                 _remember(self._through, hashes[i], THROUGH)
             self._stored += [hashes[i] for i in new]
             del self._stored[:-THROUGH]
+
+    def take_dropped(self) -> tuple[bytes, ...]:
+        """The prefix hashes of this model's blocks (this store's salt) that this worker deleted from
+        the store since the last call: evicted from the disk, or from RAM without a place on disk.
+        Another process's deletions are its own to report."""
+        dropped = []
+        for tier in (self.ram, self.disk):
+            while tier is not None and tier.removed:
+                key, prefix = tier.removed.popleft()
+                if self.key(prefix) == key:
+                    dropped.append(prefix)
+        return tuple(dropped)
 
     def take_stored(self) -> tuple[bytes, ...]:
         """The prefix hashes saved through since the last call (for the router's view of the store)."""
@@ -233,7 +247,7 @@ class HostKVStore:
         buf = self._buffer() if promote else None
         if buf is not None:
             buf[: len(promote)].copy_(payload[list(promote)])
-            self._queue.put((list(promote.values()), buf))
+            self._queue.put((list(promote.values()), [hashes[i] for i in promote], buf))
         return n
 
     def _scatter(self, payload: torch.Tensor, blocks: list[int]) -> None:
@@ -269,22 +283,22 @@ class HostKVStore:
 
     def _write_loop(self) -> None:
         while (item := self._queue.get()) is not None:
-            keys, buf = item
+            keys, prefixes, buf = item
             try:
-                for key, row in zip(keys, buf, strict=False):  # the buffer's first len(keys) rows
-                    self._write(key, memoryview(row.reshape(-1).numpy()))
+                for key, prefix, row in zip(keys, prefixes, buf, strict=False):  # the first len(keys) rows
+                    self._write(key, memoryview(row.reshape(-1).numpy()), prefix)
             except Exception:  # a writer that dies would leave every later save queued forever
                 log.exception("host KV store: writing %d blocks failed", len(keys))
             finally:
                 self._free.put(buf)
 
-    def _write(self, key: bytes, payload: memoryview) -> None:
+    def _write(self, key: bytes, payload: memoryview, prefix: bytes) -> None:
         """One block: into RAM (a disk hit copied up, or a save), else onto disk if admitted."""
         if self.ram is not None:
-            if self.ram.write(key, payload) and self.ram.over():
+            if self.ram.write(key, payload, prefix) and self.ram.over():
                 self._spill()
         elif self.disk is not None and self._admit(key):
-            if self.disk.write(key, payload) and self.disk.over():
+            if self.disk.write(key, payload, prefix) and self.disk.over():
                 self.disk.evict()
 
     def _spill(self) -> None:
@@ -292,11 +306,13 @@ class HostKVStore:
         assert self.ram is not None
         for path in self.ram.oldest():
             key = TierDir.key_of(path)
+            moved = False
             if self.disk is not None and key is not None and self._admit(key):
-                payload = self.ram.take(path, key, self.payload_bytes)
-                if payload is not None and self.disk.write(key, payload) and self.disk.over():
+                block = self.ram.take(path, key, self.payload_bytes)
+                moved = block is not None and self.disk.write(key, block[1], block[0])
+                if moved and self.disk.over():
                     self.disk.evict()
-            self.ram.remove(path)
+            self.ram.remove(path, moved)
 
     def _admit(self, key: bytes) -> bool:
         """The disk tier's admission rule: every block, or (``"reused"``) a block read back from the

@@ -1,15 +1,18 @@
 """One tier of the host KV store: a directory of block files, bounded in bytes. No torch here.
 
-A block is one file, ``<key in hex>.kv``: a header (magic, the block's key, the payload's length and
-crc32), then the payload. It is written under a temporary name and renamed into place, so a reader
-sees a whole file or none: a process killed mid-write leaves only a temporary file, which the next
-store opened on the directory removes. A file that fails its checks on reading (another key, another
-length, a wrong crc32: a torn write after a power loss, a corrupted disk) is deleted and reported as
-a miss, never served.
+A block is one file, ``<key in hex>.kv``: a header (magic, the block's key, the pool's prefix hash it
+was saved under, the payload's length and crc32), then the payload. It is written under a temporary
+name and renamed into place, so a reader sees a whole file or none: a process killed mid-write
+leaves only a temporary file, which the next store opened on the directory removes. A file that
+fails its checks on reading (another key, another length, a wrong crc32: a torn write after a power
+loss, a corrupted disk) is deleted and reported as a miss, never served.
 
 Several processes may share a directory (every worker on a host): each keeps a running estimate of
 the bytes in it, and when its estimate passes the capacity it lists the directory and deletes the
 least recently used files (by modification time, which a read refreshes) down to ``LOW_WATER`` of it.
+What it deletes is recorded (``removed``: key and prefix hash, read from the file's header), so that
+the worker can tell the router which prefixes its host's store no longer holds. Files of the earlier
+header (``PDKVBLK1``) fail their checks and are deleted as they are read.
 """
 
 from __future__ import annotations
@@ -20,13 +23,16 @@ import os
 import secrets
 import struct
 import zlib
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
 from pdfabric.proc import alive
 
-MAGIC = b"PDKVBLK1"
-HEADER = struct.Struct("<8s16sQI4x")  # magic, key, payload bytes, crc32 of the payload, padding
+MAGIC = b"PDKVBLK2"
+# magic, key, prefix hash, payload bytes, crc32 of the payload, padding
+HEADER = struct.Struct("<8s16s16sQI4x")
+NO_PREFIX = bytes(16)  # a block saved without its prefix hash
 SUFFIX = ".kv"
 TMP_PREFIX = ".tmp-"
 LOW_WATER = 0.9  # an eviction pass brings a tier down to this share of its capacity
@@ -60,6 +66,9 @@ class TierDir:
         self.used = sum(size for _, size, _ in self._listing())
         self._counter = 0
         self._tag = secrets.token_hex(4)  # two tiers on one directory in one process never share a name
+        # (key, prefix hash) of the blocks this process deleted to make room, oldest first; the reader
+        # takes them from another thread (a deque's appends and pops are atomic)
+        self.removed: deque[tuple[bytes, bytes]] = deque(maxlen=1 << 16)
 
     def file(self, key: bytes) -> Path:
         return self.path / f"{key.hex()}{SUFFIX}"
@@ -84,11 +93,13 @@ class TierDir:
         self.stats.bytes_read += len(buf) - HEADER.size
         return True
 
-    def take(self, path: Path, key: bytes, payload_bytes: int) -> bytes | None:
-        """The checked payload of the block file at ``path``, or ``None``; no recency or hit is
-        counted (a tier moving its blocks down reads so)."""
+    def take(self, path: Path, key: bytes, payload_bytes: int) -> tuple[bytes, bytes] | None:
+        """The prefix hash and checked payload of the block file at ``path``, or ``None``; no recency
+        or hit is counted (a tier moving its blocks down reads so)."""
         buf = bytearray(HEADER.size + payload_bytes)
-        return bytes(memoryview(buf)[HEADER.size :]) if self._load_into(path, key, memoryview(buf)) else None
+        if not self._load_into(path, key, memoryview(buf)):
+            return None
+        return HEADER.unpack_from(buf)[2], bytes(memoryview(buf)[HEADER.size :])
 
     def _load_into(self, path: Path, key: bytes, buf: memoryview) -> bool:
         """Reads the file at ``path`` into ``buf`` and checks it; a file that fails is deleted."""
@@ -108,11 +119,12 @@ class TierDir:
             return False
         return True
 
-    def write(self, key: bytes, payload: bytes | memoryview) -> bool:
-        """Keeps ``payload`` under ``key`` (write, then publish by renaming); ``False`` if the write
-        failed (the tier then makes room, so that the next one may succeed)."""
+    def write(self, key: bytes, payload: bytes | memoryview, prefix: bytes = NO_PREFIX) -> bool:
+        """Keeps ``payload`` under ``key``, with the pool's ``prefix`` hash it came from (write, then
+        publish by renaming); ``False`` if the write failed (the tier then makes room, so that the next
+        one may succeed)."""
         payload = memoryview(payload).cast("B")
-        header = HEADER.pack(MAGIC, key, len(payload), zlib.crc32(payload))
+        header = HEADER.pack(MAGIC, key, prefix, len(payload), zlib.crc32(payload))
         self._counter += 1
         tmp = self.path / f"{TMP_PREFIX}{os.getpid()}-{self._tag}-{self._counter}"
         try:
@@ -151,15 +163,22 @@ class TierDir:
             excess -= size
         return out
 
-    def remove(self, path: Path) -> None:
-        """Deletes one of ``oldest``'s files (gone already: another process took it)."""
+    def remove(self, path: Path, moved: bool = False) -> None:
+        """Deletes one of ``oldest``'s files (gone already: another process took it); unless ``moved``
+        (its block went to another tier), records its key and prefix hash in ``removed``."""
         try:
+            with open(path, "rb") as f:
+                header = f.read(HEADER.size)
             size = path.stat().st_size
             path.unlink()
         except OSError:
             return
         self.used -= size
         self.stats.evictions += 1
+        if not moved and len(header) == HEADER.size:
+            magic, key, prefix, _, _ = HEADER.unpack(header)
+            if magic == MAGIC and prefix != NO_PREFIX:
+                self.removed.append((key, prefix))
 
     def evict(self, at_least: int = 0) -> None:
         """Removes least recently used files down to ``LOW_WATER`` of capacity (and at least
@@ -204,7 +223,7 @@ class TierDir:
 
 
 def _valid(data: memoryview, key: bytes, payload_bytes: int) -> bool:
-    magic, stored_key, length, crc = HEADER.unpack_from(data)
+    magic, stored_key, _, length, crc = HEADER.unpack_from(data)
     if magic != MAGIC or stored_key != key or length != payload_bytes:
         return False
     return zlib.crc32(data[HEADER.size :]) == crc

@@ -78,8 +78,9 @@ class Heartbeat:
     cached: tuple[bytes, ...] = ()  # prefix hashes of the blocks it cached since its last heartbeat
     evicted: tuple[bytes, ...] = ()  # prefix hashes it dropped from its cache since then
     # prefix hashes it saved in its host KV store since then while its cache keeps them (write-through;
-    # what it evicts goes there too)
+    # what it evicts goes there too), and of blocks it deleted from that store (to make room)
     stored: tuple[bytes, ...] = ()
+    store_dropped: tuple[bytes, ...] = ()
     received: int = 0  # work messages (Generate, Reserve, Prefill) taken in since it registered
     refused_peers: int = 0  # handshakes its KV endpoint refused since it started (no cluster secret)
     proposed_tokens: int = 0  # tokens speculative decoding proposed here since it started

@@ -212,6 +212,48 @@ def test_the_disk_takes_what_ram_lets_go_by_the_admission_rule(tmp_path: Path) -
         restarted.close()
 
 
+def test_a_store_reports_the_prefixes_of_its_models_blocks_it_deleted(tmp_path: Path) -> None:
+    """What the writer deletes to make room (not what RAM moves down to disk) comes back as prefix
+    hashes, only for blocks of the store's own salt; the router's view of the store drops them."""
+    from dataclasses import replace
+
+    from pdfabric.control import Heartbeat, Register
+    from pdfabric.router.routing.registry import Registry, store_key
+
+    caches = _caches(64)
+    one = (2 * 3 * 4 * 2 * 8 * 2) + HEADER.size  # a block file
+    hashes = [bytes([i + 1]) * 16 for i in range(30)]  # (sixteen zero bytes mean "no prefix hash")
+    store = _store(caches, tmp_path, kv_store_disk_dir=str(tmp_path / "disk"), kv_store_disk_mb=1,
+                   kv_store_disk_admission="all")  # fmt: skip
+    other = _store(caches, tmp_path, salt=b"another model")  # the same RAM directory
+    assert store.ram is not None and store.disk is not None and other.ram is not None
+    store.ram.capacity, store.disk.capacity = 10 * one, 6 * one
+    try:
+        other.save([0, 1], [b"x" * 16, b"y" * 16])
+        _settle(other)
+        store.save(list(range(20)), hashes[:20])  # RAM lets 10 or more go, the disk keeps 6 of them
+        _settle(store)
+        dropped = store.take_dropped()
+        assert dropped and store.take_dropped() == ()
+        assert set(dropped) <= set(hashes[:20])  # never the other model's two blocks
+        assert all(store.find([h]) == 0 for h in dropped)  # gone from both tiers
+        kept = [h for h in hashes[:20] if h not in dropped]
+        assert all(store.find([h]) == 1 for h in kept)  # what moved to the disk is not reported
+        assert len(kept) > 10 and len(_files(tmp_path / "disk")) > 0  # RAM's ten and the disk's
+        reg = Register("w", "colocated", "default", "tiny", 4096, 4, 8, "", 1, 8, 512, 1000, WorkerProfile(),
+                       kv_store=store.ident, kv_store_blocks=store.capacity_blocks)  # fmt: skip
+        registry = Registry()
+        registry.register(reg)
+        beat = Heartbeat("w", 0, 0, 0, 8, 8, 0.0, 0, 0.0, WorkerProfile())
+        registry.heartbeat(replace(beat, evicted=tuple(hashes[:20])))
+        registry.heartbeat(replace(beat, store_dropped=dropped))
+        held = [h for h in hashes[:20] if registry.stores.cached_blocks(store_key(reg), [h])]
+        assert held == kept
+    finally:
+        store.close()
+        other.close()
+
+
 # --- with the real model --------------------------------------------------------------------------
 
 

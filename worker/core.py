@@ -305,6 +305,7 @@ class WorkerCore:
             cached=cached,
             evicted=evicted,
             stored=self.store.take_stored() if self.store is not None else (),
+            store_dropped=self.store.take_dropped() if self.store is not None else (),
             received=self.received,
             refused_peers=refused_peers,
             proposed_tokens=s.proposed_tokens,

@@ -37,8 +37,9 @@ class Registry:
         self.workers: dict[str, WorkerInfo] = {}
         self.prefixes = PrefixIndex()  # which prefixes each worker reported in its cache
         # which prefixes each host KV store holds (by ``store_key``): what its workers' pools evicted,
-        # which went to the store, and what they saved through (``Heartbeat.stored``); kept while
-        # workers come and go, since the store outlives them
+        # which went to the store, and what they saved through (``Heartbeat.stored``), less what
+        # they deleted from it (``Heartbeat.store_dropped``); kept while workers come and go, since the
+        # store outlives them
         self.stores = PrefixIndex()
 
     def register(self, reg: Register) -> WorkerInfo:
@@ -58,6 +59,8 @@ class Registry:
         if info.reg.kv_store and (hb.evicted or hb.stored):  # a worker with a store saves what its pool
             # evicts, and with write-through what it reuses
             self.stores.update(store_key(info.reg), hb.evicted + hb.stored, (), info.reg.kv_store_blocks)
+        if info.reg.kv_store and hb.store_dropped:
+            self.stores.update(store_key(info.reg), (), hb.store_dropped, info.reg.kv_store_blocks)
         return True
 
     def remove(self, worker_id: str) -> WorkerInfo | None:
