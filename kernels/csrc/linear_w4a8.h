@@ -19,7 +19,7 @@
  *
  * Packed layout (bytes): d [panels][groups][64] float32, o the same, then each panel's octets of inputs,
  * panel[k / 8][64][4] uint8 (columns past n hold zero weights and zero d and o).
- * Included by linear_cpu.c after linear_w8a8.h (its quantize_row, W8_GROUP, W8_ROWS, QUAD_CHUNK; w4a8() and
+ * Included by linear_cpu.c after linear_w8a8.h (its quantize_rows, W8_GROUP, W8_ROWS, QUAD_CHUNK; w4a8() and
  * the packed size are linear_cpu.c's).
  */
 #ifndef PDFABRIC_LINEAR_W4A8_H
@@ -176,31 +176,16 @@ static void w4_item(const void *job, int64_t block, int64_t p) {
 static int linear_w4a8(const void *x, int64_t x_stride, const void *packed, const void *bias, void *out,
                        int64_t out_stride, int64_t m, int64_t n, int64_t k, int dtype, int threads) {
     if (k % W8_GROUP) return 1;
-    const int64_t panels = (n + COLS - 1) / COLS, groups = k / W8_GROUP, esize = dtype == 14 ? 2 : 4;
+    const int64_t panels = (n + COLS - 1) / COLS, groups = k / W8_GROUP;
     if (threads < 1) threads = 1;
-    int8_t *xq = malloc((size_t)(m * k) + 1);
-    float *xs = malloc((size_t)(m * groups) * sizeof(float) + 1);
-    int32_t *start = malloc((size_t)(m * groups) * sizeof(int32_t) + 1);
-    if (!xq || !xs || !start) {
-        free(xq);
-        free(xs);
-        free(start);
-        return 2;
-    }
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(m >= 16 ? threads : 1) schedule(static)
-#endif
-    for (int64_t r = 0; r < m; r++)
-        quantize_row((const char *)x + r * x_stride * esize, dtype == 14 ? 8 : 9, k, xq + r * k, xs + r * groups,
-                     start + r * groups);
+    quantized_rows_t rows; /* as W8A8's dtypes 8 (bfloat16 x) and 9 (float32) quantize them */
+    if (quantize_rows(x, x_stride, dtype == 14 ? 8 : 9, m, k, threads, &rows)) return 2;
     const float *d = (const float *)packed, *o = d + panels * groups * COLS;
-    const w4_job_t job = {xq, xs, start, d, o, (const uint8_t *)(o + panels * groups * COLS), bias, out, out_stride,
-                          m, n, k, dtype};
+    const w4_job_t job = {rows.q, rows.xs, rows.start, d, o, (const uint8_t *)(o + panels * groups * COLS), bias,
+                          out, out_stride, m, n, k, dtype};
     if (m * n * k < SERIAL_MACS) threads = 1;
     run_items(w4_item, &job, (m + ROW_BLOCK - 1) / ROW_BLOCK, panels, threads);
-    free(xq);
-    free(xs);
-    free(start);
+    free_quantized(&rows);
     return 0;
 }
 

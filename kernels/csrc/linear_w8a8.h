@@ -105,6 +105,41 @@ static void quantize_row(const void *x, int dtype, int64_t k, int8_t *q, float *
     }
 }
 
+/* A call's input rows quantized (quantize_row each): q [m][k], scales xs and starting sums start
+ * [m][k / 32]; free them with free_quantized. */
+typedef struct {
+    int8_t *q;
+    float *xs;
+    int32_t *start;
+} quantized_rows_t;
+
+static void free_quantized(quantized_rows_t *rows) {
+    free(rows->q);
+    free(rows->xs);
+    free(rows->start);
+}
+
+/* Quantizes the m rows of x (row stride x_stride elements of dtype 8, bfloat16, or 9, float32) into
+ * rows; 0, or 2 when out of memory (nothing to free then). */
+static int quantize_rows(const void *x, int64_t x_stride, int dtype, int64_t m, int64_t k, int threads,
+                         quantized_rows_t *rows) {
+    const int64_t groups = k / W8_GROUP, esize = dtype == 8 ? 2 : 4;
+    rows->q = malloc((size_t)(m * k) + 1);
+    rows->xs = malloc((size_t)(m * groups) * sizeof(float) + 1);
+    rows->start = malloc((size_t)(m * groups) * sizeof(int32_t) + 1);
+    if (!rows->q || !rows->xs || !rows->start) {
+        free_quantized(rows);
+        return 2;
+    }
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(m >= 16 ? threads : 1) schedule(static)
+#endif
+    for (int64_t r = 0; r < m; r++)
+        quantize_row((const char *)x + r * x_stride * esize, dtype, k, rows->q + r * k, rows->xs + r * groups,
+                     rows->start + r * groups);
+    return 0;
+}
+
 /* The float32 sums of `rows` (a constant after inlining) rows from m0 against panel p over the quads
  * [i0, i1) (whole groups), continuing acc unless i0 is 0. */
 static inline __attribute__((always_inline)) void w8_tile_rows(const w8_job_t *j, int64_t m0, int64_t p, int64_t i0,
@@ -225,29 +260,15 @@ static void w8_item(const void *job, int64_t block, int64_t p) {
 static int linear_w8a8(const void *x, int64_t x_stride, const void *packed, const void *bias, void *out,
                        int64_t out_stride, int64_t m, int64_t n, int64_t k, int dtype, int threads) {
     if (k % W8_GROUP) return 1;
-    const int64_t panels = (n + COLS - 1) / COLS, groups = k / W8_GROUP, esize = dtype == 8 ? 2 : 4;
+    const int64_t panels = (n + COLS - 1) / COLS;
     if (threads < 1) threads = 1;
-    int8_t *xq = malloc((size_t)(m * k) + 1);
-    float *xs = malloc((size_t)(m * groups) * sizeof(float) + 1);
-    int32_t *start = malloc((size_t)(m * groups) * sizeof(int32_t) + 1);
-    if (!xq || !xs || !start) {
-        free(xq);
-        free(xs);
-        free(start);
-        return 2;
-    }
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(m >= 16 ? threads : 1) schedule(static)
-#endif
-    for (int64_t r = 0; r < m; r++)
-        quantize_row((const char *)x + r * x_stride * esize, dtype, k, xq + r * k, xs + r * groups, start + r * groups);
-    const w8_job_t job = {xq, xs, start, (const float *)packed, (const uint8_t *)packed + panels * COLS * sizeof(float),
-                          bias, out, out_stride, m, n, k, dtype};
+    quantized_rows_t rows;
+    if (quantize_rows(x, x_stride, dtype, m, k, threads, &rows)) return 2;
+    const w8_job_t job = {rows.q, rows.xs, rows.start, (const float *)packed,
+                          (const uint8_t *)packed + panels * COLS * sizeof(float), bias, out, out_stride, m, n, k, dtype};
     if (m * n * k < SERIAL_MACS) threads = 1;
     run_items(w8_item, &job, (m + ROW_BLOCK - 1) / ROW_BLOCK, panels, threads);
-    free(xq);
-    free(xs);
-    free(start);
+    free_quantized(&rows);
     return 0;
 }
 
