@@ -1,6 +1,6 @@
 """Weights a worker quantizes as it starts (``quantization`` ``int8``, ``w8a8``, ``int4``, ``w4a8``; a
 4-bit model's head in int8), kept in the model cache so that the next start reads them instead of
-quantizing again (docs/engine.md#quantized-weights).
+quantizing again (docs/engine.md#quantized-once-kept-in-the-model-cache).
 
 ``cached_quantizer(path, dtype)`` gives the packing (``ModelRunner(quantizer=...)``) a
 ``linear_cpu.Quantizer`` whose forms live in ``$PDFABRIC_CACHE_DIR/quantized/<model>-<key>/``, one

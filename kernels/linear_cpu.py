@@ -204,8 +204,9 @@ class InvariantLinear(nn.Module):
     half the bytes of bfloat16 to read; with ``"w8a8"`` the same weight multiplies the input rows
     quantized to int8 in groups of 32 as each call starts (``w8a8_ref.w8a8_reference``): integer products.
     With ``grouped`` (``grouped_form``: int4, or a GGUF tensor's blocks) it is held in groups of 32
-    inputs (16 for Q3_K's and Q6_K's); with ``parts`` (``gguf_parts``) each part of a stacked
-    projection in its own format. The inputs and outputs stay in the compute dtype."""
+    inputs (16 for Q3_K's and Q6_K's); under ``"w4a8"`` the int4 weight multiplies input rows quantized
+    as ``"w8a8"`` quantizes them (``w8a8_ref.w4a8_reference``); with ``parts`` (``gguf_parts``) each
+    part of a stacked projection in its own format. The inputs and outputs stay in the compute dtype."""
 
     def __init__(
         self,
