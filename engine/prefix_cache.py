@@ -7,7 +7,8 @@ sequence looks up and records, and counts the prompt tokens queried and found.
 
 Beyond the pool a ``HostTier`` (the host's KV store, ``kvtransfer/host_store.py``) may hold more: the
 pool's evicted blocks go to it (``BlockPool.on_evict``), and a prompt whose cached prefix ends in the
-pool continues in the tier, read into fresh blocks before the step that needs them.
+pool continues in the tier, read into fresh blocks before the step that needs them (the tier starts
+reading them when the prompt is queued: ``read_ahead``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ class HostTier(Protocol):
     def load(self, hashes: Seq[bytes], blocks: list[int]) -> int:
         """Reads the KV of ``hashes`` into ``blocks``; how many leading ones it read and checked (the
         rest are not to be used)."""
+        ...
+
+    def read_ahead(self, hashes: Seq[bytes]) -> None:
+        """Starts reading the leading ``hashes`` it holds in the background, for a ``load`` to come
+        (without making the caller wait)."""
         ...
 
     def take_stored(self) -> tuple[bytes, ...]:
@@ -94,6 +100,18 @@ class PrefixCache:
         if blocks:
             self.tables.attach(seq.request_id, blocks)
         seq.num_cached, seq.recorded = len(blocks) * pool.block_size, len(blocks)
+
+    def read_ahead(self, seq: Sequence) -> None:
+        """A sequence just queued: asks the tier to start reading the blocks of its prompt that follow
+        what the pool holds, so that the step running meanwhile overlaps the reads and ``attach``
+        finds them read."""
+        if self.tier is None or self.salt is None or seq.runs_whole or seq.prefix_hit is not None:
+            return
+        pool = self.tables.pool
+        hashes = self.hashes(seq, cacheable_blocks(seq.num_tokens, pool.block_size))
+        held = len(pool.lookup(hashes))
+        if held < len(hashes):
+            self.tier.read_ahead(hashes[held:])
 
     def _load(self, hashes: list[bytes]) -> list[int]:
         """Fresh blocks holding the leading ``hashes`` the tier has (as many as the pool can supply),

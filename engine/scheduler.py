@@ -115,6 +115,7 @@ class Scheduler:
         priority or higher (``SamplingParams.priority``), ahead of those of a lower one."""
         self._admit(seq)
         seq.state = SeqState.WAITING
+        self.prefix.read_ahead(seq)
         ahead = next((i for i, w in enumerate(self.waiting) if w.params.priority < seq.params.priority), None)
         if ahead is None:
             self.waiting.append(seq)

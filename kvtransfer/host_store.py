@@ -15,7 +15,9 @@ A block's life in it:
    deletes the rest; the disk tier deletes its least recently used.
 3. ``find(hashes)`` and ``load(hashes, blocks)``: a prompt's cached prefix continues here. Each block is
    read (RAM first, then disk), checked and written into the worker's blocks; a disk hit is copied
-   back up to RAM by the writer.
+   back up to RAM by the writer. ``read_ahead(hashes)``, as the prompt is queued, has a reader thread
+   read and check its blocks into memory (at most ``queue_mb`` of them) while the worker's current
+   step runs; ``load`` then only copies those into the cache.
 
 A block's key is its prefix hash (the pool's, salted by the model name) hashed again with the store's
 salt, which names what makes KV bytes differ: the checkpoint (its files' names, sizes and times), the
@@ -121,6 +123,14 @@ class HostKVStore:
         self._queue = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_loop, name="kv-store-writer", daemon=True)
         self._writer.start()
+        # blocks read ahead of their load: key -> (the whole file, the tier read), oldest first
+        self._ahead: OrderedDict[bytes, tuple[bytearray, TierDir]] = OrderedDict()
+        self._ahead_lock = threading.Lock()
+        self._ahead_cap = max(CHUNK, (cfg.kv_store_queue_mb << 20) // (HEADER.size + self.payload_bytes))
+        self.ahead_hits = 0  # blocks a load found read ahead
+        self._wanted: queue.SimpleQueue[list[bytes] | None] = queue.SimpleQueue()
+        self._reader = threading.Thread(target=self._read_loop, name="kv-store-reader", daemon=True)
+        self._reader.start()
 
     def key(self, prefix_hash: bytes) -> bytes:
         return hashlib.blake2b(self.salt + prefix_hash, digest_size=16).digest()
@@ -200,12 +210,19 @@ class HostKVStore:
             self.save(blocks[i : i + step], hashes[i : i + step])
         self._wait_idle(deadline)
 
+    def read_ahead(self, hashes: Sequence[bytes]) -> None:
+        self._wanted.put([self.key(h) for h in hashes])
+
     def close(self) -> None:
         self._queue.put(None)
+        self._wanted.put(None)
         self._writer.join(timeout=10.0)
+        self._reader.join(timeout=10.0)
 
     def counters(self) -> dict[str, float]:
-        out: dict[str, float] = {"dropped": self.dropped, "load_seconds": self.load_seconds}
+        out: dict[str, float] = {
+            "dropped": self.dropped, "load_seconds": self.load_seconds, "ahead_hits": self.ahead_hits
+        }  # fmt: skip
         for name, tier in (("ram", self.ram), ("disk", self.disk)):
             stats = asdict(tier.stats if tier is not None else TierStats())
             out.update({f"{name}_{field}": value for field, value in stats.items()})
@@ -233,11 +250,21 @@ class HostKVStore:
         n = 0
         for key in map(self.key, hashes):
             row = memoryview(rows[n])
-            if not (self.ram is not None and self.ram.read_into(key, row)):
-                if self.disk is None or not self.disk.read_into(key, row):
-                    break
-                if self.ram is not None:
-                    promote[n] = key
+            with self._ahead_lock:
+                ahead = self._ahead.pop(key, None)
+            if ahead is not None:
+                row[:] = ahead[0]
+                ahead[1].hit(key, self.payload_bytes)  # counted now that it is used
+                from_disk = ahead[1] is self.disk
+                self.ahead_hits += 1
+            elif self.ram is not None and self.ram.read_into(key, row):
+                from_disk = False
+            elif self.disk is not None and self.disk.read_into(key, row):
+                from_disk = True
+            else:
+                break
+            if from_disk and self.ram is not None:
+                promote[n] = key
             _remember(self._hot, key, HOT)
             n += 1
         if not n:
@@ -278,6 +305,29 @@ class HostKVStore:
 
     def _has(self, key: bytes) -> bool:
         return (self.ram is not None and self.ram.has(key)) or (self.disk is not None and self.disk.has(key))
+
+    # --- the reader thread -------------------------------------------------------------------------
+
+    def _read_loop(self) -> None:
+        """Reads each wanted run of blocks (RAM first, then disk, checked) until one is missing; the
+        oldest read-ahead blocks make room for new ones (a prompt that never came to load them)."""
+        while (keys := self._wanted.get()) is not None:
+            for key in keys:
+                with self._ahead_lock:
+                    if key in self._ahead:
+                        continue
+                buf = bytearray(HEADER.size + self.payload_bytes)
+                view = memoryview(buf)
+                if self.ram is not None and self.ram.read_into(key, view, used=False):
+                    tier = self.ram
+                elif self.disk is not None and self.disk.read_into(key, view, used=False):
+                    tier = self.disk
+                else:
+                    break
+                with self._ahead_lock:
+                    self._ahead[key] = (buf, tier)
+                    while len(self._ahead) > self._ahead_cap:
+                        self._ahead.popitem(last=False)
 
     # --- the writer thread -------------------------------------------------------------------------
 

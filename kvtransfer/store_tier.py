@@ -81,17 +81,23 @@ class TierDir:
         buf = bytearray(HEADER.size + payload_bytes)
         return bytes(memoryview(buf)[HEADER.size :]) if self.read_into(key, memoryview(buf)) else None
 
-    def read_into(self, key: bytes, buf: memoryview) -> bool:
+    def read_into(self, key: bytes, buf: memoryview, used: bool = True) -> bool:
         """Reads the block file of ``key`` into ``buf`` (its header, then the payload: ``buf`` is as
-        long as the whole file must be) and checks it; refreshes its recency. ``False``: a miss, or a
-        file that failed its checks (deleted)."""
+        long as the whole file must be) and checks it; refreshes its recency and counts a hit unless
+        not ``used`` (read ahead: ``hit`` counts it when it is). ``False``: a miss, or a file that
+        failed its checks (deleted)."""
         if not self._load_into(self.file(key), key, buf):
             return False
+        if used:
+            self.hit(key, len(buf) - HEADER.size)
+        return True
+
+    def hit(self, key: bytes, payload_bytes: int) -> None:
+        """Counts a block read as used, and refreshes its recency."""
         with contextlib.suppress(OSError):
             os.utime(self.file(key))
         self.stats.hits += 1
-        self.stats.bytes_read += len(buf) - HEADER.size
-        return True
+        self.stats.bytes_read += payload_bytes
 
     def take(self, path: Path, key: bytes, payload_bytes: int) -> tuple[bytes, bytes] | None:
         """The prefix hash and checked payload of the block file at ``path``, or ``None``; no recency
@@ -113,9 +119,11 @@ class TierDir:
             self.stats.bad += 1
             return False
         if not (whole and _valid(buf, key, len(buf) - HEADER.size)):
-            self.stats.bad += 1
-            with contextlib.suppress(OSError):
+            try:
                 path.unlink()
+            except OSError:
+                return False  # another reader found it bad first and deleted it: counted there
+            self.stats.bad += 1
             return False
         return True
 

@@ -377,6 +377,33 @@ def test_a_prefix_served_again_is_in_the_store_for_the_hosts_other_workers_with_
         b_store.close()
 
 
+def test_a_queued_prompts_store_hit_is_read_ahead_while_the_worker_steps(tiny: tuple, tmp_path: Path) -> None:
+    """A prompt queued behind a step: the store's reader reads its blocks then, and the scheduling
+    pass only copies them into the cache; token-exact."""
+    reference, path = tiny
+    prompt = tuple(range(40, 140))  # 6 full blocks
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    want = reference.generate(list(prompt), params).token_ids
+    core, stepper, store = _worker(path, tmp_path, 32)
+    try:
+        _serve(core, stepper, {"first": prompt})
+        store.flush(*core.tables.pool.cached_blocks())  # the worker stops
+    finally:
+        store.close()
+    core, stepper, store = _worker(path, tmp_path, 32)  # started again: an empty pool
+    try:
+        core.handle(Generate("again", prompt, params, ()))
+        deadline = time.monotonic() + 10
+        while len(store._ahead) < 6 and time.monotonic() < deadline:  # the reader at work
+            time.sleep(0.01)
+        got = _serve(core, stepper, {})
+        assert _tokens(got, "again") == want
+        assert store.ahead_hits == 6 and core.scheduler.prefix.tier_hit_tokens == 96
+        assert not store._ahead and core.tables.pool.num_free == core.tables.pool.num_blocks
+    finally:
+        store.close()
+
+
 def test_a_block_that_fails_its_check_is_recomputed_not_served(tiny: tuple, tmp_path: Path) -> None:
     reference, path = tiny
     prompt = tuple(range(30, 130))
@@ -395,12 +422,12 @@ def test_a_block_that_fails_its_check_is_recomputed_not_served(tiny: tuple, tmp_
     core, stepper, store = _worker(path, tmp_path, num_blocks=12)
     try:
         out = _serve(core, stepper, {"b": prompt})
-        assert _tokens(out, "b") == want
-        assert [d.cached_tokens for d in out if d.index == 0] == [48]  # three blocks, then recomputed
-        assert store.ram is not None and store.ram.stats.bad == 1
-        assert not files[3].exists()  # dropped, and not written again
     finally:
-        store.close()
+        store.close()  # (its reader too, which may be the one that found the bad block)
+    assert _tokens(out, "b") == want
+    assert [d.cached_tokens for d in out if d.index == 0] == [48]  # three blocks, then recomputed
+    assert store.ram is not None and store.ram.stats.bad == 1
+    assert not files[3].exists()  # dropped, and not written again
 
 
 def test_the_store_salt_names_what_makes_kv_bytes_differ(tmp_path: Path) -> None:

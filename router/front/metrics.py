@@ -133,6 +133,7 @@ STORE_COUNTERS = {
     "dropped": "Evicted blocks not saved because the host KV store's write queue was full",
     "load_seconds": "Seconds spent reading host KV store hits into the KV cache",
     "hit_tokens": "Prompt tokens whose KV was read from the host KV store",
+    "ahead_hits": "KV blocks of host KV store hits read ahead, while earlier steps ran",
 }
 
 
