@@ -16,8 +16,8 @@ A block's life in it:
 3. ``find(hashes)`` and ``load(hashes, blocks)``: a prompt's cached prefix continues here. Each block is
    read (RAM first, then disk), checked and written into the worker's blocks; a disk hit is copied
    back up to RAM by the writer. ``read_ahead(hashes)``, as the prompt is queued, has a reader thread
-   read and check its blocks into memory (at most ``queue_mb`` of them) while the worker's current
-   step runs; ``load`` then only copies those into the cache.
+   read and check its blocks into memory (``store_ahead.ReadAhead``, at most ``queue_mb`` of them)
+   while the worker's current step runs; ``load`` then only copies those into the cache.
 
 A block's key is its prefix hash (the pool's, salted by the model name) hashed again with the store's
 salt, which names what makes KV bytes differ: the checkpoint (its files' names, sizes and times), the
@@ -44,6 +44,7 @@ import torch
 
 from pdfabric.kvtransfer.frames import host, layout_of
 from pdfabric.kvtransfer.messages import KVLayout
+from pdfabric.kvtransfer.store_ahead import ReadAhead
 from pdfabric.kvtransfer.store_tier import HEADER, TierDir, TierStats
 from pdfabric.worker_config import WorkerConfig
 
@@ -123,14 +124,10 @@ class HostKVStore:
         self._queue = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_loop, name="kv-store-writer", daemon=True)
         self._writer.start()
-        # blocks read ahead of their load: key -> (the whole file, the tier read), oldest first
-        self._ahead: OrderedDict[bytes, tuple[bytearray, TierDir]] = OrderedDict()
-        self._ahead_lock = threading.Lock()
-        self._ahead_cap = max(CHUNK, (cfg.kv_store_queue_mb << 20) // (HEADER.size + self.payload_bytes))
+        # blocks read ahead of their load, at most queue_mb of them
+        cap = max(CHUNK, (cfg.kv_store_queue_mb << 20) // (HEADER.size + self.payload_bytes))
+        self.ahead = ReadAhead(self.ram, self.disk, self.payload_bytes, cap)
         self.ahead_hits = 0  # blocks a load found read ahead
-        self._wanted: queue.SimpleQueue[list[bytes] | None] = queue.SimpleQueue()
-        self._reader = threading.Thread(target=self._read_loop, name="kv-store-reader", daemon=True)
-        self._reader.start()
 
     def key(self, prefix_hash: bytes) -> bytes:
         return hashlib.blake2b(self.salt + prefix_hash, digest_size=16).digest()
@@ -211,13 +208,12 @@ class HostKVStore:
         self._wait_idle(deadline)
 
     def read_ahead(self, hashes: Sequence[bytes]) -> None:
-        self._wanted.put([self.key(h) for h in hashes])
+        self.ahead.want([self.key(h) for h in hashes])
 
     def close(self) -> None:
         self._queue.put(None)
-        self._wanted.put(None)
         self._writer.join(timeout=10.0)
-        self._reader.join(timeout=10.0)
+        self.ahead.close()
 
     def counters(self) -> dict[str, float]:
         out: dict[str, float] = {
@@ -250,8 +246,7 @@ class HostKVStore:
         n = 0
         for key in map(self.key, hashes):
             row = memoryview(rows[n])
-            with self._ahead_lock:
-                ahead = self._ahead.pop(key, None)
+            ahead = self.ahead.take(key)
             if ahead is not None:
                 row[:] = ahead[0]
                 ahead[1].hit(key, self.payload_bytes)  # counted now that it is used
@@ -305,29 +300,6 @@ class HostKVStore:
 
     def _has(self, key: bytes) -> bool:
         return (self.ram is not None and self.ram.has(key)) or (self.disk is not None and self.disk.has(key))
-
-    # --- the reader thread -------------------------------------------------------------------------
-
-    def _read_loop(self) -> None:
-        """Reads each wanted run of blocks (RAM first, then disk, checked) until one is missing; the
-        oldest read-ahead blocks make room for new ones (a prompt that never came to load them)."""
-        while (keys := self._wanted.get()) is not None:
-            for key in keys:
-                with self._ahead_lock:
-                    if key in self._ahead:
-                        continue
-                buf = bytearray(HEADER.size + self.payload_bytes)
-                view = memoryview(buf)
-                if self.ram is not None and self.ram.read_into(key, view, used=False):
-                    tier = self.ram
-                elif self.disk is not None and self.disk.read_into(key, view, used=False):
-                    tier = self.disk
-                else:
-                    break
-                with self._ahead_lock:
-                    self._ahead[key] = (buf, tier)
-                    while len(self._ahead) > self._ahead_cap:
-                        self._ahead.popitem(last=False)
 
     # --- the writer thread -------------------------------------------------------------------------
 

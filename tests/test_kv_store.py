@@ -394,12 +394,12 @@ def test_a_queued_prompts_store_hit_is_read_ahead_while_the_worker_steps(tiny: t
     try:
         core.handle(Generate("again", prompt, params, ()))
         deadline = time.monotonic() + 10
-        while len(store._ahead) < 6 and time.monotonic() < deadline:  # the reader at work
+        while len(store.ahead) < 6 and time.monotonic() < deadline:  # the reader at work
             time.sleep(0.01)
         got = _serve(core, stepper, {})
         assert _tokens(got, "again") == want
         assert store.ahead_hits == 6 and core.scheduler.prefix.tier_hit_tokens == 96
-        assert not store._ahead and core.tables.pool.num_free == core.tables.pool.num_blocks
+        assert not len(store.ahead) and core.tables.pool.num_free == core.tables.pool.num_blocks
     finally:
         store.close()
 
