@@ -66,8 +66,9 @@ class TierDir:
         self.used = sum(size for _, size, _ in self._listing())
         self._counter = 0
         self._tag = secrets.token_hex(4)  # two tiers on one directory in one process never share a name
-        # (key, prefix hash) of the blocks this process deleted to make room, oldest first; the reader
-        # takes them from another thread (a deque's appends and pops are atomic)
+        # (key, prefix hash) of the blocks this process deleted to make room, oldest first; the worker's
+        # loop takes them (HostKVStore.take_dropped) while the writer thread adds more (a deque's
+        # appends and pops are atomic)
         self.removed: deque[tuple[bytes, bytes]] = deque(maxlen=1 << 16)
 
     def file(self, key: bytes) -> Path:
