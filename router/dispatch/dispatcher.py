@@ -43,6 +43,7 @@ from pdfabric.sampling_params import SamplingParams
 from pdfabric.wire import WireError, decode, encode
 
 log = logging.getLogger("pdfabric.router")
+CLOSE_WAIT_S = 5.0  # how long close() waits for its loops to stop once cancelled
 
 
 class Refusal(Exception):
@@ -133,7 +134,10 @@ class Dispatcher:
             self._timer.cancel()
         for t in self._tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._tasks:  # bounded: a loop stuck in a socket call must not hold the router's exit
+            _, stuck = await asyncio.wait(self._tasks, timeout=CLOSE_WAIT_S)
+            for t in stuck:
+                log.warning("router loop %s did not stop within %.0f s of being cancelled", t, CLOSE_WAIT_S)
         if self._monitor is not None:
             self.sock.disable_monitor()
             self._monitor.close(linger=0)
