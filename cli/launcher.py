@@ -29,6 +29,7 @@ from pdfabric.config import ServeConfig, load_serve_config
 from pdfabric.worker_config import (
     AUTO_KV_MIN_MB,
     AUTO_KV_TOKENS,
+    DRAFT_CACHES,
     KV_CACHE_DTYPES,
     QUANTIZATIONS,
     SPECULATIVE,
@@ -126,6 +127,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep only the draft's first N decoder layers (default 0: all), for checkpoints trained to "
         "exit early",
     )
+    parser.add_argument(
+        "--draft-cache",
+        choices=DRAFT_CACHES,
+        help="auto (default): the draft reads the served model's KV cache where its layers have that "
+        "layout, else computes into a cache of its own; own: always its own (a draft of other weights)",
+    )
     parser.add_argument("--served-model-name", help="the model name clients use (default: --model)")
     parser.add_argument(
         "--routing-policy",
@@ -159,7 +166,8 @@ OVERRIDES = (
     "model", "dtype", "prefill", "decode", "colocated", "host", "port", "control_port", "kv_memory_mb",
     "memory_mb", "num_blocks", "block_size", "max_batch_tokens", "max_running", "served_model_name",
     "profile_seconds", "quantization", "kv_cache_dtype", "kv_store_ram_mb", "kv_store_disk_dir",
-    "kv_store_disk_mb", "speculative", "draft_model", "draft_quantization", "draft_layers", "routing_policy",
+    "kv_store_disk_mb", "speculative", "draft_model", "draft_quantization", "draft_layers", "draft_cache",
+    "routing_policy",
     "ray_address",
 )  # fmt: skip
 

@@ -95,6 +95,7 @@ OVERRIDES: tuple[tuple[str, type, str], ...] = (
     ("draft_model", str, "the draft model's directory or preset (default: the model itself)"),
     ("draft_quantization", str, "how the draft model holds its weights (default int4)"),
     ("draft_layers", int, "keep only the draft's first N decoder layers (0: all)"),
+    ("draft_cache", str, "auto (over the served model's KV cache where the layouts match) or own"),
     ("speculative_k", int, "tokens proposed at most per sequence and step"),
     ("speculative_below", int, "speculate only while at most this many sequences decode"),
 )
@@ -102,7 +103,8 @@ _QUOTED = ("model", "pool", "block_size", "kv_memory_mb", "max_batch_tokens", "b
            "max_running", "kv_host",
            "heartbeat_s", "drain_timeout_s", "device", "profile_seconds", "kv_transport",
            "prefix_caching", "linears", "kv_encryption", "quantization", "kv_cache_dtype", "speculative",
-           "speculative_k", "speculative_below", "draft_quantization", "draft_layers")  # fmt: skip
+           "speculative_k", "speculative_below", "draft_quantization", "draft_layers",
+           "draft_cache")  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

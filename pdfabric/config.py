@@ -217,6 +217,7 @@ def load_serve_config(path: str | Path | None, overrides: dict[str, Any]) -> Ser
 SPECULATIVE_KEYS = {
     "method": "speculative", "k": "speculative_k", "below": "speculative_below",
     "draft_model": "draft_model", "draft_quantization": "draft_quantization", "draft_layers": "draft_layers",
+    "draft_cache": "draft_cache",
 }  # fmt: skip
 
 
@@ -229,10 +230,10 @@ KV_STORE_KEYS = {
 
 def _worker_table(name: str, table: Any, keys: dict[str, str], worker: dict[str, Any]) -> dict[str, Any]:
     """A table that names ``[worker]`` settings by shorter keys (``[speculative]``: ``method``, ``k``,
-    ``below``, ``draft_model``, ``draft_quantization``, ``draft_layers``; ``[kv_store]``: ``ram_mb``,
-    ``ram_dir``, ``disk_dir``, ``disk_mb``, ``disk_admission``, ``queue_mb``, ``write_through``) as those
-    settings; a
-    setting given in both tables is an error, the command line's flags override either."""
+    ``below``, ``draft_model``, ``draft_quantization``, ``draft_layers``, ``draft_cache``;
+    ``[kv_store]``: ``ram_mb``, ``ram_dir``, ``disk_dir``, ``disk_mb``, ``disk_admission``, ``queue_mb``,
+    ``write_through``) as those settings; a setting given in both tables is an error, the command
+    line's flags override either."""
     if not isinstance(table, dict):
         raise ValueError(f"[{name}] must be a table")
     bad = set(table) - set(keys)

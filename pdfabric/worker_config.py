@@ -30,6 +30,7 @@ AUTO_KV_MIN_MB = 256
 # bits in another batch, so greedy text is no longer the same in every deployment (docs/serving.md).
 LINEARS = ("invariant", "onednn", "cublas")
 SPECULATIVE = ("off", "ngram", "draft")  # speculative decoding's proposers
+DRAFT_CACHES = ("auto", "own")  # where a draft model's KV lives: the served cache where it can, or its own
 # How linear weights may be held (kernels/linear_cpu.py), named here so that configs import no torch
 QUANTIZATIONS = ("none", "int8", "int4", "gguf", "w8a8", "w4a8")
 # What a KV-cache row is stored as (engine/kv_cache.py): "auto", the model's dtype; "int8", int8 values
@@ -93,12 +94,15 @@ class WorkerConfig:
     # them with draft_model (a checkpoint with the model's tokenizer; "": the model itself) held as
     # draft_quantization, while at most speculative_below sequences decode; "off": none. draft_layers
     # keeps the draft's first N decoder layers only (0: all): a shallower draft of the model itself.
+    # draft_cache: "auto" drafts over the served model's KV cache where the draft's layers have its
+    # layout, else over a cache of its own; "own" always over one of its own (a draft of other weights).
     speculative: str = "off"
     speculative_k: int = 10
     speculative_below: int = 4
     draft_model: str = ""
     draft_quantization: str = "int4"
     draft_layers: int = 0
+    draft_cache: str = "auto"
     # The host KV store (the [kv_store] table; docs/kvtransfer.md#the-host-kv-store): blocks the pool
     # evicts go to a RAM tier (a directory in shared memory, "": /dev/shm/pdfabric-kv-store-UID) and a
     # disk tier, shared by the host's workers and kept across restarts; a prompt's cached prefix
@@ -156,6 +160,9 @@ class WorkerConfig:
         if self.draft_quantization not in QUANTIZATIONS:
             formats = ", ".join(QUANTIZATIONS)
             raise ValueError(f"draft_quantization must be one of {formats}, got {self.draft_quantization!r}")
+        if self.draft_cache not in DRAFT_CACHES:
+            caches = ", ".join(DRAFT_CACHES)
+            raise ValueError(f"draft_cache must be one of {caches}, got {self.draft_cache!r}")
         if self.draft_layers < 0:
             raise ValueError(
                 f"draft_layers must be >= 0 (0: all of the draft's layers), got {self.draft_layers}"

@@ -38,16 +38,20 @@ def test_overrides_and_errors(tmp_path: Path) -> None:
 
 def test_a_speculative_table_sets_the_workers_speculation(tmp_path: Path) -> None:
     path = tmp_path / "spec.toml"
-    path.write_text('[speculative]\nmethod = "draft"\nk = 6\nbelow = 2\ndraft_quantization = "int8"\n')
+    path.write_text(
+        '[speculative]\nmethod = "draft"\nk = 6\nbelow = 2\ndraft_quantization = "int8"\n'
+        'draft_cache = "own"\n'
+    )
     w = load_serve_config(path, {}).worker
-    got = (w.speculative, w.speculative_k, w.speculative_below, w.draft_quantization)
-    assert got == ("draft", 6, 2, "int8")
+    got = (w.speculative, w.speculative_k, w.speculative_below, w.draft_quantization, w.draft_cache)
+    assert got == ("draft", 6, 2, "int8", "own")
     assert load_serve_config(path, {"speculative": "ngram"}).worker.speculative == "ngram"  # flags win
     for text, error in (
         ('[speculative]\nmethod = "draft"\n[worker]\nspeculative = "ngram"\n', "set in both"),
         ("[speculative]\nn = 3\n", "unknown key"),
         ('[speculative]\nmethod = "medusa"\n', "speculative"),
         ('[speculative]\nk = "four"\n', "speculative_k must be int"),
+        ('[speculative]\ndraft_cache = "shared"\n', "draft_cache must be one of auto, own"),
     ):
         path.write_text(text)
         with pytest.raises(ValueError, match=error):

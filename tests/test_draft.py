@@ -1,6 +1,7 @@
 """Speculation with a draft model (engine/draft.py): the draft's KV lives in the served model's blocks,
-catches up on what it lacks, and its proposals change speed, never tokens; preemption, rejected
-proposals and requests of every kind give what plain decoding gives, with no block leaked."""
+or, for a draft of another layout, in a cache of its own that catches up on what it lacks; its
+proposals change speed, never tokens; preemption, rejected proposals and requests of every kind give
+what plain decoding gives, with no block leaked."""
 
 from __future__ import annotations
 
@@ -126,9 +127,7 @@ def test_a_draft_of_the_models_first_layers_changes_speed_never_tokens(reference
         WorkerConfig(kind="decode", draft_layers=-1)
 
 
-def test_a_draft_of_another_tokenizer_or_kv_layout_is_refused(
-    reference: ReferenceEngine, hf_llama_dir: Path
-) -> None:
+def test_a_draft_of_another_tokenizer_is_refused(reference: ReferenceEngine, hf_llama_dir: Path) -> None:
     from pdfabric.worker.loop import build_draft
     from pdfabric.worker_config import WorkerConfig
 
@@ -136,10 +135,91 @@ def test_a_draft_of_another_tokenizer_or_kv_layout_is_refused(
         cfg = WorkerConfig(kind="decode", model="tiny", speculative="draft", draft_model=model)
         return build_draft(cfg, reference.path, reference.runner)
 
-    assert draft("tiny").served is reference.runner
+    mine = draft("tiny")
+    assert mine.served is reference.runner and not mine.own_cache and mine.kv_bytes_per_token == 0
     with pytest.raises(ValueError, match="does not share the served model's tokenizer"):
         draft(str(hf_llama_dir))
-    with pytest.raises(ValueError, match="KV layout"):
-        draft("cpu-small")  # the same byte tokenizer, wider layers
     with pytest.raises(ValueError, match="draft_quantization"):
         WorkerConfig(kind="decode", speculative="draft", draft_quantization="int3")
+    with pytest.raises(ValueError, match="KV layout"):  # over the served cache only with its layout
+        DraftModel(ModelRunner(load_model(ReferenceEngine("cpu-small").path), 1, 16), reference.runner)
+
+
+def own_draft(reference: ReferenceEngine, blocks: int) -> Callable[[ModelRunner], DraftModel]:
+    """The served model itself drafting over a cache of its own of ``blocks`` blocks."""
+    model = load_model(reference.path)
+    return lambda served: DraftModel(ModelRunner(model, blocks, 16), served, own_cache=True)
+
+
+def test_a_draft_with_a_cache_of_its_own_catches_up_and_drafts_what_is_decoded(
+    reference: ReferenceEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The served model drafting in a cache of its own: it computes each prompt there itself (a
+    prompt longer than a pass's catch-up in several passes), then only what each check kept, and
+    every proposal is kept: a position it held stale (a rejected token, a lost block) would draft
+    another token somewhere. The served pool gets every block back."""
+    import pdfabric.engine.draft as draft_module
+
+    monkeypatch.setattr(draft_module, "CATCH_UP_TOKENS", 48)
+    prompts = [list(range(10, 40)), [7, 8, 9] * 9, list(range(50, 170))]  # the last: three passes
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    got, seqs, core, _ = run(
+        reference, prompts, params, own_draft(reference, 64), speculative="draft", speculative_k=4
+    )
+    assert got == [reference.generate(p, params).token_ids for p in prompts]
+    assert all(s.proposed > 0 and s.accepted == s.proposed for s in seqs)
+    draft = core.scheduler.proposer
+    assert draft.own_cache and draft.runner.kv_caches[0] is not core.scheduler.proposer.served.kv_caches[0]
+    assert draft.caught_up < sum(len(p) + len(out) for p, out in zip(prompts, got, strict=True))
+    assert seqs[2].proposed < seqs[0].proposed  # it proposed nothing while its prompt was caught up on
+    assert core.tables.pool.num_free == core.tables.pool.num_blocks
+
+
+def test_an_own_cache_too_small_for_every_sequence_gives_blocks_to_the_latest(
+    reference: ReferenceEngine,
+) -> None:
+    """Twelve blocks of draft cache for three sequences of up to six blocks: sequences take blocks of
+    those that drafted least recently, catch up again, or propose nothing while none are free; the
+    output stays exact and what is proposed is still all kept."""
+    prompts = [list(range(20 + 9 * i, 66 + 9 * i)) for i in range(3)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    got, seqs, core, _ = run(
+        reference, prompts, params, own_draft(reference, 12), speculative="draft", speculative_k=4
+    )
+    assert got == [reference.generate(p, params).token_ids for p in prompts]
+    assert sum(s.proposed for s in seqs) > 0 and all(s.accepted == s.proposed for s in seqs)
+    draft = core.scheduler.proposer
+    assert draft.caught_up > sum(map(len, prompts)), "no sequence caught up twice: nothing was taken"
+    assert len(draft._free) + sum(len(h.blocks) for h in draft._held.values()) == 12
+
+
+def test_a_smaller_model_of_another_kv_layout_drafts_in_a_cache_of_its_own(
+    reference: ReferenceEngine,
+) -> None:
+    """cpu-small served (bfloat16, 8 KV heads of 128) with tiny as its draft (float32, 2 KV heads of
+    16): the draft gets a cache of its own, sized with the worker's budget, and the output is the
+    served model's own."""
+    from pdfabric.worker.loop import build_draft, build_engine
+    from pdfabric.worker_config import WorkerConfig
+
+    cfg = WorkerConfig(kind="decode", model="cpu-small", speculative="draft", draft_model="tiny",
+                       draft_quantization="none", kv_memory_mb=64)  # fmt: skip
+    engine = build_engine(cfg)
+    draft = engine.proposer
+    assert draft is not None and draft.own_cache and draft.runner.num_blocks == engine.spec.num_blocks
+    plain = build_engine(replace(cfg, speculative="off"))
+    # the draft's tokens take their share of the KV budget: the served cache gets fewer blocks
+    assert engine.spec.num_blocks < plain.spec.num_blocks
+    served = ReferenceEngine("cpu-small")
+    prompts = [[3, 4, 5, 6] * 8, list(range(40, 90))]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+
+    def draft_of_tiny(runner: ModelRunner) -> DraftModel:
+        draft = build_draft(cfg, served.path, runner)
+        draft.resize(runner.num_blocks)  # as the worker does once its budget is split
+        return draft
+
+    got, seqs, core, _ = run(served, prompts, params, draft_of_tiny, speculative="draft", speculative_k=4)
+    assert got == [served.generate(p, params).token_ids for p in prompts]
+    assert core.scheduler.proposer.own_cache and sum(s.proposed for s in seqs) > 0
+    assert core.tables.pool.num_free == core.tables.pool.num_blocks

@@ -224,7 +224,10 @@ def test_busy_workers_do_not_speculate(reference: ReferenceEngine) -> None:
 
 @pytest.mark.parametrize(("flags", "method"), [
     (("--colocated", "2"), "ngram"), (("--prefill", "1", "--decode", "2"), "ngram"),
-    (("--prefill", "1", "--decode", "2"), "draft"),  # the new worker's draft catches up on the prompt
+    (("--prefill", "1", "--decode", "2"), "draft"),
+    # a draft with a cache of its own: each decode worker's computes the prompts it is handed, the
+    # new worker's the prompt and output so far
+    (("--prefill", "1", "--decode", "2", "--draft-cache", "own"), "draft"),
 ])  # fmt: skip
 def test_a_fabric_that_speculates_survives_a_kill_token_exact(
     flags: tuple[str, ...], method: str, reference: ReferenceEngine

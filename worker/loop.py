@@ -268,18 +268,22 @@ def build_engine(cfg: WorkerConfig) -> Engine:
     if quantizer is not None:
         log.info("%s weights: %d layers read from %s, %d quantized now",
                  cfg.quantization, quantizer.read, quantizer.root, quantizer.written)  # fmt: skip
+    proposer = None
+    if cfg.speculative == "draft" and cfg.kind != "prefill":  # prefill workers never speculate
+        proposer = build_draft(cfg, path, runner)
+    # a draft's weights, and a cache of its own (as many blocks as the served one), share the budget
     spec = CoreSpec.sized(
         cfg, worker_id=cfg.worker_id or f"{cfg.kind}-{os.getpid()}",
         model_max_len=model.config.max_position_embeddings,
         kv_bytes_per_token=kv_bytes_per_token(model.config, cfg.kv_cache_dtype), pid=os.getpid(),
-        host=host_id(), weight_bytes=runner.weight_bytes,
+        host=host_id(), weight_bytes=runner.weight_bytes + (proposer.runner.weight_bytes if proposer else 0),
+        draft_kv_bytes_per_token=proposer.kv_bytes_per_token if proposer else 0,
     )  # fmt: skip
     runner.resize_kv(spec.num_blocks)
+    if proposer is not None:
+        proposer.resize(spec.num_blocks)
     has_tokenizer = (path / "tokenizer.json").exists()
     grammars = Grammars.for_model(path, model.config.vocab_size) if has_tokenizer else None
-    proposer = None
-    if cfg.speculative == "draft" and cfg.kind != "prefill":  # prefill workers never speculate
-        proposer = build_draft(cfg, path, runner)
     return Engine(runner, spec, ProfileBuilder(), grammars, proposer, path)
 
 
@@ -293,11 +297,12 @@ def open_store(cfg: WorkerConfig, engine: Engine) -> HostKVStore:
 
 def build_draft(cfg: WorkerConfig, target: Path, served: ModelRunner) -> DraftModel:
     """The draft model of ``cfg`` (``draft_model``, default the served model itself, held as
-    ``draft_quantization``, its first ``draft_layers`` decoder layers if set) over ``served``'s KV
-    cache. A draft whose tokenizer is not the served model's is refused (its token ids would mean
-    other text), as is one of another KV layout."""
+    ``draft_quantization``, its first ``draft_layers`` decoder layers if set): over ``served``'s KV
+    cache where its layers have that cache's layout and ``draft_cache`` is auto, else over a cache of
+    its own (one block until ``DraftModel.resize``). A draft whose tokenizer is not the served
+    model's is refused (its token ids would mean other text)."""
     from pdfabric.engine.default_model import resolve_model
-    from pdfabric.engine.draft import DraftModel, truncated
+    from pdfabric.engine.draft import DraftModel, shares_layout, truncated
     from pdfabric.engine.loader import load_model
     from pdfabric.engine.quantized_cache import quantizer_for
     from pdfabric.engine.runner import ModelRunner
@@ -314,13 +319,24 @@ def build_draft(cfg: WorkerConfig, target: Path, served: ModelRunner) -> DraftMo
         raise ValueError(f"draft model {path} does not share the served model's tokenizer ({target})")
     if cfg.draft_layers:
         draft = truncated(draft, cfg.draft_layers)
-    # one block of its own, until it drafts over the served model's cache
+    d, s = draft.config, served.config
+    fits = (
+        cfg.draft_cache == "auto"
+        and (d.num_kv_heads, d.head_dim) == (s.num_kv_heads, s.head_dim)
+        and d.num_layers <= s.num_layers
+        and draft.model.norm.weight.dtype == served.model.model.norm.weight.dtype
+    )
+    # one block of its own, until it drafts over the served model's cache (or its own is sized); a
+    # cache of its own is held in the draft's dtype
     runner = ModelRunner(
         draft, 1, cfg.block_size, linears=cfg.linears, quantization=cfg.draft_quantization,
-        kv_cache_dtype=served.kv_cache_dtype,  # it reads the served model's caches
+        kv_cache_dtype=served.kv_cache_dtype if fits else "auto",
         quantizer=quantizer_for(path, draft, cfg.draft_quantization),
     )  # fmt: skip
-    return DraftModel(runner, served)
+    own = cfg.draft_cache == "own" or not shares_layout(runner, served)
+    if own:
+        log.info("draft model %s drafts over a KV cache of its own (draft_cache %s)", path, cfg.draft_cache)
+    return DraftModel(runner, served, own_cache=own)
 
 
 def run_worker(

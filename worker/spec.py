@@ -41,13 +41,14 @@ class CoreSpec:
     @classmethod
     def sized(
         cls, config: WorkerConfig, *, worker_id: str, model_max_len: int, kv_bytes_per_token: int,
-        pid: int = 0, host: str = "", weight_bytes: int = 0,
+        pid: int = 0, host: str = "", weight_bytes: int = 0, draft_kv_bytes_per_token: int = 0,
     ) -> CoreSpec:  # fmt: skip
         """The spec of a worker whose model holds ``model_max_len`` positions and whose tokens take
         ``kv_bytes_per_token`` of cache, its weights ``weight_bytes``: as many blocks as
         ``config.kv_blocks`` gives, and a context limit no larger than those blocks hold, so that one
-        sequence always fits on its own."""
-        num_blocks = config.kv_blocks(kv_bytes_per_token, weight_bytes)
+        sequence always fits on its own. A draft model with a cache of its own, as many blocks,
+        takes ``draft_kv_bytes_per_token`` a token of the same budget."""
+        num_blocks = config.kv_blocks(kv_bytes_per_token + draft_kv_bytes_per_token, weight_bytes)
         max_model_len = min(model_max_len, num_blocks * config.block_size)
         return cls(
             config=config, worker_id=worker_id, num_blocks=num_blocks, max_model_len=max_model_len,
