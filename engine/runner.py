@@ -22,6 +22,12 @@ from pdfabric.kernels.linear import can_pack, check_kind, check_quantization, pa
 from pdfabric.kernels.linear_cpu import Quantizer
 from pdfabric.kernels.paged_attention_cpu import int8_kv_supported, tiled_kv_supported
 
+# Steps whose every sequence has at most this many new tokens (decode steps; speculation's checks and
+# drafts) run their layers in one C call where it exists (``kernels/decoder_cpu.py``), each token as
+# a decode row; longer chunks run the model's forward, whose prompt kernel reads a sequence's keys
+# once for 16 tokens at a time.
+DECODER_CHUNK_TOKENS = 16
+
 
 @dataclass(frozen=True)
 class StepEntry:
@@ -47,12 +53,12 @@ class ModelRunner:
 
     It packs the model's linear layers and its head once (``kernels/linear.py``; by default the
     batch-invariant kernel of the model's device: C on CPUs, Triton on CUDA; ``linears="onednn"`` or
-    ``"cublas"`` for the vendor library's, which gives up batch invariance) unless the kernel backend
-    is ``torch`` (the plain reference path); the model passed in is changed in place. Steps of decode
-    rows only then run their decoder layers in one C call (``kernels/decoder_cpu.py``) where every
-    kernel of a layer is a C one; other steps run the model's forward. ``quantizer``: where the
-    weights ``quantization`` holds quantized come from (``engine/quantized_cache.py``; default:
-    computed here).
+    ``"cublas"`` for the vendor library's, which gives up batch invariance) unless the kernel
+    backend is ``torch`` (the plain reference path); the model passed in is changed in place. Steps
+    of decode rows and short chunks (``DECODER_CHUNK_TOKENS``) then run their decoder layers in one
+    C call (``kernels/decoder_cpu.py``) where every kernel of a layer is a C one; other steps run
+    the model's forward. ``quantizer``: where the weights ``quantization`` holds quantized come from
+    (``engine/quantized_cache.py``; default: computed here).
     """
 
     def __init__(
@@ -97,6 +103,7 @@ class ModelRunner:
                 "the C kernels, heads of a multiple of 64 dims and blocks of a multiple of 16 tokens"
             )
         self.kv_caches = allocate_kv_cache(cfg, num_blocks, block_size, self.device, kv_cache_dtype)
+        self.decoder_chunk_tokens = DECODER_CHUNK_TOKENS  # (a benchmark may set it: 1, decode steps only)
 
     @property
     def weight_bytes(self) -> int:
@@ -127,7 +134,7 @@ class ModelRunner:
 
     @kv_caches.setter
     def kv_caches(self, caches: list[torch.Tensor]) -> None:
-        # (a decode worker moves them into shared memory) decode-only steps run their layers in one C
+        # (a decode worker moves them into shared memory) decode steps run their layers in one C
         # call where every kernel of a layer is a C one; that call holds the caches' addresses
         self._kv_caches = caches
         self.decoder = Decoder.build(self.model, caches, self.kv_tiled) if self.device.type == "cpu" else None
@@ -183,7 +190,7 @@ class ModelRunner:
         """``step``'s logits, and the final hidden states ``[T, hidden]`` (after the last norm) of every
         token of the batch, the entries' tokens end to end: what embeddings are pooled from."""
         prepared = self.prepare(entries)
-        if self.decoder is not None and prepared.meta.is_decode_only:
+        if self.decoder is not None and prepared.meta.max_query_len <= self.decoder_chunk_tokens:
             model = self.model
             cos, sin = model.rotary(prepared.positions)
             x = model.model.embed_tokens(prepared.input_ids)  # [T, hidden], updated in place

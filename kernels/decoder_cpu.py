@@ -1,4 +1,5 @@
-"""A decode step's decoder layers in one C call (``csrc/decoder_cpu.c``), for the CPU.
+"""A decode step's decoder layers in one C call (``csrc/decoder_cpu.c``), for the CPU; also a step of
+short chunks, each new token a decode row of its sequence (``AttentionMetadata.token_rows``).
 
 The model runs a layer as about a dozen ops from Python (``engine/model.py``); at SmolLM2's shapes
 (30 narrow layers) a batch-1 decode step spent about a third of its time between them. ``Decoder``
@@ -6,10 +7,11 @@ runs the same kernels, in the same order with the same arguments, from C: the C 
 kernels' addresses from the libraries the op-by-op path loads, so its results are the same to the bit
 and every invariance the kernels give holds on both paths (``tests/test_decoder_cpu.py``).
 
-It serves steps whose every sequence has one new token, when every piece of a layer is a C kernel
-here: float32 or bfloat16 CPU tensors, batch-invariant linear layers (``linear_cpu``), the layer ops
-(``layer_ops_cpu``) and decode rows on the prompt kernel (``paged_attention_cpu.decodes_as_prefill``).
-``Decoder.build`` returns None otherwise, and the model's own forward serves every step.
+It serves decode steps (and the steps of short chunks the runner gives it) when every piece of a
+layer is a C kernel here: float32 or bfloat16 CPU tensors, batch-invariant linear layers
+(``linear_cpu``), the layer ops (``layer_ops_cpu``) and decode rows on the prompt kernel
+(``paged_attention_cpu.decodes_as_prefill``). ``Decoder.build`` returns None otherwise, and the
+model's own forward serves every step.
 """
 
 from __future__ import annotations
@@ -90,7 +92,8 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 class Decoder:
-    """The decoder layers of one model over its KV caches, run from C for decode-only steps."""
+    """The decoder layers of one model over its KV caches, run from C for decode steps (and short
+    chunks: any step, each token a decode row; the runner says which steps)."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], tiled: bool) -> None:
         # Use ``build``, which checks that every piece is a C kernel first.
@@ -180,9 +183,10 @@ class Decoder:
         after_layer: Callable[[int], None] | None = None,
     ) -> None:
         """Runs every layer over the residual stream ``x`` ``[T, hidden]`` (contiguous, updated in
-        place) of a decode-only step; ``cos``, ``sin``: ``[T, 1, head_dim]`` float32 as the model's
+        place) of the step ``meta`` describes, every token a decode row attending up to itself (its KV
+        written first); ``cos``, ``sin``: ``[T, 1, head_dim]`` float32 as the model's
         forward makes them. ``after_layer(i)``: called as each layer finishes."""
-        rows = meta.single_query_rows
+        rows = meta.token_rows
         scratch = self._buffers(x.shape[0])
         slots = meta.slot_mapping if meta.slot_mapping.dtype == torch.int64 else meta.slot_mapping.long()
         tables = meta.block_tables

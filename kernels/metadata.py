@@ -45,6 +45,28 @@ class AttentionMetadata:
     def is_decode_only(self) -> bool:
         return all(q == 1 for q in self.query_lens_host)
 
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens_host, default=0)
+
+    @cached_property
+    def token_rows(self) -> SingleQueryRows:
+        """Every token of the batch as a kernel row of its own, attending causally: the token's row, its
+        sequence's index and how many tokens it attends to (its position + 1). A decode step's rows
+        are ``single_query_rows``; a chunk's tokens run as decode rows of one sequence."""
+        tokens, seqs, ctx = [], [], []
+        for s, (q_len, s_len) in enumerate(zip(self.query_lens_host, self.seq_lens_host, strict=True)):
+            tokens.extend(range(len(tokens), len(tokens) + q_len))
+            seqs.extend([s] * q_len)
+            ctx.extend(range(s_len - q_len + 1, s_len + 1))
+        as_int = {"dtype": torch.int32, "device": self.seq_lens.device}
+        return SingleQueryRows(
+            token=torch.tensor(tokens, **as_int),
+            seq=torch.tensor(seqs, **as_int),
+            ctx_len=torch.tensor(ctx, **as_int),
+            seqs_host=tuple(seqs),
+        )
+
     @cached_property
     def single_query_rows(self) -> SingleQueryRows:
         """The batch's one-token sequences (decode steps) as kernel rows, built once per step."""

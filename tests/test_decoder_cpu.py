@@ -1,4 +1,5 @@
-"""Decode steps run from C (``kernels/decoder_cpu.py``) give the model's op-by-op logits to the bit, on
+"""Decode steps (and steps of short chunks) run from C (``kernels/decoder_cpu.py``) give the model's
+op-by-op logits to the bit, on
 checkpoints of several shapes (GQA ratios, q/k/v and output biases, tied heads) in float32 and
 bfloat16, and on SmolLM2; and the runner takes that path only where every kernel of a layer is a C one.
 """
@@ -99,6 +100,43 @@ def test_c_decoder_gives_the_models_logits_to_the_bit(
     prompts = [tuple(torch.randint(0, 300, (n,), generator=gen).tolist()) for n in (5, 40, 17)]
     _decode_equal(fused, plain, prompts[:1], 4)  # one sequence
     _decode_equal(fused, plain, prompts, 6)  # a batch of several lengths
+
+
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_short_chunks_run_from_c_as_decode_rows_with_the_forwards_bits(
+    checkpoint: Path, dtype: str, quantization: str
+) -> None:
+    """A step whose sequences have at most DECODER_CHUNK_TOKENS new tokens each (speculation's checks
+    and drafts: a few tokens after a cached context, beside decode rows) runs from C, each token a
+    decode row attending up to itself, with the logits of every token the forward gives; a longer
+    chunk runs the forward."""
+    from pdfabric.engine.runner import DECODER_CHUNK_TOKENS
+
+    _need(dtype)
+    fused, plain = _pair(checkpoint, dtype, quantization=quantization)
+    calls = []
+    decoder = fused.decoder
+    fused.decoder = lambda *args: calls.append(1) or decoder(*args)  # type: ignore[assignment]
+    gen = torch.Generator().manual_seed(4)
+    tokens = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (60, 60, 60)]
+    tables = [tuple(range(i * 20, (i + 1) * 20)) for i in range(3)]
+    cached = (30, 40, 20)
+    first = [
+        StepEntry(tuple(t[:c]), 0, tb, needs_logits=False)
+        for t, c, tb in zip(tokens, cached, tables, strict=True)
+    ]
+    for runner in (fused, plain):
+        runner.step(first)
+    for lens in ((5, 1, DECODER_CHUNK_TOKENS), (2, 2, 1), (1, 3, DECODER_CHUNK_TOKENS + 1)):
+        entries = [
+            StepEntry(tuple(t[c : c + n]), c, tb, all_logits=True)
+            for t, c, n, tb in zip(tokens, cached, lens, tables, strict=True)
+        ]
+        before = len(calls)
+        assert torch.equal(fused.step(entries), plain.step(entries)), lens
+        assert len(calls) - before == (max(lens) <= DECODER_CHUNK_TOKENS), lens
+        cached = tuple(c + n for c, n in zip(cached, lens, strict=True))
 
 
 def test_c_decoder_calls_after_layer_for_each_layer_in_order(checkpoint: Path) -> None:
