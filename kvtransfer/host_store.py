@@ -45,7 +45,7 @@ import torch
 from pdfabric.kvtransfer.frames import host, layout_of
 from pdfabric.kvtransfer.messages import KVLayout
 from pdfabric.kvtransfer.store_ahead import ReadAhead
-from pdfabric.kvtransfer.store_tier import HEADER, TierDir, TierStats
+from pdfabric.kvtransfer.store_tier import HEADER, TierDir, TierStats, read_first
 from pdfabric.worker_config import WorkerConfig
 
 log = logging.getLogger("pdfabric.kvtransfer.host_store")
@@ -248,17 +248,13 @@ class HostKVStore:
             row = memoryview(rows[n])
             ahead = self.ahead.take(key)
             if ahead is not None:
-                row[:] = ahead[0]
-                ahead[1].hit(key, self.payload_bytes)  # counted now that it is used
-                from_disk = ahead[1] is self.disk
+                data, tier = ahead
+                row[:] = data
+                tier.hit(key, self.payload_bytes)  # counted now that it is used
                 self.ahead_hits += 1
-            elif self.ram is not None and self.ram.read_into(key, row):
-                from_disk = False
-            elif self.disk is not None and self.disk.read_into(key, row):
-                from_disk = True
-            else:
+            elif (tier := read_first((self.ram, self.disk), key, row)) is None:
                 break
-            if from_disk and self.ram is not None:
+            if tier is self.disk and self.ram is not None:
                 promote[n] = key
             _remember(self._hot, key, HOT)
             n += 1

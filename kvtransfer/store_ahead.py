@@ -13,7 +13,7 @@ import queue
 import threading
 from collections import OrderedDict
 
-from pdfabric.kvtransfer.store_tier import HEADER, TierDir
+from pdfabric.kvtransfer.store_tier import HEADER, TierDir, read_first
 
 
 class ReadAhead:
@@ -50,12 +50,8 @@ class ReadAhead:
                     if key in self._held:
                         continue
                 buf = bytearray(self.file_bytes)
-                view = memoryview(buf)
-                if self.ram is not None and self.ram.read_into(key, view, used=False):
-                    tier = self.ram
-                elif self.disk is not None and self.disk.read_into(key, view, used=False):
-                    tier = self.disk
-                else:
+                tier = read_first((self.ram, self.disk), key, memoryview(buf), used=False)
+                if tier is None:
                     break
                 with self._lock:
                     self._held[key] = (buf, tier)

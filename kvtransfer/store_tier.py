@@ -231,6 +231,17 @@ class TierDir:
                         os.unlink(e.path)
 
 
+def read_first(
+    tiers: tuple[TierDir | None, ...], key: bytes, buf: memoryview, used: bool = True
+) -> TierDir | None:
+    """Reads the block file of ``key`` into ``buf`` from the first of ``tiers`` that holds it and
+    passes its checks (RAM before disk), as ``TierDir.read_into``; that tier, or ``None``."""
+    for tier in tiers:
+        if tier is not None and tier.read_into(key, buf, used=used):
+            return tier
+    return None
+
+
 def _valid(data: memoryview, key: bytes, payload_bytes: int) -> bool:
     magic, stored_key, _, length, crc = HEADER.unpack_from(data)
     if magic != MAGIC or stored_key != key or length != payload_bytes:
