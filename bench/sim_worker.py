@@ -61,7 +61,7 @@ class SimulatedWorker:
         core, proposer = spec.core, None
         if spec.speculates:  # its tokens are not real: proposals and what is kept are modelled
             core = replace(core, config=replace(core.config, speculative="ngram"))  # with this proposer
-            proposer = _Zeros()
+            proposer = _Zeros(spec.core.config.speculative == "draft")
         else:
             core = replace(core, config=replace(core.config, speculative="off"))
         self.core = KINDS[spec.kind].core(core, FixedProfile(spec.profile), endpoint, proposer)
@@ -191,7 +191,11 @@ class SimulatedWorker:
 
 
 class _Zeros:
-    """The simulated proposer: token 0, as many as asked (what is kept is drawn at the step's end)."""
+    """The simulated proposer: token 0, as many as asked (what is kept is drawn at the step's end);
+    ``runs_model`` for a simulated draft model (its sequences back off after misses)."""
+
+    def __init__(self, runs_model: bool) -> None:
+        self.runs_model = runs_model
 
     def propose(self, wanted: list[Wanted]) -> list[tuple[int, ...]]:
         return [(0,) * k for _, _, k in wanted]

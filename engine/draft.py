@@ -103,6 +103,8 @@ class DraftModel:
     layers'): ``ValueError`` unless ``shares_layout``. With ``own_cache``, over ``runner``'s own cache,
     sized with ``resize`` (the worker gives it as many blocks as the served cache)."""
 
+    runs_model = True
+
     def __init__(self, runner: ModelRunner, served: ModelRunner, own_cache: bool = False) -> None:
         if not own_cache and not shares_layout(runner, served):
             raise ValueError(

@@ -29,6 +29,8 @@ from pdfabric.profile import StepShape
 
 # One sampled token: (token, logprob) or (token, logprob, top log-probabilities).
 Pick = tuple[int, float] | tuple[int, float, TopLogprobs]
+# The most decode steps a sequence whose proposals keep missing waits before it proposes again.
+MAX_SPECULATE_WAIT = 31
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -228,6 +230,9 @@ class Scheduler:
         most = c.speculate_k if p.speculative_k < 0 else min(c.speculate_k, p.speculative_k)
         if not most or len(self.running) > c.speculate_below:
             return 0
+        if seq.speculate_wait:  # backing off after proposals that kept nothing
+            seq.speculate_wait -= 1
+            return 0
         left = min(most, budget, p.max_tokens - len(seq.output_ids) - 1, c.max_model_len - seq.num_tokens - 1)
         k = max(0, min(left, seq.speculate_k or c.speculate_k))
         # New blocks for a guess only while a free one stays for each decoding sequence: a proposal
@@ -327,6 +332,11 @@ class Scheduler:
         self.checks += 1
         # the next proposal's length follows this one's outcome
         seq.speculate_k = len(chunk.proposal) * 2 if kept == len(chunk.proposal) else max(1, kept)
+        # a draft that keeps missing costs its steps for each token: after n misses in a row the
+        # sequence decodes 2^(n-1) - 1 steps plainly before it drafts again
+        seq.speculate_misses = 0 if kept else seq.speculate_misses + 1
+        if seq.speculate_misses and self.proposer.runs_model:
+            seq.speculate_wait = min(MAX_SPECULATE_WAIT, (1 << min(seq.speculate_misses - 1, 8)) - 1)
         seq.step_tokens = 0
         for token, logprob, *top in picks:
             self._append(seq, token, logprob, top[0] if top else ())

@@ -41,6 +41,8 @@ class Sequence:
     step_tokens: int = 1  # output tokens its last step added (more than one: a proposal was kept)
     speculate_k: int = 0  # how many tokens to propose next (0: the worker's most; engine/speculate.py)
     proposed: int = 0  # tokens proposed for it so far
+    speculate_misses: int = 0  # checks in a row that kept none of their proposal
+    speculate_wait: int = 0  # decode steps to go before it proposes again (after misses)
     accepted: int = 0  # of those, kept
     # An embedding input (``engine/pooling.py``): its prompt is computed and pooled, nothing sampled.
     pooling: str = ""  # "last", "mean" or "cls" ("": a generation request)

@@ -31,13 +31,19 @@ Wanted = tuple["Seq", tuple[int, ...], int]
 
 class Proposer(Protocol):
     """Guesses the next tokens of the sequences about to decode, all at once; each guess at most k
-    tokens long (shorter, or empty, where it has none)."""
+    tokens long (shorter, or empty, where it has none). ``runs_model``: guessing costs model steps
+    (a draft model), so a sequence whose guesses keep missing stops asking for a while (the
+    scheduler's back-off); a guess that costs next to nothing (prompt lookup) is always asked for."""
+
+    runs_model: bool
 
     def propose(self, wanted: list[Wanted]) -> list[tuple[int, ...]]: ...
 
 
 class PromptLookup:
     """The ``ngram`` proposer: ``propose`` over each sequence's own tokens."""
+
+    runs_model = False
 
     def propose(self, wanted: list[Wanted]) -> list[tuple[int, ...]]:
         return [propose(seq.token_slice(0, seq.num_tokens), k) for seq, _, k in wanted]

@@ -162,6 +162,8 @@ def test_a_proposal_of_the_right_tokens_is_kept_whole_and_a_wrong_token_ends_it(
         return tuple(good)
 
     class Made:  # a Proposer of tokens made to order
+        runs_model = False
+
         def __init__(self, guess: Callable[[list[int], int], tuple[int, ...]]) -> None:
             self.guess = guess
 
@@ -178,6 +180,29 @@ def test_a_proposal_of_the_right_tokens_is_kept_whole_and_a_wrong_token_ends_it(
         assert core.tables.pool.num_free == core.tables.pool.num_blocks
 
 
+@pytest.mark.parametrize("runs_model", [True, False])
+def test_a_draft_whose_proposals_keep_missing_backs_off(reference: ReferenceEngine, runs_model: bool) -> None:
+    """Every proposal wrong: a proposer that runs a model (a draft) is asked at the 1st, 2nd, 4th,
+    8th ... decode step, then every 32nd; prompt lookup, which costs nothing, at every step. The
+    output is plain decoding's either way."""
+    prompt = list(range(20, 60))
+    params = SamplingParams(max_tokens=101, ignore_eos=True)  # 100 decode steps after the prompt's
+    want = reference.generate(prompt, params).token_ids
+
+    class Wrong:
+        def __init__(self) -> None:
+            self.runs_model = runs_model
+
+        def propose(self, wanted: list[Wanted]) -> list[tuple[int, ...]]:
+            nexts = [want[seq.num_tokens - len(prompt)] for seq, _, _ in wanted]
+            return [((t + 1) % 260,) * k for t, (_, _, k) in zip(nexts, wanted, strict=True)]
+
+    got, (seq,), core, _ = run(reference, [prompt], params, Wrong(), speculative="ngram", speculative_k=4)
+    assert got == [want] and seq.accepted == 0
+    # steps 0, 1, 3, 7, 15, 31, then 63 and 95 (a wait of 31 steps between them)
+    assert core.scheduler.checks == (8 if runs_model else 99)  # (the last step has no room for one)
+
+
 def test_the_worker_measures_what_speculating_gains_over_plain_steps(reference: ReferenceEngine) -> None:
     """Every proposal right and 4 long: each speculating step gives its sequence 5 tokens in the time
     (10 ms, drafting included) that the profile gives a plain step for 1, so speculation is 5x."""
@@ -186,6 +211,8 @@ def test_the_worker_measures_what_speculating_gains_over_plain_steps(reference: 
     want = reference.generate(prompt, params).token_ids
 
     class Right:
+        runs_model = False
+
         def propose(self, wanted: list[Wanted]) -> list[tuple[int, ...]]:
             done = [seq.num_tokens - len(prompt) for seq, _, _ in wanted]
             return [tuple(want[d : d + k]) for d, (_, _, k) in zip(done, wanted, strict=True)]
