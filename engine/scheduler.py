@@ -24,13 +24,11 @@ from dataclasses import dataclass
 from pdfabric.engine.block_pool import BlockTables, blocks_for, cacheable_blocks
 from pdfabric.engine.prefix_cache import HostTier, PrefixCache
 from pdfabric.engine.sequence import SeqState, Sequence, TopLogprobs, branch_id, branch_params
-from pdfabric.engine.speculate import PromptLookup, Proposer, Wanted
+from pdfabric.engine.speculate import PromptLookup, Proposer, Speculation, Wanted
 from pdfabric.profile import StepShape
 
 # One sampled token: (token, logprob) or (token, logprob, top log-probabilities).
 Pick = tuple[int, float] | tuple[int, float, TopLogprobs]
-# The most decode steps a sequence whose proposals keep missing waits before it proposes again.
-MAX_SPECULATE_WAIT = 31
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,7 +94,9 @@ class Scheduler:
         prefix caching on)."""
         self.tables = tables
         self.config = config
-        self.proposer = proposer or PromptLookup()
+        proposer = proposer or PromptLookup()
+        c = config
+        self.speculation = Speculation(tables, c.speculate_k, c.speculate_below, c.max_model_len, proposer)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.awaiting_kv: dict[str, Sequence] = {}
@@ -104,10 +104,7 @@ class Scheduler:
         self._by_id: dict[str, Sequence] = {}
         self._groups: dict[str, set[str]] = {}  # a request with branches -> its live sequences' ids
         self.prefix = PrefixCache(tables, config.prefix_salt, tier)
-        self.proposed_tokens = 0  # tokens speculation proposed (engine/speculate.py)
         self.preemptions = 0  # running sequences sent back to wait, their blocks freed
-        self.accepted_tokens = 0  # of those, kept
-        self.checks = 0  # decodes that checked a proposal (tokens per check: 1 + accepted / checks)
         self.background_tokens = config.background_chunk_tokens  # the cap now (0: none)
 
     # --- admission ------------------------------------------------------------------------------
@@ -170,6 +167,7 @@ class Scheduler:
     def schedule(self) -> list[Chunk]:
         chunks: list[Chunk] = []
         wanted: list[Wanted] = []  # decoding sequences to propose tokens for, with room for k of them
+        spots: list[int] = []  # their chunks' indices
         budget = self.config.max_batch_tokens
         for seq in list(self.running):
             if budget == 0:
@@ -185,13 +183,16 @@ class Scheduler:
                     break
             if seq.state is SeqState.RUNNING:
                 self.tables.grow(seq.request_id, seq.num_tokens)
-                k = self._proposal_room(seq, budget - 1)
+                k = self.speculation.room(seq, budget - 1, len(self.running))
                 if k:
                     wanted.append((seq, tuple(self.tables.table(seq.request_id)), k))
+                    spots.append(len(chunks))
                 chunks.append(Chunk(seq, seq.num_cached, seq.num_tokens))
                 budget -= 1 + k
-        if wanted:
-            budget += self._propose(wanted, chunks)
+        if wanted:  # each proposal on its sequence's decode chunk; the budget of tokens not proposed back
+            for i, (_, _, k), proposal in zip(spots, wanted, self.speculation.propose(wanted), strict=True):
+                chunks[i] = Chunk(chunks[i].seq, chunks[i].start, chunks[i].stop, proposal)
+                budget += k - len(proposal)
         prefills = 0
         # what background prompts may take: nothing while a foreground sequence decodes (its next token
         # would wait for their chunk), else their share of the step
@@ -221,45 +222,6 @@ class Scheduler:
             if stop < seq.num_tokens and not (seq.params.background and background == 0):
                 break  # cut by the budget or the blocks: a partly prefilled prompt stays at the head
         return chunks
-
-    def _proposal_room(self, seq: Sequence, budget: int) -> int:
-        """How many tokens to ask the proposer for after ``seq``'s next one this step, while few
-        sequences decode (0 otherwise); its blocks grow to hold them (cut to what the pool, the budget
-        and the sequence's own limits leave)."""
-        c, p = self.config, seq.params
-        most = c.speculate_k if p.speculative_k < 0 else min(c.speculate_k, p.speculative_k)
-        if not most or len(self.running) > c.speculate_below:
-            return 0
-        if seq.speculate_wait:  # backing off after proposals that kept nothing
-            seq.speculate_wait -= 1
-            return 0
-        left = min(most, budget, p.max_tokens - len(seq.output_ids) - 1, c.max_model_len - seq.num_tokens - 1)
-        k = max(0, min(left, seq.speculate_k or c.speculate_k))
-        # New blocks for a guess only while a free one stays for each decoding sequence: a proposal
-        # never makes another sequence give up its blocks.
-        spare = max(0, self.tables.pool.num_free - len(self.running))
-        while k and self.tables.extra_blocks(seq.request_id, seq.num_tokens + k) > spare:
-            k -= 1
-        if k and self.tables.grow(seq.request_id, seq.num_tokens + k) is None:
-            k = 0
-        return k
-
-    def _propose(self, wanted: list[Wanted], chunks: list[Chunk]) -> int:
-        """Asks the proposer for ``wanted``'s tokens and puts each proposal on its sequence's decode
-        chunk; blocks grown for tokens not proposed go back. Returns the budget they leave unused."""
-        proposals = self.proposer.propose(wanted)
-        at = {id(c.seq): i for i, c in enumerate(chunks)}
-        unused = 0
-        for (seq, _, k), proposal in zip(wanted, proposals, strict=True):
-            proposal = tuple(proposal[:k])
-            if len(proposal) < k:
-                self.tables.shrink(seq.request_id, seq.num_tokens + len(proposal))
-                unused += k - len(proposal)
-            i = at[id(seq)]
-            chunks[i] = Chunk(seq, chunks[i].start, chunks[i].stop, proposal)
-            seq.proposed += len(proposal)
-            self.proposed_tokens += len(proposal)
-        return unused
 
     def _room(self, seq: Sequence) -> int:
         """Tokens the sequence could hold with its own blocks plus every free one."""
@@ -327,16 +289,7 @@ class Scheduler:
         cache holds its KV up to the last kept proposed token, and blocks past the new end go back."""
         seq = chunk.seq
         kept = len(picks) - 1
-        seq.accepted += kept
-        self.accepted_tokens += kept
-        self.checks += 1
-        # the next proposal's length follows this one's outcome
-        seq.speculate_k = len(chunk.proposal) * 2 if kept == len(chunk.proposal) else max(1, kept)
-        # a draft that keeps missing costs its steps for each token: after n misses in a row the
-        # sequence decodes 2^(n-1) - 1 steps plainly before it drafts again
-        seq.speculate_misses = 0 if kept else seq.speculate_misses + 1
-        if seq.speculate_misses and self.proposer.runs_model:
-            seq.speculate_wait = min(MAX_SPECULATE_WAIT, (1 << min(seq.speculate_misses - 1, 8)) - 1)
+        self.speculation.checked(seq, len(chunk.proposal), kept)
         seq.step_tokens = 0
         for token, logprob, *top in picks:
             self._append(seq, token, logprob, top[0] if top else ())

@@ -9,7 +9,8 @@ scheduler's chunk holds the last token and the proposal; ``engine/stepper.py`` k
 tokens the model itself picks, and the one after them). Greedy output is unchanged by this: a token
 is kept only where it is the model's own choice, and each position's logits are the same in a chunk
 as in a decode step (``docs/engine.md``, batch invariance). A ``Proposer`` is what the scheduler
-asks: ``PromptLookup`` here, or a draft model (``engine/draft.py``).
+asks: ``PromptLookup`` here, or a draft model (``engine/draft.py``); ``Speculation`` is how the
+scheduler asks it (how many tokens, and what a check's outcome changes).
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from pdfabric.engine.block_pool import BlockTables
     from pdfabric.engine.sequence import Sequence as Seq
 
 MAX_NGRAM, MIN_NGRAM = 4, 2
+# The most decode steps a sequence whose draft keeps missing waits before it drafts again.
+MAX_SPECULATE_WAIT = 31
 
 # What the scheduler asks a proposer for: a decoding sequence, its block table (grown to hold its
 # next token and k more) and k, the most tokens to propose after its next one.
@@ -65,6 +69,72 @@ def propose(tokens: Sequence[int], k: int) -> tuple[int, ...]:
                 return tuple(tokens[start : start + k])
             limit = at + 4 * n - 1  # the next match to look at starts before this one
     return ()
+
+
+class Speculation:
+    """The scheduler's side of speculation: how many tokens each decoding sequence asks ``proposer``
+    for (at most ``k``, while at most ``below`` sequences decode), the proposals cut to that, and what
+    a check's outcome changes (the sequence's next k; after misses of a draft model, a back-off).
+    Counts the tokens proposed and kept and the checks."""
+
+    def __init__(
+        self, tables: BlockTables, k: int, below: int, max_model_len: int, proposer: Proposer
+    ) -> None:
+        self.tables = tables
+        self.k, self.below, self.max_model_len = k, below, max_model_len
+        self.proposer = proposer
+        self.proposed_tokens = 0
+        self.accepted_tokens = 0  # of those, kept
+        self.checks = 0  # decodes that checked a proposal (tokens per check: 1 + accepted / checks)
+
+    def room(self, seq: Seq, budget: int, decoding: int) -> int:
+        """How many tokens to ask for after ``seq``'s next one this step, while ``decoding`` sequences
+        decode (0 beyond ``below``); its blocks grow to hold them (cut to what the pool, the
+        ``budget`` and the sequence's own limits leave)."""
+        p = seq.params
+        most = self.k if p.speculative_k < 0 else min(self.k, p.speculative_k)
+        if not most or decoding > self.below:
+            return 0
+        if seq.speculate_wait:  # backing off after proposals that kept nothing
+            seq.speculate_wait -= 1
+            return 0
+        limit = min(p.max_tokens - len(seq.output_ids), self.max_model_len - seq.num_tokens) - 1
+        left = min(most, budget, limit)
+        k = max(0, min(left, seq.speculate_k or self.k))
+        # New blocks for a guess only while a free one stays for each decoding sequence: a proposal
+        # never makes another sequence give up its blocks.
+        spare = max(0, self.tables.pool.num_free - decoding)
+        while k and self.tables.extra_blocks(seq.request_id, seq.num_tokens + k) > spare:
+            k -= 1
+        if k and self.tables.grow(seq.request_id, seq.num_tokens + k) is None:
+            k = 0
+        return k
+
+    def propose(self, wanted: list[Wanted]) -> list[tuple[int, ...]]:
+        """The proposer's tokens for ``wanted``, each at most its k; the blocks grown for tokens not
+        proposed go back."""
+        proposals = []
+        for (seq, _, k), proposal in zip(wanted, self.proposer.propose(wanted), strict=True):
+            proposal = tuple(proposal[:k])
+            if len(proposal) < k:
+                self.tables.shrink(seq.request_id, seq.num_tokens + len(proposal))
+            seq.proposed += len(proposal)
+            self.proposed_tokens += len(proposal)
+            proposals.append(proposal)
+        return proposals
+
+    def checked(self, seq: Seq, proposed: int, kept: int) -> None:
+        """A check of ``proposed`` tokens kept ``kept`` of them."""
+        seq.accepted += kept
+        self.accepted_tokens += kept
+        self.checks += 1
+        # the next proposal's length follows this one's outcome
+        seq.speculate_k = proposed * 2 if kept == proposed else max(1, kept)
+        # a draft that keeps missing costs its steps for each token: after n misses in a row the
+        # sequence decodes 2^(n-1) - 1 steps plainly before it drafts again
+        seq.speculate_misses = 0 if kept else seq.speculate_misses + 1
+        if seq.speculate_misses and self.proposer.runs_model:
+            seq.speculate_wait = min(MAX_SPECULATE_WAIT, (1 << min(seq.speculate_misses - 1, 8)) - 1)
 
 
 class SpeculationGain:

@@ -43,7 +43,7 @@ def test_the_model_itself_as_draft_proposes_what_it_decodes(reference: Reference
     )
     assert got == [reference.generate(p, params).token_ids for p in prompts]
     assert all(s.proposed > 0 and s.accepted == s.proposed for s in seqs)
-    assert core.scheduler.proposer.steps < sum(len(out) for out in got)  # several tokens a round
+    assert core.scheduler.speculation.proposer.steps < sum(len(out) for out in got)  # several tokens a round
     assert core.tables.pool.num_free == core.tables.pool.num_blocks
 
 
@@ -115,7 +115,7 @@ def test_a_draft_of_the_models_first_layers_changes_speed_never_tokens(reference
         reference, prompts, params, lambda served: build_draft(cfg, reference.path, served),
         speculative="draft", speculative_k=4,
     )  # fmt: skip
-    draft = core.scheduler.proposer
+    draft = core.scheduler.speculation.proposer
     assert len(draft.runner.model.model.layers) == 2 and len(draft.runner.kv_caches) == 2
     assert all(a is b for a, b in zip(draft.runner.kv_caches, draft.served.kv_caches[:2], strict=True))
     assert got == [reference.generate(p, params).token_ids for p in prompts]
@@ -168,8 +168,8 @@ def test_a_draft_with_a_cache_of_its_own_catches_up_and_drafts_what_is_decoded(
     )
     assert got == [reference.generate(p, params).token_ids for p in prompts]
     assert all(s.proposed > 0 and s.accepted == s.proposed for s in seqs)
-    draft = core.scheduler.proposer
-    assert draft.own_cache and draft.runner.kv_caches[0] is not core.scheduler.proposer.served.kv_caches[0]
+    draft = core.scheduler.speculation.proposer
+    assert draft.own_cache and draft.runner.kv_caches[0] is not draft.served.kv_caches[0]
     assert draft.caught_up < sum(len(p) + len(out) for p, out in zip(prompts, got, strict=True))
     assert seqs[2].proposed < seqs[0].proposed  # it proposed nothing while its prompt was caught up on
     assert core.tables.pool.num_free == core.tables.pool.num_blocks
@@ -188,7 +188,7 @@ def test_an_own_cache_too_small_for_every_sequence_gives_blocks_to_the_latest(
     )
     assert got == [reference.generate(p, params).token_ids for p in prompts]
     assert sum(s.proposed for s in seqs) > 0 and all(s.accepted == s.proposed for s in seqs)
-    draft = core.scheduler.proposer
+    draft = core.scheduler.speculation.proposer
     assert draft.caught_up > sum(map(len, prompts)), "no sequence caught up twice: nothing was taken"
     assert len(draft._free) + sum(len(h.blocks) for h in draft._held.values()) == 12
 
@@ -221,5 +221,5 @@ def test_a_smaller_model_of_another_kv_layout_drafts_in_a_cache_of_its_own(
 
     got, seqs, core, _ = run(served, prompts, params, draft_of_tiny, speculative="draft", speculative_k=4)
     assert got == [served.generate(p, params).token_ids for p in prompts]
-    assert core.scheduler.proposer.own_cache and sum(s.proposed for s in seqs) > 0
+    assert core.scheduler.speculation.proposer.own_cache and sum(s.proposed for s in seqs) > 0
     assert core.tables.pool.num_free == core.tables.pool.num_blocks

@@ -177,6 +177,6 @@ def test_speculation_over_an_int8_cache_gives_plain_decodings_tokens() -> None:
     got, seqs, core, _ = run(
         reference, prompts, params, speculative="ngram", speculative_k=6, speculative_below=8
     )
-    assert core.scheduler.proposer is not None and sum(s.accepted for s in seqs) > 0  # some kept
+    assert core.scheduler.speculation.proposer is not None and sum(s.accepted for s in seqs) > 0  # some kept
     assert got == [reference.generate(p, params).token_ids for p in prompts]
     assert core.tables.pool.num_free == core.tables.pool.num_blocks

@@ -199,8 +199,9 @@ def test_a_draft_whose_proposals_keep_missing_backs_off(reference: ReferenceEngi
 
     got, (seq,), core, _ = run(reference, [prompt], params, Wrong(), speculative="ngram", speculative_k=4)
     assert got == [want] and seq.accepted == 0
-    # steps 0, 1, 3, 7, 15, 31, then 63 and 95 (a wait of 31 steps between them)
-    assert core.scheduler.checks == (8 if runs_model else 99)  # (the last step has no room for one)
+    # steps 0, 1, 3, 7, 15, 31, then 63 and 95 (a wait of 31 steps between them; the last step has
+    # no room for one)
+    assert core.scheduler.speculation.checks == (8 if runs_model else 99)
 
 
 def test_the_worker_measures_what_speculating_gains_over_plain_steps(reference: ReferenceEngine) -> None:

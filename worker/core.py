@@ -308,9 +308,9 @@ class WorkerCore:
             store_dropped=self.store.take_dropped() if self.store is not None else (),
             received=self.received,
             refused_peers=refused_peers,
-            proposed_tokens=s.proposed_tokens,
-            accepted_tokens=s.accepted_tokens,
-            speculative_checks=s.checks,
+            proposed_tokens=s.speculation.proposed_tokens,
+            accepted_tokens=s.speculation.accepted_tokens,
+            speculative_checks=s.speculation.checks,
             speculation=self.speculation.gain(profile.decode_step_seconds),
             kv_store=self._store_counters(),
         )
