@@ -103,7 +103,7 @@ class ModelRunner:
                 "the C kernels, heads of a multiple of 64 dims and blocks of a multiple of 16 tokens"
             )
         self.kv_caches = allocate_kv_cache(cfg, num_blocks, block_size, self.device, kv_cache_dtype)
-        self.decoder_chunk_tokens = DECODER_CHUNK_TOKENS  # (a benchmark may set it: 1, decode steps only)
+        self.decoder_chunk_tokens = DECODER_CHUNK_TOKENS  # (0: every step by the forward, to compare)
 
     @property
     def weight_bytes(self) -> int:

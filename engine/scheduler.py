@@ -189,7 +189,7 @@ class Scheduler:
                     spots.append(len(chunks))
                 chunks.append(Chunk(seq, seq.num_cached, seq.num_tokens))
                 budget -= 1 + k
-        if wanted:  # each proposal on its sequence's decode chunk; the budget of tokens not proposed back
+        if wanted:  # each proposal on its sequence's decode chunk; tokens not proposed give budget back
             for i, (_, _, k), proposal in zip(spots, wanted, self.speculation.propose(wanted), strict=True):
                 chunks[i] = Chunk(chunks[i].seq, chunks[i].start, chunks[i].stop, proposal)
                 budget += k - len(proposal)
