@@ -85,7 +85,8 @@ def load_model(
 
     ``dtype`` overrides the checkpoint's ``torch_dtype`` (float32, bfloat16 or float16). Without it, a
     half-precision checkpoint is computed in float32 on a CPU that lacks native half-precision math.
-    ``quantization``: a worker's setting of that name; ``gguf`` also reads the file's own blocks.
+    ``quantization``: a worker's setting of that name; ``gguf`` also reads the file's own blocks, as
+    ``w4a8`` does where the model was converted from a GGUF file.
     """
     path = Path(path)
     cfg = ModelConfig.from_pretrained(path, dtype)
@@ -127,9 +128,15 @@ def load_model(
         raise CheckpointError(f"checkpoint in {path} lacks tensor(s): {shown}")
     model.load_state_dict(state, strict=True, assign=True)
     model.inv_freq = model.inv_freq.to(device)
-    if quantization == "gguf":
-        _attach_gguf_blocks(model, path, places)
+    if quantization == "gguf" or (quantization == "w4a8" and _has_gguf_blocks(path)):
+        _attach_gguf_blocks(model, path, places)  # (w4a8 takes a GGUF file's 4-bit blocks as they are)
     return model.eval().requires_grad_(False)
+
+
+def _has_gguf_blocks(path: Path) -> bool:
+    from pdfabric.engine.gguf_checkpoint import QUANTIZED_FILE
+
+    return (path / QUANTIZED_FILE).is_file()
 
 
 def _attach_gguf_blocks(model: LlamaForCausalLM, path: Path, places: dict[str, tuple[str, slice]]) -> None:

@@ -138,14 +138,16 @@ def grouped_form(
     """The grouped weight ``linear`` (the model's ``name``) is held as under ``quantization``: its int4
     quantization (from ``quantizer``), the GGUF blocks the loader gave it (``gguf_blocks``), or None
     where it keeps its own dtype (another quantization, an input count that is not a multiple of 32,
-    no blocks)."""
+    no blocks). Under ``w4a8`` a GGUF file's 4-bit blocks (Q4_0, Q4_1, Q4_K: a scale and an offset
+    per 32 inputs, as int4's) are taken as they are: the file's own weights, nothing quantized again."""
     if linear.in_features % GROUP:
         return None
+    blocks = getattr(linear, "gguf_blocks", None)
+    if quantization == "w4a8" and blocks is not None and blocks.bits == 4:
+        return blocks
     if quantization in ("int4", "w4a8"):
         return quantizer.int4(name, linear.weight)
-    if quantization == "gguf":
-        return getattr(linear, "gguf_blocks", None)
-    return None
+    return blocks if quantization == "gguf" else None
 
 
 def _w8a8_or_none(quantization: str, in_features: int) -> str:

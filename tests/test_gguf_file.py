@@ -275,6 +275,40 @@ def test_a_gguf_files_q5_q3_k_and_q6_k_tensors_are_multiplied_as_they_are(
     assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
 
 
+def test_w4a8_takes_a_gguf_files_4_bit_blocks_as_they_are(tmp_path: Path) -> None:
+    """Under ``--quantization w4a8`` a GGUF file's Q4_0 and Q4_1 tensors are held as the file has them
+    (not dequantized and quantized again) and multiplied by int8 activations: each such layer gives
+    ``w4a8_reference`` over the file's blocks to the bit; a tensor in another format (Q8_0) is
+    quantized to int4 as for any checkpoint."""
+    import torch
+
+    from pdfabric.engine.loader import load_model
+    from pdfabric.kernels.linear_cpu import grouped_form
+    from pdfabric.kernels.w8a8_ref import w4a8_reference
+
+    source = resolve_model("tiny")
+    cfg = json.loads((source / "config.json").read_text())
+    weights = load_file(str(source / "model.safetensors"))
+    # tiny's down projection has 176 inputs, not groups of 32: it stays in float32
+    grouped = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")
+    kinds = {n: "Q4_1" if "self_attn" in n else "Q4_0" for n in weights if n.split(".")[-2] in grouped}
+    kinds["model.layers.0.self_attn.o_proj.weight"] = "Q8_0"
+    path = tmp_path / "q4.gguf"
+    write_gguf(path, cfg, weights, quantize=kinds)
+    model = load_model(ensure_gguf(path), "float32", quantization="w4a8")
+    layer = model.model.layers[0]
+    qkv, o, gate_up = layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj
+    assert grouped_form(qkv, "w4a8") is qkv.gguf_blocks and qkv.gguf_blocks.bits == 4
+    assert grouped_form(gate_up, "w4a8") is gate_up.gguf_blocks and gate_up.gguf_blocks.bits == 4
+    assert o.gguf_blocks.bits == 8 and grouped_form(o, "w4a8").bits == 4  # quantized to int4
+    held = ReferenceEngine(str(path), dtype="float32", quantization="w4a8")
+    x = torch.randn(7, cfg["hidden_size"])
+    packed = held.model.model.layers[0].self_attn.qkv_proj
+    assert packed.quantization == "w4a8" and torch.equal(packed(x), w4a8_reference(x, qkv.gguf_blocks, None))
+    out = held.generate(list(range(20, 50)), SamplingParams(max_tokens=8, ignore_eos=True))
+    assert len(out.token_ids) == 8
+
+
 def test_a_qwen2_gguf_file_answers_what_its_checkpoint_answers(tmp_path: Path) -> None:
     """A qwen2 GGUF file (q/k/v biases, rows as Hugging Face keeps them, a tied head) converted and
     served in float32 gives the logits of the Hugging Face Qwen2 checkpoint it was written from."""
