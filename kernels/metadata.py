@@ -59,13 +59,7 @@ class AttentionMetadata:
             tokens.extend(range(len(tokens), len(tokens) + q_len))
             seqs.extend([s] * q_len)
             ctx.extend(range(s_len - q_len + 1, s_len + 1))
-        as_int = {"dtype": torch.int32, "device": self.seq_lens.device}
-        return SingleQueryRows(
-            token=torch.tensor(tokens, **as_int),
-            seq=torch.tensor(seqs, **as_int),
-            ctx_len=torch.tensor(ctx, **as_int),
-            seqs_host=tuple(seqs),
-        )
+        return SingleQueryRows.of(tokens, seqs, ctx, self.seq_lens.device)
 
     @cached_property
     def single_query_rows(self) -> SingleQueryRows:
@@ -78,13 +72,7 @@ class AttentionMetadata:
                 seqs.append(s)
                 ctx.append(s_len)
             start += q_len
-        as_int = {"dtype": torch.int32, "device": self.seq_lens.device}
-        return SingleQueryRows(
-            token=torch.tensor(tokens, **as_int),
-            seq=torch.tensor(seqs, **as_int),
-            ctx_len=torch.tensor(ctx, **as_int),
-            seqs_host=tuple(seqs),
-        )
+        return SingleQueryRows.of(tokens, seqs, ctx, self.seq_lens.device)
 
     @staticmethod
     def build(
@@ -126,10 +114,20 @@ class AttentionMetadata:
 
 @dataclass(frozen=True)
 class SingleQueryRows:
-    """Sequences with one new token this step: the token's row in the batch, the sequence's index
-    and how many cached tokens it attends to (its ``seq_len``)."""
+    """Kernel rows of one query token each: the token's row in the batch, its sequence's index and
+    how many cached tokens it attends to (a decode row: its sequence's ``seq_len``)."""
 
     token: torch.Tensor  # [R] int32
     seq: torch.Tensor  # [R] int32
     ctx_len: torch.Tensor  # [R] int32
     seqs_host: tuple[int, ...]
+
+    @staticmethod
+    def of(tokens: list[int], seqs: list[int], ctx: list[int], device: torch.device) -> SingleQueryRows:
+        as_int = {"dtype": torch.int32, "device": device}
+        return SingleQueryRows(
+            token=torch.tensor(tokens, **as_int),
+            seq=torch.tensor(seqs, **as_int),
+            ctx_len=torch.tensor(ctx, **as_int),
+            seqs_host=tuple(seqs),
+        )
