@@ -28,7 +28,9 @@ itself (``engine/stepper.py``), so a draft changes speed, never tokens.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections import OrderedDict
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,6 +44,9 @@ from pdfabric.engine.speculate import Wanted
 
 if TYPE_CHECKING:
     from pdfabric.engine.model import LlamaForCausalLM
+    from pdfabric.worker_config import WorkerConfig
+
+log = logging.getLogger("pdfabric.engine.draft")
 
 # A draft with a cache of its own computes at most this many of its sequences' tokens it lacks
 # (prompts, mostly) in one scheduling pass; a sequence still catching up proposes nothing meanwhile.
@@ -230,3 +235,45 @@ class DraftModel:
         with torch.inference_mode():
             logits = self.runner.step(entries)  # [entries with needs_logits, vocab]
         return [int(t) for t in logits.argmax(dim=-1).tolist()]
+
+
+def build_draft(cfg: WorkerConfig, target: Path, served: ModelRunner) -> DraftModel:
+    """The draft model of a worker's ``cfg`` serving ``target`` (``draft_model``, default the served
+    model itself, held as ``draft_quantization``, its first ``draft_layers`` decoder layers if set):
+    over ``served``'s KV cache where its layers have that cache's layout and ``draft_cache`` is
+    auto, else over a cache of its own (one block until ``DraftModel.resize``). A draft whose
+    tokenizer is not the served model's is refused (its token ids would mean other text)."""
+    from pdfabric.engine.default_model import resolve_model
+    from pdfabric.engine.loader import load_model
+    from pdfabric.engine.quantized_cache import quantizer_for
+
+    path = resolve_model(cfg.draft_model or cfg.model)
+    draft = load_model(path, cfg.dtype, served.device, cfg.draft_quantization)  # on the served model's device
+    ours, theirs = (p / "tokenizer.json" for p in (target, path))
+    same = (
+        ours.read_bytes() == theirs.read_bytes()
+        if ours.exists() and theirs.exists()
+        else ours.exists() == theirs.exists()
+    )
+    if draft.config.vocab_size != served.config.vocab_size or not same:
+        raise ValueError(f"draft model {path} does not share the served model's tokenizer ({target})")
+    if cfg.draft_layers:
+        draft = truncated(draft, cfg.draft_layers)
+    d, s = draft.config, served.config
+    fits = (
+        cfg.draft_cache == "auto"
+        and (d.num_kv_heads, d.head_dim) == (s.num_kv_heads, s.head_dim)
+        and d.num_layers <= s.num_layers
+        and draft.model.norm.weight.dtype == served.model.model.norm.weight.dtype
+    )
+    # one block of its own, until it drafts over the served model's cache (or its own is sized); a
+    # cache of its own is held in the draft's dtype
+    runner = ModelRunner(
+        draft, 1, cfg.block_size, linears=cfg.linears, quantization=cfg.draft_quantization,
+        kv_cache_dtype=served.kv_cache_dtype if fits else "auto",
+        quantizer=quantizer_for(path, draft, cfg.draft_quantization),
+    )  # fmt: skip
+    own = cfg.draft_cache == "own" or not shares_layout(runner, served)
+    if own:
+        log.info("draft model %s drafts over a KV cache of its own (draft_cache %s)", path, cfg.draft_cache)
+    return DraftModel(runner, served, own_cache=own)

@@ -103,7 +103,7 @@ def test_preempted_sequences_draft_again_from_their_new_blocks(reference: Refere
 def test_a_draft_of_the_models_first_layers_changes_speed_never_tokens(reference: ReferenceEngine) -> None:
     """The served model cut to its first 2 of 3 layers drafts over the served caches' first 2 layers:
     it proposes, some proposals are kept, and the output is the reference's."""
-    from pdfabric.worker.loop import build_draft
+    from pdfabric.engine.draft import build_draft
     from pdfabric.worker_config import WorkerConfig
 
     cfg = WorkerConfig(
@@ -128,7 +128,7 @@ def test_a_draft_of_the_models_first_layers_changes_speed_never_tokens(reference
 
 
 def test_a_draft_of_another_tokenizer_is_refused(reference: ReferenceEngine, hf_llama_dir: Path) -> None:
-    from pdfabric.worker.loop import build_draft
+    from pdfabric.engine.draft import build_draft
     from pdfabric.worker_config import WorkerConfig
 
     def draft(model: str) -> DraftModel:
@@ -199,7 +199,8 @@ def test_a_smaller_model_of_another_kv_layout_drafts_in_a_cache_of_its_own(
     """cpu-small served (bfloat16, 8 KV heads of 128) with tiny as its draft (float32, 2 KV heads of
     16): the draft gets a cache of its own, sized with the worker's budget, and the output is the
     served model's own."""
-    from pdfabric.worker.loop import build_draft, build_engine
+    from pdfabric.engine.draft import build_draft
+    from pdfabric.worker.loop import build_engine
     from pdfabric.worker_config import WorkerConfig
 
     cfg = WorkerConfig(kind="decode", model="cpu-small", speculative="draft", draft_model="tiny",

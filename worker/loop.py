@@ -270,6 +270,8 @@ def build_engine(cfg: WorkerConfig) -> Engine:
                  cfg.quantization, quantizer.read, quantizer.root, quantizer.written)  # fmt: skip
     proposer = None
     if cfg.speculative == "draft" and cfg.kind != "prefill":  # prefill workers never speculate
+        from pdfabric.engine.draft import build_draft
+
         proposer = build_draft(cfg, path, runner)
     # a draft's weights, and a cache of its own (as many blocks as the served one), share the budget
     spec = CoreSpec.sized(
@@ -293,50 +295,6 @@ def open_store(cfg: WorkerConfig, engine: Engine) -> HostKVStore:
     layout = layout_of(runner.kv_caches, runner.kv_tiled)
     salt = store_salt(cfg, engine.model_dir or Path(cfg.model), layout)
     return HostKVStore(cfg, salt, lambda: runner.kv_caches, runner.kv_tiled)
-
-
-def build_draft(cfg: WorkerConfig, target: Path, served: ModelRunner) -> DraftModel:
-    """The draft model of ``cfg`` (``draft_model``, default the served model itself, held as
-    ``draft_quantization``, its first ``draft_layers`` decoder layers if set): over ``served``'s KV
-    cache where its layers have that cache's layout and ``draft_cache`` is auto, else over a cache of
-    its own (one block until ``DraftModel.resize``). A draft whose tokenizer is not the served
-    model's is refused (its token ids would mean other text)."""
-    from pdfabric.engine.default_model import resolve_model
-    from pdfabric.engine.draft import DraftModel, shares_layout, truncated
-    from pdfabric.engine.loader import load_model
-    from pdfabric.engine.quantized_cache import quantizer_for
-    from pdfabric.engine.runner import ModelRunner
-
-    path = resolve_model(cfg.draft_model or cfg.model)
-    draft = load_model(path, cfg.dtype, _device(cfg.device), cfg.draft_quantization)
-    ours, theirs = (p / "tokenizer.json" for p in (target, path))
-    same = (
-        ours.read_bytes() == theirs.read_bytes()
-        if ours.exists() and theirs.exists()
-        else ours.exists() == theirs.exists()
-    )
-    if draft.config.vocab_size != served.config.vocab_size or not same:
-        raise ValueError(f"draft model {path} does not share the served model's tokenizer ({target})")
-    if cfg.draft_layers:
-        draft = truncated(draft, cfg.draft_layers)
-    d, s = draft.config, served.config
-    fits = (
-        cfg.draft_cache == "auto"
-        and (d.num_kv_heads, d.head_dim) == (s.num_kv_heads, s.head_dim)
-        and d.num_layers <= s.num_layers
-        and draft.model.norm.weight.dtype == served.model.model.norm.weight.dtype
-    )
-    # one block of its own, until it drafts over the served model's cache (or its own is sized); a
-    # cache of its own is held in the draft's dtype
-    runner = ModelRunner(
-        draft, 1, cfg.block_size, linears=cfg.linears, quantization=cfg.draft_quantization,
-        kv_cache_dtype=served.kv_cache_dtype if fits else "auto",
-        quantizer=quantizer_for(path, draft, cfg.draft_quantization),
-    )  # fmt: skip
-    own = cfg.draft_cache == "own" or not shares_layout(runner, served)
-    if own:
-        log.info("draft model %s drafts over a KV cache of its own (draft_cache %s)", path, cfg.draft_cache)
-    return DraftModel(runner, served, own_cache=own)
 
 
 def run_worker(
