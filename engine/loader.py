@@ -128,23 +128,23 @@ def load_model(
         raise CheckpointError(f"checkpoint in {path} lacks tensor(s): {shown}")
     model.load_state_dict(state, strict=True, assign=True)
     model.inv_freq = model.inv_freq.to(device)
-    if quantization == "gguf" or (quantization == "w4a8" and _has_gguf_blocks(path)):
-        _attach_gguf_blocks(model, path, places)  # (w4a8 takes a GGUF file's 4-bit blocks as they are)
+    if quantization in ("gguf", "w4a8"):  # (w4a8 takes a GGUF file's 4-bit blocks as they are)
+        _attach_gguf_blocks(model, path, places, required=quantization == "gguf")
     return model.eval().requires_grad_(False)
 
 
-def _has_gguf_blocks(path: Path) -> bool:
-    from pdfabric.engine.gguf_checkpoint import QUANTIZED_FILE
-
-    return (path / QUANTIZED_FILE).is_file()
-
-
-def _attach_gguf_blocks(model: LlamaForCausalLM, path: Path, places: dict[str, tuple[str, slice]]) -> None:
+def _attach_gguf_blocks(
+    model: LlamaForCausalLM, path: Path, places: dict[str, tuple[str, slice]], required: bool = True
+) -> None:
+    """Gives the layers the blocks of the GGUF file the model was converted from; a model converted
+    from none has none (a ``CheckpointError`` where they are ``required``)."""
     from pdfabric.engine.gguf_checkpoint import QUANTIZED_FILE
     from pdfabric.kernels.quantized import GroupedWeight, from_gguf
 
     file = path / QUANTIZED_FILE
     if not file.is_file():
+        if not required:
+            return
         raise CheckpointError(
             f"quantization 'gguf' serves a model converted from a GGUF file; {path} has no {QUANTIZED_FILE}"
         )
