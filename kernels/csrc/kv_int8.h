@@ -225,12 +225,12 @@ static void attend_tile_int8(const job_t *j, int h, int t0, const int8_view_t *v
         for (int m = 0; m < rows_padded; m += MR)
             for (int c0 = 0; c0 < d; c0 += DIM_STEP)
                 pv_block((const uint32_t *)(probs + m * lds), lds / 2, key_pairs, one, key_pairs, d, c0,
-                         o + (int64_t)m * d, d, 0);
+                         o + (int64_t)m * d, d, 0, MR);
     } else {
         for (int m = 0; m < rows_padded; m += MR)
             for (int c0 = 0; c0 < d; c0 += DIM_STEP)
                 pv_block((const uint32_t *)(probs + m * lds), lds / 2, key_pairs, (const void *const *)view->vs,
-                         view->seg_pairs, d, c0, o + (int64_t)m * d, d, 1);
+                         view->seg_pairs, d, c0, o + (int64_t)m * d, d, 1, MR);
     }
     write_rows(j, h, t0, rows, group, o, inv);
 }

@@ -38,7 +38,9 @@
 #endif
 
 #define TILE_TOKENS 16 /* query tokens per work item */
-#define MR 4           /* query rows per register block */
+#define MR 4           /* query rows per register block where a tile has few rows (decode rows) */
+#define MR_WIDE 6      /* ... and where it has many: 6 x 4 accumulators read each key and value vector
+                        * for 6 rows instead of 4, so a prompt tile moves 2/3 of the bytes per product */
 #define PANEL 64       /* keys per packed key panel: four 16-lane vectors */
 #define DIM_STEP 64    /* output dims per register block of P V */
 #define MAX_GROUP 16
@@ -241,12 +243,13 @@ static void tiled_view(const job_t *j, int h, uint32_t *tail, kv_view_t *view) {
     view->seg_pairs = bs / 2;
 }
 
-/* Scores of MR packed query rows against one key panel, the four 16-key groups g[0..3] (each laid out
- * [dim pair][16 keys]): s[m][0:PANEL] = scale * q[m] . k. */
-static inline void qk_block(const uint32_t *q, int pairs, const uint32_t *const *g, float scale, float *s,
-                            int64_t lds) {
-    __m512 acc[MR][4];
-    for (int m = 0; m < MR; m++)
+/* Scores of mr (a constant: MR or MR_WIDE) packed query rows against one key panel, the four 16-key
+ * groups g[0..3] (each laid out [dim pair][16 keys]): s[m][0:PANEL] = scale * q[m] . k. Each row's sums
+ * run over the pairs in order, whatever mr: a row's scores do not depend on the rows beside it. */
+static inline __attribute__((always_inline)) void qk_block(const uint32_t *q, int pairs, const uint32_t *const *g,
+                                                           float scale, float *s, int64_t lds, const int mr) {
+    __m512 acc[MR_WIDE][4];
+    for (int m = 0; m < mr; m++)
         for (int x = 0; x < 4; x++) acc[m][x] = _mm512_setzero_ps();
     for (int p = 0; p < pairs; p++) {
         for (int x = 0; x < 4; x++) _mm_prefetch((const char *)(g[4 + x] + p * GROUP_KEYS), _MM_HINT_T0);
@@ -254,7 +257,7 @@ static inline void qk_block(const uint32_t *q, int pairs, const uint32_t *const 
         const __m512bh b1 = (__m512bh)_mm512_loadu_si512(g[1] + p * GROUP_KEYS);
         const __m512bh b2 = (__m512bh)_mm512_loadu_si512(g[2] + p * GROUP_KEYS);
         const __m512bh b3 = (__m512bh)_mm512_loadu_si512(g[3] + p * GROUP_KEYS);
-        for (int m = 0; m < MR; m++) {
+        for (int m = 0; m < mr; m++) {
             const __m512bh a = (__m512bh)_mm512_set1_epi32((int)q[m * pairs + p]);
             acc[m][0] = _mm512_dpbf16_ps(acc[m][0], a, b0);
             acc[m][1] = _mm512_dpbf16_ps(acc[m][1], a, b1);
@@ -263,7 +266,7 @@ static inline void qk_block(const uint32_t *q, int pairs, const uint32_t *const 
         }
     }
     const __m512 sc = _mm512_set1_ps(scale);
-    for (int m = 0; m < MR; m++)
+    for (int m = 0; m < mr; m++)
         for (int x = 0; x < 4; x++) _mm512_storeu_ps(s + m * lds + 16 * x, _mm512_mul_ps(acc[m][x], sc));
 }
 
@@ -276,16 +279,17 @@ static inline __m512bh value_pairs(const char *v, int int8) {
     return _mm512_cvtne2ps_pbh(b, a);
 }
 
-/* o[m][c0:c0+DIM_STEP] = sum over key pairs of P's pair times the values' pair, for MR rows. Key pairs
+/* o[m][c0:c0+DIM_STEP] = sum over key pairs of P's pair times the values' pair, for mr rows (a constant:
+ * MR or MR_WIDE; each row's sum runs over the pairs in order, whatever mr). Key pairs
  * come in segments of seg_pairs, segment i at vs[i] laid out [key pair][dim] (bfloat16, or int8 where
  * int8: an int8 cache's values, widened as they are read); the sum runs over the pairs in order
  * whatever the segments. */
 static inline __attribute__((always_inline)) void pv_block(const uint32_t *p, int64_t ldp, int key_pairs,
                                                            const void *const *vs, int seg_pairs, int d, int c0,
-                                                           float *o, int ldo, int int8) {
+                                                           float *o, int ldo, int int8, const int mr) {
     const int64_t value = int8 ? 1 : 2, row = 2 * (int64_t)d * value; /* bytes a value, a key pair */
-    __m512 acc[MR][4];
-    for (int m = 0; m < MR; m++)
+    __m512 acc[MR_WIDE][4];
+    for (int m = 0; m < mr; m++)
         for (int x = 0; x < 4; x++) acc[m][x] = _mm512_setzero_ps();
     for (int k0 = 0; k0 < key_pairs; k0 += seg_pairs) {
         const char *seg = (const char *)vs[k0 / seg_pairs] + 2 * c0 * value;
@@ -296,7 +300,7 @@ static inline __attribute__((always_inline)) void pv_block(const uint32_t *p, in
             for (int64_t x = 0; x < 2 * value; x++) _mm_prefetch(next + i * row + 64 * x, _MM_HINT_T0);
             const __m512bh b0 = value_pairs(vr, int8), b1 = value_pairs(vr + 32 * value, int8);
             const __m512bh b2 = value_pairs(vr + 64 * value, int8), b3 = value_pairs(vr + 96 * value, int8);
-            for (int m = 0; m < MR; m++) {
+            for (int m = 0; m < mr; m++) {
                 const __m512bh a = (__m512bh)_mm512_set1_epi32((int)p[m * ldp + k0 + i]);
                 acc[m][0] = _mm512_dpbf16_ps(acc[m][0], a, b0);
                 acc[m][1] = _mm512_dpbf16_ps(acc[m][1], a, b1);
@@ -305,7 +309,7 @@ static inline __attribute__((always_inline)) void pv_block(const uint32_t *p, in
             }
         }
     }
-    for (int m = 0; m < MR; m++)
+    for (int m = 0; m < mr; m++)
         for (int x = 0; x < 4; x++) _mm512_storeu_ps(o + m * ldo + c0 + 16 * x, acc[m][x]);
 }
 
@@ -326,6 +330,21 @@ static inline void prefetch_panel_values(const void *const *vs, int seg_pairs, i
     }
 }
 
+/* Where a tile of `rows` query rows ends once padded to whole row blocks: blocks of MR_WIDE, then
+ * one of MR for a remainder of 1 to MR rows (so a decode row's group of up to MR rows is one block of
+ * MR, as before). Padding rows hold zero queries and zero weights. */
+static inline int tile_rows_end(int rows) {
+    const int wide = rows / MR_WIDE * MR_WIDE, rest = rows - wide;
+    return rest == 0 ? wide : rest <= MR ? wide + MR : wide + MR_WIDE;
+}
+
+/* Rows of scratch a tile of up to `rows` rows needs: tile_rows_end's, or a multiple of MR for the
+ * int8 cache's tiles (kv_int8.h), which take blocks of MR only. */
+static inline int tile_rows_room(int rows) {
+    const int by_mr = (rows + MR - 1) / MR * MR, end = tile_rows_end(rows);
+    return end > by_mr ? end : by_mr;
+}
+
 /* Step 3: the tile's rows of o (rows, MR-padded, d wide, the query heads sharing kv head h of tokens
  * t0 ...) divided by their sums and written to out in bfloat16. */
 static void write_rows(const job_t *j, int h, int t0, int rows, int group, const float *o, const float *inv) {
@@ -344,7 +363,7 @@ static void attend_tile(const job_t *j, int h, int t0, const kv_view_t *view, fl
                         uint32_t *qpack, float *o, float *inv) {
     const int d = j->head_dim, pairs = d / 2, group = j->q_heads / j->kv_heads;
     const int tokens = j->q_len - t0 < TILE_TOKENS ? j->q_len - t0 : TILE_TOKENS;
-    const int rows = tokens * group, rows_padded = (rows + MR - 1) / MR * MR;
+    const int rows = tokens * group, rows_padded = tile_rows_end(rows);
     const int past = j->seq_len - j->q_len; /* cached tokens before the chunk */
     const int keys = past + t0 + tokens;     /* the most any row of the tile sees */
     const int panels = (keys + PANEL - 1) / PANEL;
@@ -356,13 +375,19 @@ static void attend_tile(const job_t *j, int h, int t0, const kv_view_t *view, fl
         const uint16_t *src = j->q + (int64_t)(t0 + r / group) * j->q_stride + (int64_t)(h * group + r % group) * d;
         memcpy(qpack + (int64_t)r * pairs, src, (size_t)d * sizeof *src);
     }
-    for (int m = 0; m < rows_padded; m += MR)
+    for (int m = 0, mr; m < rows_padded; m += mr) {
+        mr = rows_padded - m >= MR_WIDE ? MR_WIDE : MR;
         for (int b = 0; b < panels; b++) {
             if (m == 0)
                 prefetch_panel_values((const void *const *)view->vs, view->seg_pairs, 4 * (int64_t)d, b, keys);
-            qk_block(qpack + (int64_t)m * pairs, pairs, view->kg + 4 * b, j->scale, scores + m * lds + (int64_t)b * PANEL,
-                     lds);
+            const uint32_t *qm = qpack + (int64_t)m * pairs;
+            float *sm = scores + m * lds + (int64_t)b * PANEL;
+            if (mr == MR_WIDE)
+                qk_block(qm, pairs, view->kg + 4 * b, j->scale, sm, lds, MR_WIDE);
+            else
+                qk_block(qm, pairs, view->kg + 4 * b, j->scale, sm, lds, MR);
         }
+    }
 
     /* exact softmax per row over its causal range; probabilities past the range are zero */
     for (int r = 0; r < rows_padded; r++) {
@@ -372,10 +397,18 @@ static void attend_tile(const job_t *j, int h, int t0, const kv_view_t *view, fl
             memset(probs + r * lds, 0, (size_t)lds * sizeof *probs);
     }
     const int key_pairs = (keys + 1) / 2;
-    for (int m = 0; m < rows_padded; m += MR)
-        for (int c0 = 0; c0 < d; c0 += DIM_STEP)
-            pv_block((const uint32_t *)(probs + m * lds), lds / 2, key_pairs, (const void *const *)view->vs,
-                     view->seg_pairs, d, c0, o + (int64_t)m * d, d, 0);
+    for (int m = 0, mr; m < rows_padded; m += mr) {
+        mr = rows_padded - m >= MR_WIDE ? MR_WIDE : MR;
+        const uint32_t *pm = (const uint32_t *)(probs + m * lds);
+        for (int c0 = 0; c0 < d; c0 += DIM_STEP) {
+            if (mr == MR_WIDE)
+                pv_block(pm, lds / 2, key_pairs, (const void *const *)view->vs, view->seg_pairs, d, c0,
+                         o + (int64_t)m * d, d, 0, MR_WIDE);
+            else
+                pv_block(pm, lds / 2, key_pairs, (const void *const *)view->vs, view->seg_pairs, d, c0,
+                         o + (int64_t)m * d, d, 0, MR);
+        }
+    }
     write_rows(j, h, t0, rows, group, o, inv);
 }
 
@@ -469,7 +502,7 @@ static int prefill(const void *q, int64_t q_stride, const void *k, const void *v
         return 2;
     }
     const int group = q_heads / kv_heads, tiles = (q_len + TILE_TOKENS - 1) / TILE_TOKENS;
-    const int rows_padded = (TILE_TOKENS * group + MR - 1) / MR * MR;
+    const int rows_padded = tile_rows_room(TILE_TOKENS * group);
     const size_t lds = (size_t)job.keys_padded;
     int status = 0;
 #pragma omp parallel num_threads(threads) reduction(| : status)
@@ -547,7 +580,7 @@ static int decode_rows(const void *q, int64_t q_stride, const void *k, const voi
     if (!pd_prefill_supported(head_dim)) return 3;
 #ifdef HAVE_AVX512_BF16
     const int parts = plan.parts, items = plan.items;
-    const int group = q_heads / kv_heads, rows_padded = (group + MR - 1) / MR * MR;
+    const int group = q_heads / kv_heads, rows_padded = tile_rows_room(group);
     const size_t lds = (size_t)(plan.longest + PANEL - 1) / PANEL * PANEL;
     const size_t packed = layout == DENSE ? lds * (size_t)head_dim : 0; /* words of packed keys and values */
     const size_t per_view = view_words_of(plan.longest, head_dim, block_size, layout);
