@@ -17,9 +17,11 @@ A draft of another layout (a smaller model of the family: other heads, other wid
 or one told to (``draft_cache = "own"``: other weights), holds a cache of its own (``own_cache``),
 as many blocks as the served model's, and computes each sequence's tokens into it itself, on the
 worker: the prompt the first time the sequence drafts (at most ``CATCH_UP_TOKENS`` of it a step, so
-a long prompt delays no step by more than that), then what the served model kept of each proposal.
-What a sequence holds there is checked against its tokens before each draft (a rejected proposal's
-positions are recomputed), and its blocks go to other sequences least recently drafted first.
+a long prompt delays no step by more than that, while the others catch up on their few kept tokens
+as usual), then what the served model kept of each proposal. What a sequence holds there is checked
+against its tokens before each draft (a rejected proposal's positions are recomputed). When blocks
+run short, a sequence takes those of the sequences that drafted least recently (a finished
+sequence's come back at once), or proposes nothing this step.
 
 The output is the served model's own: a proposed token is kept only where the served model picks it
 itself (``engine/stepper.py``), so a draft changes speed, never tokens.
@@ -38,7 +40,7 @@ from torch import nn
 
 from pdfabric.engine.block_pool import blocks_for
 from pdfabric.engine.kv_cache import kv_bytes_per_token
-from pdfabric.engine.runner import ModelRunner, StepEntry
+from pdfabric.engine.runner import DECODER_CHUNK_TOKENS, ModelRunner, StepEntry
 from pdfabric.engine.sequence import SeqState, Sequence
 from pdfabric.engine.speculate import Wanted
 
@@ -124,6 +126,7 @@ class DraftModel:
         self._free = list(range(runner.num_blocks)) if own_cache else []
         self.steps = 0  # draft model steps run
         self.caught_up = 0  # tokens computed into its own cache that it lacked (prompts, kept proposals)
+        self.taken = 0  # blocks taken from sequences still decoding, for others
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -141,6 +144,15 @@ class DraftModel:
         for seq, _, _ in wanted:
             if seq.num_cached != seq.num_tokens - 1:
                 raise ValueError(f"{seq.request_id}: a draft proposes for decoding sequences only")
+        try:
+            return self._propose(wanted)
+        except BaseException:  # its own cache may not hold what _plan noted: forget what these hold
+            for seq, _, _ in wanted:
+                if seq.request_id in self._held:
+                    self._drop(seq.request_id)
+            raise
+
+    def _propose(self, wanted: list[Wanted]) -> list[tuple[int, ...]]:
         if self.own_cache:
             plans, filling = self._plan(wanted)
         else:
@@ -173,26 +185,32 @@ class DraftModel:
         """For each wanted sequence, what the first draft step runs in the own cache (the tokens it
         lacks up to its last one, where they start, its blocks) or None where it does not draft now;
         and the entries that only fill the cache (a prompt longer than what is left of this pass's
-        ``CATCH_UP_TOKENS``)."""
-        names = {seq.request_id for seq, _, _ in wanted}
+        ``CATCH_UP_TOKENS``). A sequence that lacks at most ``DECODER_CHUNK_TOKENS`` (what a check
+        kept, the usual case) catches up whatever the budget: a long prompt never costs the others
+        their proposals."""
+        for name in [n for n, held in self._held.items() if held.seq.state is SeqState.FINISHED]:
+            self._drop(name)
         budget, plans, filling = CATCH_UP_TOKENS, [], []
+        planned: set[str] = set()  # sequences whose blocks this pass's steps use
         runner = self.runner
         limit = min(runner.config.max_position_embeddings, runner.num_blocks * runner.block_size)
         for seq, _, k in wanted:
-            held = self._held.get(seq.request_id)
-            if held is None or held.seq is not seq:  # new here (or another object of that name)
-                if held is not None:
-                    self._drop(seq.request_id)
-                held = self._held[seq.request_id] = _Held(seq, [])
-            self._held.move_to_end(seq.request_id)
+            name = seq.request_id
+            held = self._held.get(name)
+            if held is not None and held.seq is not seq:  # another object of that name: start again
+                self._drop(name)
+                held = None
             end = seq.num_tokens + k - 1  # positions written: its tokens, then all but the last proposal
-            if end > limit or not self._grow(held, blocks_for(end, self.runner.block_size), names):
+            if end > limit or not self._grow(seq, held, blocks_for(end, runner.block_size), planned):
                 plans.append(None)
                 continue
+            held = self._held[name]
+            self._held.move_to_end(name)  # the most recently drafted
+            planned.add(name)
             start = min(held.valid(), seq.num_tokens - 1)
             held.confirmed, held.drafted = start, ()
             lacking = seq.num_tokens - start
-            if lacking > budget and lacking > 1:
+            if lacking > budget and lacking > DECODER_CHUNK_TOKENS:
                 if budget:  # what fits now, without logits; the rest in the next passes
                     filling.append(StepEntry(seq.token_slice(start, start + budget), start,
                                              tuple(held.blocks), needs_logits=False))  # fmt: skip
@@ -206,22 +224,23 @@ class DraftModel:
             plans.append(StepEntry(seq.token_slice(start, seq.num_tokens), start, tuple(held.blocks)))
         return plans, filling
 
-    def _grow(self, held: _Held, blocks: int, keep: set[str]) -> bool:
-        """Gives ``held`` ``blocks`` blocks, taking those of finished sequences, then of sequences not in
-        ``keep`` that drafted least recently, if none are free; False if even so there are not enough
-        (a sequence left with none is forgotten)."""
-        need = blocks - len(held.blocks)
+    def _grow(self, seq: Sequence, held: _Held | None, blocks: int, planned: set[str]) -> bool:
+        """Gives ``seq`` (``held``: what it holds, None if nothing) ``blocks`` blocks. Where too
+        few are free it takes those of the sequences that drafted least recently, except those already
+        planned in this pass, whose steps use theirs; False, taking nothing, if even all of those would
+        not be enough."""
+        name, need = seq.request_id, blocks - (len(held.blocks) if held is not None else 0)
         if need > len(self._free):
-            others = [name for name in self._held if name not in keep]
-            done = [name for name in others if self._held[name].seq.state is SeqState.FINISHED]
-            for name in done + [name for name in others if name not in done]:
-                self._drop(name)
+            others = [n for n in self._held if n != name and n not in planned]  # least recent first
+            if need > len(self._free) + sum(len(self._held[n].blocks) for n in others):
+                return False
+            for other in others:
+                self.taken += len(self._held[other].blocks)
+                self._drop(other)
                 if need <= len(self._free):
                     break
-        if need > len(self._free):
-            if not held.blocks:
-                del self._held[held.seq.request_id]
-            return False
+        if held is None:
+            held = self._held[name] = _Held(seq, [])
         if need > 0:
             held.blocks += self._free[len(self._free) - need :]
             del self._free[len(self._free) - need :]

@@ -131,7 +131,7 @@ class Speculation:
         # the next proposal's length follows this one's outcome
         seq.speculate_k = proposed * 2 if kept == proposed else max(1, kept)
         # a draft that keeps missing costs its steps for each token: after n misses in a row the
-        # sequence decodes 2^(n-1) - 1 steps plainly before it drafts again
+        # sequence lets 2^(n-1) - 1 of the steps in which it would draft go by before it drafts again
         seq.speculate_misses = 0 if kept else seq.speculate_misses + 1
         if seq.speculate_misses and self.proposer.runs_model:
             seq.speculate_wait = min(MAX_SPECULATE_WAIT, (1 << min(seq.speculate_misses - 1, 8)) - 1)

@@ -14,7 +14,9 @@
  *   act    = silu(gate) * up of normed Wgu^T    pd_linear, pd_silu_mul
  *   x     += act Wdown^T                        pd_linear, the residual add
  * The residual add rounds float32(x) + float32(y) to the model dtype, as torch's in-place add does.
- * Only steps whose every sequence has one new token come here (their attention is decode rows).
+ * Steps whose every sequence has a few new tokens come here (engine/runner.py: DECODER_CHUNK_TOKENS at
+ * most): each new token is a decode row of its sequence, attending up to itself, the step's KV written
+ * first, so a position gets the bits a prompt chunk gives it.
  *
  * dtype: 0 float32, 1 bfloat16, for activations, weights and cache alike.
  */

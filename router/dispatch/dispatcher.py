@@ -135,7 +135,10 @@ class Dispatcher:
         for t in self._tasks:
             t.cancel()
         if self._tasks:  # bounded: a loop stuck in a socket call must not hold the router's exit
-            _, stuck = await asyncio.wait(self._tasks, timeout=CLOSE_WAIT_S)
+            done, stuck = await asyncio.wait(self._tasks, timeout=CLOSE_WAIT_S)
+            for t in done:  # a loop that had died of an error before: say so (and retrieve it)
+                if not t.cancelled() and t.exception() is not None:
+                    log.error("router loop %s had failed", t, exc_info=t.exception())
             for t in stuck:
                 log.warning("router loop %s did not stop within %.0f s of being cancelled", t, CLOSE_WAIT_S)
         if self._monitor is not None:
