@@ -5,8 +5,10 @@ A request's life in a ``DecodeCore``:
 1. ``Reserve`` arrives: blocks for the prompt are reserved, ``ExpectKV`` tells the KV receiver to
    accept them, and their ids go back to the router (``Reserved``); the sequence waits for its KV
    (WAITING_FOR_KV). No room, or a prompt that cannot fit: an empty ``Reserved`` with the reason.
-2. The KV lands (``transfer_ended`` DONE); its first token rides on it. The sequence joins the
-   running batch at the next step boundary (RUNNING), or ends at once if that token finished it.
+2. The KV lands (``transfer_ended`` DONE); its first token rides on it. Blocks of the prompt that
+   the host store held (found, not read, at the reservation) are read in. The sequence joins the
+   running batch at the next step boundary (RUNNING), or ends at once if that token finished it; if
+   a store block failed its check, it is first computed again here from there (WAITING).
 3. One token per step, streamed to the router in each step's ``StepOutputs``.
 4. It ends (FINISHED) on a stop token or its length limit (blocks freed at once), or while its KV is
    still in flight: on an ``Abort`` (``CancelKV``) or a failed transfer (an error delta). Then its

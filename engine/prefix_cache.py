@@ -8,7 +8,10 @@ sequence looks up and records, and counts the prompt tokens queried and found.
 Beyond the pool a ``HostTier`` (the host's KV store, ``kvtransfer/host_store.py``) may hold more: the
 pool's evicted blocks go to it (``BlockPool.on_evict``), and a prompt whose cached prefix ends in the
 pool continues in the tier, read into fresh blocks before the step that needs them (the tier starts
-reading them when the prompt is queued: ``read_ahead``).
+reading them when the prompt is queued: ``read_ahead``). A decode worker's reservation, which is
+answered at once, only finds and reserves the tier's blocks (``attach(..., defer=True)``): the tier
+reads them while the prompt's KV comes from the prefill worker, and ``load_deferred`` copies them in
+when it has arrived.
 """
 
 from __future__ import annotations
@@ -74,10 +77,12 @@ class PrefixCache:
         self.prompt_tokens = 0  # prompt tokens scheduled for the first time (prefix cache queries)
         self.hit_tokens = 0  # of those, found in the cache (the pool or the tier)
         self.tier_hit_tokens = 0  # of those, read from the tier
+        self._deferred: dict[str, tuple[list[bytes], list[int]]] = {}  # request -> tier hashes, blocks
 
-    def attach(self, seq: Sequence) -> None:
+    def attach(self, seq: Sequence, defer: bool = False) -> None:
         """A waiting sequence without blocks starts from the cached blocks of its longest cached
-        prefix; never its last token, which the step that computes it samples from."""
+        prefix; never its last token, which the step that computes it samples from. With ``defer``
+        the tier's part gets fresh blocks but is not read yet: ``load_deferred`` reads it."""
         if seq.prefix_hit is None:
             self.prompt_tokens += len(seq.prompt_ids)
         if self.salt is None or seq.runs_whole:  # scored prompts and pooled ones run whole
@@ -91,15 +96,57 @@ class PrefixCache:
             self.tier.reused(blocks, hashes[: len(blocks)])
         loaded: list[int] = []
         if self.tier is not None and len(blocks) < len(hashes):
-            loaded = self._load(hashes[len(blocks) :])
+            rest = hashes[len(blocks) :]
+            loaded = self._claim(seq.request_id, rest) if defer else self._load(rest)
         if seq.prefix_hit is None:
             seq.prefix_hit = min((len(blocks) + len(loaded)) * pool.block_size, len(seq.prompt_ids))
             self.hit_tokens += seq.prefix_hit
             self.tier_hit_tokens += min(len(loaded) * pool.block_size, seq.prefix_hit)
+        pooled = len(blocks)
         blocks += loaded
         if blocks:
             self.tables.attach(seq.request_id, blocks)
-        seq.num_cached, seq.recorded = len(blocks) * pool.block_size, len(blocks)
+        # blocks claimed for a deferred load enter the pool's cache once read (``record``)
+        seq.num_cached = len(blocks) * pool.block_size
+        seq.recorded = pooled if seq.request_id in self._deferred else len(blocks)
+
+    def load_deferred(self, seq: Sequence) -> bool:
+        """Reads the tier's blocks that ``attach(seq, defer=True)`` claimed (read ahead meanwhile, so
+        mostly a copy); False if a block was missing or failed its check: then the blocks from there
+        on hold no KV, the counts say so, and the caller computes the prompt again."""
+        claimed = self._deferred.pop(seq.request_id, None)
+        if claimed is None:
+            return True
+        assert self.tier is not None
+        hashes, blocks = claimed
+        good = self.tier.load(hashes, blocks)
+        if good == len(blocks):
+            return True
+        for b, h in zip(blocks[:good], hashes, strict=False):  # these did come: the recompute finds them
+            self.tables.pool.cache(b, h)
+        lost = min((len(blocks) - good) * self.tables.pool.block_size, seq.prefix_hit or 0)
+        self.hit_tokens -= lost
+        self.tier_hit_tokens -= lost
+        seq.prefix_hit = (seq.prefix_hit or 0) - lost
+        return False
+
+    def forget(self, request_id: str) -> None:
+        """A sequence that ended: a deferred load it had is not to be done (its blocks go with it)."""
+        self._deferred.pop(request_id, None)
+
+    def _claim(self, request_id: str, hashes: list[bytes]) -> list[int]:
+        """Fresh blocks for the leading ``hashes`` the tier has (as many as the pool can supply), to
+        be read by ``load_deferred``; the tier starts reading them now."""
+        assert self.tier is not None
+        pool = self.tables.pool
+        n = min(self.tier.find(hashes[: pool.num_free]), pool.num_free)
+        if not n:
+            return []
+        blocks = pool.allocate(n)
+        assert blocks is not None
+        self.tier.read_ahead(hashes[:n])
+        self._deferred[request_id] = (hashes[:n], blocks)
+        return blocks
 
     def read_ahead(self, seq: Sequence) -> None:
         """A sequence just queued: asks the tier to start reading the blocks of its prompt that follow

@@ -123,13 +123,15 @@ class Scheduler:
 
     def reserve(self, seq: Sequence) -> tuple[list[int], int] | None:
         """Reserves blocks for a prompt whose KV arrives from elsewhere: (its whole block table, how
-        many leading blocks came from the prefix cache and need no KV sent); ``None`` when short."""
+        many leading blocks came from the prefix cache and need no KV sent); ``None`` when short. A
+        host store's part of the prefix is read while the KV travels, not here (``kv_arrived``)."""
         if seq.request_id in self._by_id or seq.request_id in self.tables:
             return None
-        self.prefix.attach(seq)
-        cached = seq.recorded
+        self.prefix.attach(seq, defer=True)
+        cached = seq.num_cached // self.tables.pool.block_size
         table = self.tables.grow(seq.request_id, len(seq.prompt_ids))
         if table is None:
+            self.prefix.forget(seq.request_id)
             self.tables.release(seq.request_id)  # the cached prefix goes back as it was
             seq.num_cached = seq.recorded = 0
             return None
@@ -141,13 +143,22 @@ class Scheduler:
     def kv_arrived(
         self, request_id: str, first_token: int, logprob: float, top: TopLogprobs = ()
     ) -> Sequence | None:
-        """The prompt's KV is in the reserved blocks: start decoding after ``first_token``.
+        """The prompt's KV is in the reserved blocks: start decoding after ``first_token``, once the
+        blocks a host store holds are read in. Should one fail its check, the sequence is computed
+        again here (as a preempted one is) before it decodes on.
 
         Returns the sequence, finished already if its first token ended it.
         """
         seq = self.awaiting_kv.pop(request_id, None)
         if seq is None:
             return None
+        if not self.prefix.load_deferred(seq):
+            self.tables.release(seq.request_id)
+            seq.num_cached = seq.recorded = 0
+            seq.state = SeqState.WAITING
+            self.waiting.appendleft(seq)
+            self._append(seq, first_token, logprob, top)
+            return seq
         seq.num_cached = len(seq.prompt_ids)
         self.prefix.record(seq)
         self._branch(seq)
@@ -343,6 +354,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self.awaiting_kv.pop(seq.request_id, None)
         self.handoff.pop(seq.request_id, None)
+        self.prefix.forget(seq.request_id)
         self.tables.release(seq.request_id)
         self._by_id.pop(seq.request_id, None)
         seq.state = SeqState.FINISHED

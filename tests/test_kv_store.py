@@ -16,13 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdfabric.control import Generate, StepOutputs, TokenDelta
-from pdfabric.decode.core import ColocatedCore
+from pdfabric.control import Generate, Prefill, Reserve, Reserved, StepOutputs, TokenDelta
+from pdfabric.decode.core import ColocatedCore, DecodeCore
 from pdfabric.engine.block_pool import chain_hashes
 from pdfabric.kvtransfer.host_store import HostKVStore
+from pdfabric.kvtransfer.state import TransferResult, TransferState
 from pdfabric.kvtransfer.store_tier import HEADER, TMP_PREFIX, TierDir
 from pdfabric.profile import WorkerProfile
 from pdfabric.sampling_params import SamplingParams
+from pdfabric.worker.kv import PushKV
 from pdfabric.worker.spec import FixedProfile
 from pdfabric.worker_config import WorkerConfig
 from tests.core_helpers import core_spec
@@ -428,6 +430,123 @@ def test_a_block_that_fails_its_check_is_recomputed_not_served(tiny: tuple, tmp_
     assert [d.cached_tokens for d in out if d.index == 0] == [48]  # three blocks, then recomputed
     assert store.ram is not None and store.ram.stats.bad == 1
     assert not files[3].exists()  # dropped, and not written again
+
+
+def _disaggregated_pair(path: Path, tmp_path: Path, num_blocks: int) -> tuple:
+    """A prefill core and a decode core on the tiny model, each with its runner and stepper; the
+    decode core with a host store (prefix caching on both)."""
+    from pdfabric.engine.loader import load_model
+    from pdfabric.engine.runner import ModelRunner
+    from pdfabric.engine.stepper import Stepper
+    from pdfabric.prefill.core import PrefillCore
+
+    cfg = dict(block_size=16, max_model_len=2048, max_running=4, max_batch_tokens=64, model="tiny",
+               prefix_caching=True, kv_store_ram_mb=4, kv_store_ram_dir=str(tmp_path / "ram"))  # fmt: skip
+    pre_runner, dec_runner = (ModelRunner(load_model(path), num_blocks, 16) for _ in range(2))
+    pre = PrefillCore(core_spec("prefill", num_blocks, **cfg), FixedProfile(WorkerProfile()))
+    spec = core_spec("decode", num_blocks, **cfg)
+    store = HostKVStore(spec.config, b"tiny", lambda: dec_runner.kv_caches, dec_runner.kv_tiled)
+    dec = DecodeCore(spec, FixedProfile(WorkerProfile()), "kv://d", store=store)
+    return (pre, Stepper(pre_runner), pre_runner), (dec, Stepper(dec_runner), dec_runner), store
+
+
+def _through(pair: tuple, rid: str, prompt: tuple[int, ...], params: SamplingParams) -> tuple:
+    """One request through the pair, its KV copied from the prefill runner's blocks into the decode
+    runner's reserved ones; returns (its tokens, the decode core's Reserved)."""
+    (pre, pre_stepper, pre_runner), (dec, dec_stepper, dec_runner) = pair
+    _, reserved = dec.handle(Reserve(rid, prompt, params, ()))
+    assert isinstance(reserved, Reserved) and reserved.block_ids
+    pre.handle(Prefill(rid, prompt, params, (), "kv://d", reserved.block_ids, reserved.cached_blocks))
+    deltas: list[TokenDelta] = []
+    push = None
+    while pre.has_work:
+        step = pre.schedule()
+        assert step is not None
+        for m in pre.complete(step, pre_stepper.run(step.chunks, pre.tables), 0.01):  # type: ignore[attr-defined]
+            deltas += m.deltas if isinstance(m, StepOutputs) else []
+            push = m if isinstance(m, PushKV) else push
+    assert push is not None
+    src, dst = (torch.tensor(b, dtype=torch.int64) for b in (push.local_blocks, push.remote_blocks))
+    for mine, theirs in zip(pre_runner.kv_caches, dec_runner.kv_caches, strict=True):
+        theirs.index_copy_(1, dst, mine.index_select(1, src))
+    meta = {"first_token": push.first_token, "first_logprob": push.first_logprob}
+    done = TransferResult(rid, TransferState.DONE, nbytes=1, seconds=0.001, meta=meta)
+    dec.transfer_ended(done)
+    pre.transfer_ended(done)
+    while dec.has_work:
+        step = dec.schedule()
+        assert step is not None
+        out = dec.complete(step, dec_stepper.run(step.chunks, dec.tables), 0.01)  # type: ignore[attr-defined]
+        deltas += [d for m in out if isinstance(m, StepOutputs) for d in m.deltas]
+    return _tokens(deltas, rid), reserved
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_a_decode_reservation_reads_its_store_hit_while_the_kv_travels(
+    tiny: tuple, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, corrupt: bool
+) -> None:
+    """A decode worker started again over its host store: a reservation finds the prompt's blocks
+    there and is answered without reading them (the prefill worker ships only the rest); they are
+    read in when the KV has arrived. A block that fails its check then is recomputed on the decode
+    worker, never served. Token-exact; no block leaked."""
+    reference, path = tiny
+    prompt = tuple(range(40, 140))  # 6 full blocks
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    want = reference.generate(list(prompt), params).token_ids
+    pre, dec, store = _disaggregated_pair(path, tmp_path, 32)
+    try:
+        got, first = _through((pre, dec), "first", prompt, params)
+        assert got == want and first.cached_blocks == 0
+        store.flush(*dec[0].tables.pool.cached_blocks())  # the decode worker stops
+    finally:
+        store.close()
+    if corrupt:
+        salt = dec[0].scheduler.config.prefix_salt or b""
+        bad = tmp_path / "ram" / f"{store.key(chain_hashes(prompt, 16, salt)[3]).hex()}.kv"
+        data = bytearray(bad.read_bytes())
+        data[-1] ^= 0x40
+        bad.write_bytes(data)
+    pre, dec, store = _disaggregated_pair(path, tmp_path, 32)  # started again: empty pools
+    loads: list[int] = []
+    real_load = store.load
+
+    def load(hashes: list[bytes], blocks: list[int]) -> int:
+        loads.append(len(blocks))
+        return real_load(hashes, blocks)
+
+    monkeypatch.setattr(store, "load", load)
+    try:
+        core = dec[0]
+        original = core.handle
+
+        def handle(msg: object) -> object:  # no store read while a reservation is answered
+            out = original(msg)
+            if isinstance(msg, Reserve):
+                assert loads == []
+            return out
+
+        monkeypatch.setattr(core, "handle", handle)
+        widest: list[int] = [0]  # the longest chunk the decode worker computed
+        real_run = dec[1].run
+
+        def run(chunks: list, tables: object) -> object:
+            widest[0] = max([widest[0]] + [c.stop - c.start for c in chunks])
+            return real_run(chunks, tables)
+
+        monkeypatch.setattr(dec[1], "run", run)
+        got, again = _through((pre, dec), "again", prompt, params)
+        assert got == want
+        assert again.cached_blocks == 6 and len(again.block_ids) == 1  # only the last block travels
+        assert loads  # read in once the KV had arrived
+        hit = core.scheduler.prefix.tier_hit_tokens
+        assert hit == (48 if corrupt else 96)  # three good blocks before the bad one, or all six
+        assert widest[0] == (101 - 48 if corrupt else 1)  # computed again past the 3 good blocks, or not
+        for c in (pre[0], core):
+            assert c.tables.pool.num_free == c.tables.pool.num_blocks
+    finally:
+        store.close()
+    if corrupt:
+        assert store.ram is not None and store.ram.stats.bad == 1 and not bad.exists()
 
 
 def test_the_store_salt_names_what_makes_kv_bytes_differ(tmp_path: Path) -> None:
