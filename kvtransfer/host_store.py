@@ -103,6 +103,7 @@ class HostKVStore:
         self.write_through = cfg.kv_store_write_through
         self._through: OrderedDict[bytes, None] = OrderedDict()  # hashes saved through, the latest
         self._stored: list[bytes] = []  # hashes saved through since ``take_stored``
+        self._lost: list[bytes] = []  # hashes found but not there to load (a file that failed its check)
         tiers = [str(t.path.resolve()) for t in (self.ram, self.disk) if t is not None]
         self.ident = hashlib.blake2b(json.dumps([*tiers, salt.hex()]).encode(), digest_size=8).hexdigest()
         self.capacity_blocks = sum(t.capacity for t in (self.ram, self.disk) if t is not None) // (
@@ -162,9 +163,10 @@ class HostKVStore:
 
     def take_dropped(self) -> tuple[bytes, ...]:
         """The prefix hashes of this model's blocks (this store's salt) that this worker deleted from
-        the store since the last call: evicted from the disk, or from RAM without a place on disk.
-        Another process's deletions are its own to report."""
-        dropped = []
+        the store since the last call: evicted from the disk, or from RAM without a place on disk, and
+        those a load found gone (a file that failed its check, by this process or another). Another
+        process's deletions to make room are its own to report."""
+        dropped, self._lost = self._lost, []
         for tier in (self.ram, self.disk):
             while tier is not None and tier.removed:
                 key, prefix = tier.removed.popleft()
@@ -193,6 +195,8 @@ class HostKVStore:
             got = self._load_chunk(chunk, blocks[first : first + len(chunk)])
             n += got
             if got < len(chunk):
+                if not self._has(self.key(chunk[got])):  # deleted for a failed check (or made room for)
+                    self._lost = [*self._lost[-HOT:], chunk[got]]
                 break
         self.load_seconds += time.perf_counter() - start
         return n

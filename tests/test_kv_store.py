@@ -424,6 +424,8 @@ def test_a_block_that_fails_its_check_is_recomputed_not_served(tiny: tuple, tmp_
     core, stepper, store = _worker(path, tmp_path, num_blocks=12)
     try:
         out = _serve(core, stepper, {"b": prompt})
+        hb = core.heartbeat(1e9)
+        assert hb is not None and hashes[3] in hb.store_dropped  # the router's view drops it too
     finally:
         store.close()  # (its reader too, which may be the one that found the bad block)
     assert _tokens(out, "b") == want
