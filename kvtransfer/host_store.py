@@ -104,6 +104,7 @@ class HostKVStore:
         self._through: OrderedDict[bytes, None] = OrderedDict()  # hashes saved through, the latest
         self._stored: list[bytes] = []  # hashes saved through since ``take_stored``
         self._lost: list[bytes] = []  # hashes found but not there to load (a file that failed its check)
+        self._asked: OrderedDict[bytes, bytes] = OrderedDict()  # key -> prefix hash of blocks to be read
         tiers = [str(t.path.resolve()) for t in (self.ram, self.disk) if t is not None]
         self.ident = hashlib.blake2b(json.dumps([*tiers, salt.hex()]).encode(), digest_size=8).hexdigest()
         self.capacity_blocks = sum(t.capacity for t in (self.ram, self.disk) if t is not None) // (
@@ -172,6 +173,10 @@ class HostKVStore:
                 key, prefix = tier.removed.popleft()
                 if self.key(prefix) == key:
                     dropped.append(prefix)
+            while tier is not None and tier.bad_keys:  # failed a check when read (by the loop or the reader)
+                prefix = self._asked.get(tier.bad_keys.popleft())
+                if prefix is not None:
+                    dropped.append(prefix)
         return tuple(dropped)
 
     def take_stored(self) -> tuple[bytes, ...]:
@@ -188,6 +193,7 @@ class HostKVStore:
         return n
 
     def load(self, hashes: Sequence[bytes], blocks: list[int]) -> int:
+        self._ask(hashes[: len(blocks)])
         start = time.perf_counter()
         n = 0
         for first in range(0, min(len(hashes), len(blocks)), CHUNK):
@@ -212,7 +218,18 @@ class HostKVStore:
         self._wait_idle(deadline)
 
     def read_ahead(self, hashes: Sequence[bytes]) -> None:
-        self.ahead.want([self.key(h) for h in hashes])
+        self.ahead.want(self._ask(hashes))
+
+    def _ask(self, hashes: Sequence[bytes]) -> list[bytes]:
+        """The keys of ``hashes``, remembered with them (a block that fails its check when read is
+        reported by its prefix hash: ``take_dropped``)."""
+        keys = [self.key(h) for h in hashes]
+        for key, h in zip(keys, hashes, strict=True):
+            self._asked[key] = h
+            self._asked.move_to_end(key)
+        while len(self._asked) > HOT:
+            self._asked.popitem(last=False)
+        return keys
 
     def close(self) -> None:
         self._queue.put(None)

@@ -70,6 +70,8 @@ class TierDir:
         # loop takes them (HostKVStore.take_dropped) while the writer thread adds more (a deque's
         # appends and pops are atomic)
         self.removed: deque[tuple[bytes, bytes]] = deque(maxlen=1 << 16)
+        # keys of the files this process deleted for failing their checks (any thread), oldest first
+        self.bad_keys: deque[bytes] = deque(maxlen=1 << 16)
 
     def file(self, key: bytes) -> Path:
         return self.path / f"{key.hex()}{SUFFIX}"
@@ -125,6 +127,7 @@ class TierDir:
             except OSError:
                 return False  # another reader found it bad first and deleted it: counted there
             self.stats.bad += 1
+            self.bad_keys.append(key)
             return False
         return True
 

@@ -406,7 +406,12 @@ def test_a_queued_prompts_store_hit_is_read_ahead_while_the_worker_steps(tiny: t
         store.close()
 
 
-def test_a_block_that_fails_its_check_is_recomputed_not_served(tiny: tuple, tmp_path: Path) -> None:
+@pytest.mark.parametrize("reader_first", [False, True])
+def test_a_block_that_fails_its_check_is_recomputed_not_served(
+    tiny: tuple, tmp_path: Path, reader_first: bool
+) -> None:
+    """A corrupted block file is deleted and recomputed, never served, and the worker reports it
+    gone, whether its loop or its read-ahead thread found it bad."""
     reference, path = tiny
     prompt = tuple(range(30, 130))
     want = reference.generate(list(prompt), SamplingParams(max_tokens=8, ignore_eos=True)).token_ids
@@ -423,6 +428,12 @@ def test_a_block_that_fails_its_check_is_recomputed_not_served(tiny: tuple, tmp_
     files[3].write_bytes(data)
     core, stepper, store = _worker(path, tmp_path, num_blocks=12)
     try:
+        if reader_first:  # the reader thread finds the bad file before the prompt's pass looks
+            store.read_ahead(hashes)
+            deadline = time.monotonic() + 10
+            while store.ram is not None and not store.ram.stats.bad and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert not files[3].exists()
         out = _serve(core, stepper, {"b": prompt})
         hb = core.heartbeat(1e9)
         assert hb is not None and hashes[3] in hb.store_dropped  # the router's view drops it too
