@@ -106,7 +106,7 @@ class PrefixCache:
         blocks += loaded
         if blocks:
             self.tables.attach(seq.request_id, blocks)
-        # blocks claimed for a deferred load enter the pool's cache once read (``record``)
+        # blocks claimed for a deferred load enter the pool's cache once read (``load_deferred``)
         seq.num_cached = len(blocks) * pool.block_size
         seq.recorded = pooled if seq.request_id in self._deferred else len(blocks)
 
@@ -117,13 +117,11 @@ class PrefixCache:
         claimed = self._deferred.pop(seq.request_id, None)
         if claimed is None:
             return True
-        assert self.tier is not None
         hashes, blocks = claimed
-        good = self.tier.load(hashes, blocks)
+        good = self._read(hashes, blocks)  # those read are cached: a recompute finds them
+        seq.recorded += good
         if good == len(blocks):
             return True
-        for b, h in zip(blocks[:good], hashes, strict=False):  # these did come: the recompute finds them
-            self.tables.pool.cache(b, h)
         lost = min((len(blocks) - good) * self.tables.pool.block_size, seq.prefix_hit or 0)
         self.hit_tokens -= lost
         self.tier_hit_tokens -= lost
@@ -135,17 +133,12 @@ class PrefixCache:
         self._deferred.pop(request_id, None)
 
     def _claim(self, request_id: str, hashes: list[bytes]) -> list[int]:
-        """Fresh blocks for the leading ``hashes`` the tier has (as many as the pool can supply), to
-        be read by ``load_deferred``; the tier starts reading them now."""
-        assert self.tier is not None
-        pool = self.tables.pool
-        n = min(self.tier.find(hashes[: pool.num_free]), pool.num_free)
-        if not n:
-            return []
-        blocks = pool.allocate(n)
-        assert blocks is not None
-        self.tier.read_ahead(hashes[:n])
-        self._deferred[request_id] = (hashes[:n], blocks)
+        """``_fresh``'s blocks, to be read by ``load_deferred``; the tier starts reading them now."""
+        blocks = self._fresh(hashes)
+        if blocks:
+            assert self.tier is not None
+            self.tier.read_ahead(hashes[: len(blocks)])
+            self._deferred[request_id] = (hashes[: len(blocks)], blocks)
         return blocks
 
     def read_ahead(self, seq: Sequence) -> None:
@@ -161,20 +154,33 @@ class PrefixCache:
             self.tier.read_ahead(hashes[held:])
 
     def _load(self, hashes: list[bytes]) -> list[int]:
-        """Fresh blocks holding the leading ``hashes`` the tier has (as many as the pool can supply),
-        cached in the pool: a prompt that cannot run yet and gives them back leaves them cached."""
+        """``_fresh``'s blocks read: those read and checked, cached in the pool (a prompt that cannot
+        run yet and gives them back leaves them cached)."""
+        blocks = self._fresh(hashes)
+        if not blocks:
+            return []
+        pool = self.tables.pool
+        good = self._read(hashes[: len(blocks)], blocks)
+        pool.free(blocks[good:])
+        return blocks[:good]
+
+    def _fresh(self, hashes: list[bytes]) -> list[int]:
+        """Fresh blocks for the leading ``hashes`` the tier holds, as many as the pool can supply."""
         assert self.tier is not None
         pool = self.tables.pool
         n = min(self.tier.find(hashes[: pool.num_free]), pool.num_free)
-        if not n:
-            return []
-        blocks = pool.allocate(n)
+        blocks = pool.allocate(n) if n else []
         assert blocks is not None
-        good = self.tier.load(hashes[:n], blocks)
+        return blocks
+
+    def _read(self, hashes: list[bytes], blocks: list[int]) -> int:
+        """Reads the tier's ``hashes`` into ``blocks`` and caches in the pool the leading ones read
+        and checked; how many those are."""
+        assert self.tier is not None
+        good = self.tier.load(hashes, blocks)
         for b, h in zip(blocks[:good], hashes, strict=False):
-            pool.cache(b, h)
-        pool.free(blocks[good:])
-        return blocks[:good]
+            self.tables.pool.cache(b, h)
+        return good
 
     def hashes(self, seq: Sequence, n: int) -> list[bytes]:
         """The prefix hashes of the sequence's first ``n`` full blocks."""

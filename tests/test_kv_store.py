@@ -24,6 +24,7 @@ from pdfabric.kvtransfer.state import TransferResult, TransferState
 from pdfabric.kvtransfer.store_tier import HEADER, TMP_PREFIX, TierDir
 from pdfabric.profile import WorkerProfile
 from pdfabric.sampling_params import SamplingParams
+from pdfabric.worker.core import WorkerCore
 from pdfabric.worker.kv import PushKV
 from pdfabric.worker.spec import FixedProfile
 from pdfabric.worker_config import WorkerConfig
@@ -280,17 +281,25 @@ def _worker(path: Path, tmp_path: Path, num_blocks: int, **store: object) -> tup
     return ColocatedCore(spec, FixedProfile(WorkerProfile()), store=store), Stepper(runner), store
 
 
+def _drain(core: WorkerCore, stepper: object) -> list[object]:
+    """Steps ``core`` with the real model until it has no work; every message its steps sent."""
+    sent: list[object] = []
+    while core.has_work:
+        step = core.schedule()
+        assert step is not None
+        sent += core.complete(step, stepper.run(step.chunks, core.tables), 0.01)  # type: ignore[attr-defined]
+    return sent
+
+
+def _deltas(sent: list[object]) -> list[TokenDelta]:
+    return [d for m in sent if isinstance(m, StepOutputs) for d in m.deltas]
+
+
 def _serve(core: ColocatedCore, stepper: object, requests: dict[str, tuple[int, ...]]) -> list[TokenDelta]:
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     for rid, prompt in requests.items():
         core.handle(Generate(rid, prompt, params, ()))
-    deltas: list[TokenDelta] = []
-    while core.has_work:
-        step = core.schedule()
-        assert step is not None
-        out = core.complete(step, stepper.run(step.chunks, core.tables), 0.01)  # type: ignore[attr-defined]
-        deltas += [d for m in out if isinstance(m, StepOutputs) for d in m.deltas]
-    return deltas
+    return _deltas(_drain(core, stepper))
 
 
 def test_prefixes_the_pool_evicted_or_a_restart_lost_come_back_from_the_store_token_exact(
@@ -470,15 +479,9 @@ def _through(pair: tuple, rid: str, prompt: tuple[int, ...], params: SamplingPar
     _, reserved = dec.handle(Reserve(rid, prompt, params, ()))
     assert isinstance(reserved, Reserved) and reserved.block_ids
     pre.handle(Prefill(rid, prompt, params, (), "kv://d", reserved.block_ids, reserved.cached_blocks))
-    deltas: list[TokenDelta] = []
-    push = None
-    while pre.has_work:
-        step = pre.schedule()
-        assert step is not None
-        for m in pre.complete(step, pre_stepper.run(step.chunks, pre.tables), 0.01):  # type: ignore[attr-defined]
-            deltas += m.deltas if isinstance(m, StepOutputs) else []
-            push = m if isinstance(m, PushKV) else push
-    assert push is not None
+    sent = _drain(pre, pre_stepper)
+    deltas = _deltas(sent)
+    [push] = [m for m in sent if isinstance(m, PushKV)]
     src, dst = (torch.tensor(b, dtype=torch.int64) for b in (push.local_blocks, push.remote_blocks))
     for mine, theirs in zip(pre_runner.kv_caches, dec_runner.kv_caches, strict=True):
         theirs.index_copy_(1, dst, mine.index_select(1, src))
@@ -486,11 +489,7 @@ def _through(pair: tuple, rid: str, prompt: tuple[int, ...], params: SamplingPar
     done = TransferResult(rid, TransferState.DONE, nbytes=1, seconds=0.001, meta=meta)
     dec.transfer_ended(done)
     pre.transfer_ended(done)
-    while dec.has_work:
-        step = dec.schedule()
-        assert step is not None
-        out = dec.complete(step, dec_stepper.run(step.chunks, dec.tables), 0.01)  # type: ignore[attr-defined]
-        deltas += [d for m in out if isinstance(m, StepOutputs) for d in m.deltas]
+    deltas += _deltas(_drain(dec, dec_stepper))
     return _tokens(deltas, rid), reserved
 
 
