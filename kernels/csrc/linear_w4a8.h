@@ -19,7 +19,7 @@
  *
  * Packed layout (bytes): d [panels][groups][64] float32, o the same, then each panel's octets of inputs,
  * panel[k / 8][64][4] uint8 (columns past n hold zero weights and zero d and o).
- * Included by linear_cpu.c after linear_w8a8.h (its quantize_rows, W8_GROUP, W8_ROWS, QUAD_CHUNK; w4a8() and
+ * Included by linear_cpu.c after linear_w8a8.h (its quantize_rows, W8_GROUP, W8_ROWS, QUAD_CHUNK, SUMS_IN_MEMORY; w4a8() and
  * the packed size are linear_cpu.c's).
  */
 #ifndef PDFABRIC_LINEAR_W4A8_H
@@ -105,6 +105,7 @@ static inline __attribute__((always_inline)) void w4_tile_rows(const w4_job_t *j
                 _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), _mm512_mul_ps(t, s)));
             }
         }
+        SUMS_IN_MEMORY(); /* as W8A8's tile */
     }
 #else
     for (int r = 0; r < rows; r++) {
