@@ -44,23 +44,40 @@ def w8a8_reference(
     return y.to(x.dtype)
 
 
+def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``a * b + c`` rounded once to float32 (to nearest, ties to even), as a fused multiply-add
+    rounds it: float32 tensors, broadcast. The product is exact in float64 and the sum's error exact
+    by Knuth's two-sum; the float64 sum rounded to float32 is right unless it lies on a midpoint
+    between two float32 values that the exact sum does not, where the error's sign picks the side."""
+    p, c64 = a.double() * b.double(), c.double()
+    s = p + c64
+    back = s - p
+    err = (p - (s - back)) + (c64 - back)
+    r = s.float()
+    other = torch.nextafter(r, torch.where(s > r.double(), torch.inf, -torch.inf).float())  # s's other side
+    mid = (s != r.double()) & (r.double() + other.double() == 2 * s)
+    above, below = torch.maximum(r, other), torch.minimum(r, other)
+    return torch.where(mid & (err > 0), above, torch.where(mid & (err < 0), below, r))
+
+
 def w4a8_reference(x: torch.Tensor, weight: GroupedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """The ``w4a8`` linear in torch, to the bit: ``x`` quantized by ``quantize_rows``; for each group,
-    the integer sums of its products with the 4-bit levels and of its quantized inputs (exact), then
-    in float32 and in this order: the group's scale d times the first, its offset o times the second,
-    their sum, times the inputs' scale, added group after group; plus the bias, rounded to ``x``'s
-    dtype. ``weight``: ``quantize_int4``'s (4 bits, groups of 32, offsets)."""
+    the integer sums P of its products with the 4-bit levels and S of its quantized inputs (exact),
+    then in float32 and in this order: P times the inputs' scale sx, the group's scale d times that
+    added to the running sum in one fused multiply-add (``fma32``), its offset o times S sx in
+    another, group after group; plus the bias, rounded to ``x``'s dtype. ``weight``:
+    ``quantize_int4``'s (4 bits, groups of 32, offsets)."""
     qx, sx = quantize_rows(x)
     m, k = qx.shape
     groups = k // GROUP
     xg = qx.double().reshape(m, groups, GROUP)
     parts = torch.einsum("mgi,ngi->gmn", xg, weight.q.double().reshape(-1, groups, GROUP)).float()
-    sums = xg.sum(dim=2).float()  # [m, groups]
+    sums = xg.sum(dim=2).float() * sx  # [m, groups]: each group's inputs summed, rounded once
     d, o = weight.scales.float(), weight.offsets.float()  # [n, groups]
     y = torch.zeros(m, weight.q.shape[0])
     for g in range(groups):  # each step rounded as the kernel rounds it
-        t = d[None, :, g] * parts[g] + o[None, :, g] * sums[:, g : g + 1]
-        y = y + t * sx[:, g : g + 1]
+        y = fma32(d[None, :, g], parts[g] * sx[:, g : g + 1], y)
+        y = fma32(o[None, :, g], sums[:, g : g + 1], y)
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)

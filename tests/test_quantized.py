@@ -7,6 +7,9 @@ expected to equal the unquantized model's; the tests check closeness of logits a
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+
 import numpy as np
 import pytest
 import torch
@@ -15,7 +18,7 @@ from pdfabric.engine.generate import ReferenceEngine
 from pdfabric.kernels.cpu_build import cpu_has_half_math
 from pdfabric.kernels.linear_cpu import InvariantLinear, quantize_int8
 from pdfabric.kernels.quantized import GroupedWeight, dequantize, from_gguf, quantize_int4
-from pdfabric.kernels.w8a8_ref import quantize_rows, w4a8_reference, w8a8_reference
+from pdfabric.kernels.w8a8_ref import fma32, quantize_rows, w4a8_reference, w8a8_reference
 from pdfabric.sampling_params import SamplingParams
 from tests.fabric import get_json, post_json, running_fabric, wait_blocks_free
 
@@ -95,6 +98,21 @@ def test_w8a8_linear_equals_its_torch_twin_to_the_bit_and_is_batch_invariant(
     assert torch.equal(lin(x[5:6]), y[5:6]) and torch.equal(y[3], b)
     # a byte a weight and a scale a column, columns padded to panels of 64
     assert lin.packed_weight.numel() == -(-n // 64) * 64 * (4 + k)
+
+
+def test_fma32_rounds_once_as_the_c_librarys_fmaf() -> None:
+    libm = ctypes.CDLL(ctypes.util.find_library("m"))
+    libm.fmaf.restype, libm.fmaf.argtypes = ctypes.c_float, [ctypes.c_float] * 3
+    torch.manual_seed(7)
+    a, b, c = (torch.randn(3000) * torch.logspace(-20, 20, 3000)[torch.randperm(3000)] for _ in range(3))
+    # where the float64 sum lands on a float32 midpoint the exact sum is below: 1 + 2^-23 is odd, so
+    # rounding the float64 sum 1 + 3 * 2^-24 would give 1 + 2^-22, the exact sum's nearest is 1 + 2^-23
+    a[0], b[0], c[0] = 2.0**-24 * (1 + 2.0**-15), 1 - 2.0**-15, 1 + 2.0**-23
+    a[1], b[1], c[1] = -a[0], b[0], -c[0]
+    want = torch.tensor([libm.fmaf(*v) for v in zip(a.tolist(), b.tolist(), c.tolist(), strict=True)])
+    naive = (a[0].double() * b[0].double() + c[0].double()).float()  # rounded twice
+    assert want[0].item() == 1 + 2.0**-23 and naive != want[0]
+    assert torch.equal(fma32(a, b, c), want)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
