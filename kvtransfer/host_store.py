@@ -45,7 +45,7 @@ import torch
 from pdfabric.kvtransfer.frames import host, layout_of
 from pdfabric.kvtransfer.messages import KVLayout
 from pdfabric.kvtransfer.store_ahead import ReadAhead
-from pdfabric.kvtransfer.store_tier import HEADER, TierDir, TierStats, read_first
+from pdfabric.kvtransfer.store_tier import HEADER, NO_OWNER, TierDir, TierStats, read_first
 from pdfabric.worker_config import WorkerConfig
 
 log = logging.getLogger("pdfabric.kvtransfer.host_store")
@@ -107,6 +107,8 @@ class HostKVStore:
         self._asked: OrderedDict[bytes, bytes] = OrderedDict()  # key -> prefix hash of blocks to be read
         tiers = [str(t.path.resolve()) for t in (self.ram, self.disk) if t is not None]
         self.ident = hashlib.blake2b(json.dumps([*tiers, salt.hex()]).encode(), digest_size=8).hexdigest()
+        self._owner = bytes.fromhex(self.ident)  # in the header of every block this store writes
+        self._others: dict[str, list[bytes]] = {}  # owner -> prefix hashes: other stores' blocks deleted
         self.capacity_blocks = sum(t.capacity for t in (self.ram, self.disk) if t is not None) // (
             HEADER.size + self.payload_bytes
         )
@@ -166,18 +168,28 @@ class HostKVStore:
         """The prefix hashes of this model's blocks (this store's salt) that this worker deleted from
         the store since the last call: evicted from the disk, or from RAM without a place on disk, and
         those a load found gone (a file that failed its check, by this process or another). Another
-        process's deletions to make room are its own to report."""
+        process's deletions to make room are its own to report; the blocks of other stores (another
+        model's, or the same model's with other tiers) this worker deleted go to ``take_dropped_others``."""
         dropped, self._lost = self._lost, []
         for tier in (self.ram, self.disk):
             while tier is not None and tier.removed:
-                key, prefix = tier.removed.popleft()
+                key, prefix, owner = tier.removed.popleft()
                 if self.key(prefix) == key:
                     dropped.append(prefix)
+                elif owner != NO_OWNER:
+                    self._others.setdefault(owner.hex(), []).append(prefix)
             while tier is not None and tier.bad_keys:  # failed a check when read (by the loop or the reader)
                 prefix = self._asked.get(tier.bad_keys.popleft())
                 if prefix is not None:
                     dropped.append(prefix)
         return tuple(dropped)
+
+    def take_dropped_others(self) -> dict[str, tuple[bytes, ...]]:
+        """The prefix hashes of other stores' blocks this worker deleted to make room, by the
+        identity (``ident``) of the store that wrote each, since the last call (``take_dropped``
+        collects them: call it first)."""
+        others, self._others = self._others, {}
+        return {owner: tuple(prefixes) for owner, prefixes in others.items()}
 
     def take_stored(self) -> tuple[bytes, ...]:
         """The prefix hashes saved through since the last call (for the router's view of the store)."""
@@ -334,10 +346,10 @@ class HostKVStore:
     def _write(self, key: bytes, payload: memoryview, prefix: bytes) -> None:
         """One block: into RAM (a disk hit copied up, or a save), else onto disk if admitted."""
         if self.ram is not None:
-            if self.ram.write(key, payload, prefix) and self.ram.over():
+            if self.ram.write(key, payload, prefix, self._owner) and self.ram.over():
                 self._spill()
         elif self.disk is not None and self._admit(key):
-            if self.disk.write(key, payload, prefix) and self.disk.over():
+            if self.disk.write(key, payload, prefix, self._owner) and self.disk.over():
                 self.disk.evict()
 
     def _spill(self) -> None:
@@ -348,7 +360,7 @@ class HostKVStore:
             moved = False
             if self.disk is not None and key is not None and self._admit(key):
                 block = self.ram.take(path, key, self.payload_bytes)
-                moved = block is not None and self.disk.write(key, block[1], block[0])
+                moved = block is not None and self.disk.write(key, block[2], block[0], block[1])
                 if moved and self.disk.over():
                     self.disk.evict()
             self.ram.remove(path, moved)

@@ -1,7 +1,8 @@
 """One tier of the host KV store: a directory of block files, bounded in bytes. No torch here.
 
 A block is one file, ``<key in hex>.kv``: a header (magic, the block's key, the pool's prefix hash it
-was saved under, the payload's length and crc32), then the payload. It is written under a temporary
+was saved under, its owner: the identity of the store that wrote it, the payload's length and
+crc32), then the payload. It is written under a temporary
 name and renamed into place, so a reader sees a whole file or none: a process killed mid-write
 leaves only a temporary file, which the next store opened on the directory removes. A file that
 fails its checks on reading (another key, another length, a wrong crc32: a torn write after a power
@@ -10,9 +11,10 @@ loss, a corrupted disk) is deleted and reported as a miss, never served.
 Several processes may share a directory (every worker on a host): each keeps a running estimate of
 the bytes in it, and when its estimate passes the capacity it lists the directory and deletes the
 least recently used files (by modification time, which a read refreshes) down to ``LOW_WATER`` of it.
-What it deletes is recorded (``removed``: key and prefix hash, read from the file's header), so that
-the worker can tell the router which prefixes its host's store no longer holds. Files of the earlier
-header (``PDKVBLK1``) fail their checks and are deleted as they are read.
+What it deletes is recorded (``removed``: key, prefix hash and owner, read from the file's header),
+so that the worker can tell the router which prefixes its host's store no longer holds, its own
+model's and, by their owners, other models'. Files of earlier headers (``PDKVBLK1``, ``PDKVBLK2``)
+fail their checks and are deleted as they are read.
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ from pathlib import Path
 
 from pdfabric.proc import alive
 
-MAGIC = b"PDKVBLK2"
-# magic, key, prefix hash, payload bytes, crc32 of the payload, padding
-HEADER = struct.Struct("<8s16s16sQI4x")
+MAGIC = b"PDKVBLK3"
+# magic, key, prefix hash, owner, payload bytes, crc32 of the payload, padding
+HEADER = struct.Struct("<8s16s16s8sQI4x")
 NO_PREFIX = bytes(16)  # a block saved without its prefix hash
+NO_OWNER = bytes(8)  # a block saved without its writer's store identity
 SUFFIX = ".kv"
 TMP_PREFIX = ".tmp-"
 LOW_WATER = 0.9  # an eviction pass brings a tier down to this share of its capacity
@@ -66,10 +69,10 @@ class TierDir:
         self.used = sum(size for _, size, _ in self._listing())
         self._counter = 0
         self._tag = secrets.token_hex(4)  # two tiers on one directory in one process never share a name
-        # (key, prefix hash) of the blocks this process deleted to make room, oldest first; the worker's
-        # loop takes them (HostKVStore.take_dropped) while the writer thread adds more (a deque's
-        # appends and pops are atomic)
-        self.removed: deque[tuple[bytes, bytes]] = deque(maxlen=1 << 16)
+        # (key, prefix hash, owner) of the blocks this process deleted to make room, oldest first; the
+        # worker's loop takes them (HostKVStore.take_dropped) while the writer thread adds more (a
+        # deque's appends and pops are atomic)
+        self.removed: deque[tuple[bytes, bytes, bytes]] = deque(maxlen=1 << 16)
         # keys of the files this process deleted for failing their checks (any thread), oldest first
         self.bad_keys: deque[bytes] = deque(maxlen=1 << 16)
 
@@ -102,13 +105,14 @@ class TierDir:
         self.stats.hits += 1
         self.stats.bytes_read += payload_bytes
 
-    def take(self, path: Path, key: bytes, payload_bytes: int) -> tuple[bytes, bytes] | None:
-        """The prefix hash and checked payload of the block file at ``path``, or ``None``; no recency
-        or hit is counted (a tier moving its blocks down reads so)."""
+    def take(self, path: Path, key: bytes, payload_bytes: int) -> tuple[bytes, bytes, bytes] | None:
+        """The prefix hash, owner and checked payload of the block file at ``path``, or ``None``; no
+        recency or hit is counted (a tier moving its blocks down reads so)."""
         buf = bytearray(HEADER.size + payload_bytes)
         if not self._load_into(path, key, memoryview(buf)):
             return None
-        return HEADER.unpack_from(buf)[2], bytes(memoryview(buf)[HEADER.size :])
+        _, _, prefix, owner, _, _ = HEADER.unpack_from(buf)
+        return prefix, owner, bytes(memoryview(buf)[HEADER.size :])
 
     def _load_into(self, path: Path, key: bytes, buf: memoryview) -> bool:
         """Reads the file at ``path`` into ``buf`` and checks it; a file that fails is deleted."""
@@ -131,12 +135,14 @@ class TierDir:
             return False
         return True
 
-    def write(self, key: bytes, payload: bytes | memoryview, prefix: bytes = NO_PREFIX) -> bool:
-        """Keeps ``payload`` under ``key``, with the pool's ``prefix`` hash it came from (write, then
-        publish by renaming); ``False`` if the write failed (the tier then makes room, so that the next
-        one may succeed)."""
+    def write(
+        self, key: bytes, payload: bytes | memoryview, prefix: bytes = NO_PREFIX, owner: bytes = NO_OWNER
+    ) -> bool:
+        """Keeps ``payload`` under ``key``, with the pool's ``prefix`` hash it came from and its
+        ``owner`` (the writing store's identity; write, then publish by renaming); ``False`` if the
+        write failed (the tier then makes room, so that the next one may succeed)."""
         payload = memoryview(payload).cast("B")
-        header = HEADER.pack(MAGIC, key, prefix, len(payload), zlib.crc32(payload))
+        header = HEADER.pack(MAGIC, key, prefix, owner, len(payload), zlib.crc32(payload))
         self._counter += 1
         tmp = self.path / f"{TMP_PREFIX}{os.getpid()}-{self._tag}-{self._counter}"
         try:
@@ -177,7 +183,7 @@ class TierDir:
 
     def remove(self, path: Path, moved: bool = False) -> None:
         """Deletes one of ``oldest``'s files (gone already: another process took it); unless ``moved``
-        (its block went to another tier), records its key and prefix hash in ``removed``."""
+        (its block went to another tier), records its key, prefix hash and owner in ``removed``."""
         try:
             with open(path, "rb") as f:
                 header = f.read(HEADER.size)
@@ -188,9 +194,9 @@ class TierDir:
         self.used -= size
         self.stats.evictions += 1
         if not moved and len(header) == HEADER.size:
-            magic, key, prefix, _, _ = HEADER.unpack(header)
+            magic, key, prefix, owner, _, _ = HEADER.unpack(header)
             if magic == MAGIC and prefix != NO_PREFIX:
-                self.removed.append((key, prefix))
+                self.removed.append((key, prefix, owner))
 
     def evict(self, at_least: int = 0) -> None:
         """Removes least recently used files down to ``LOW_WATER`` of capacity (and at least
@@ -246,7 +252,7 @@ def read_first(
 
 
 def _valid(data: memoryview, key: bytes, payload_bytes: int) -> bool:
-    magic, stored_key, _, length, crc = HEADER.unpack_from(data)
+    magic, stored_key, _, _, length, crc = HEADER.unpack_from(data)
     if magic != MAGIC or stored_key != key or length != payload_bytes:
         return False
     return zlib.crc32(data[HEADER.size :]) == crc

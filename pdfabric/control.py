@@ -81,6 +81,9 @@ class Heartbeat:
     # what it evicts goes there too), and of blocks it deleted from that store (to make room)
     stored: tuple[bytes, ...] = ()
     store_dropped: tuple[bytes, ...] = ()
+    # prefix hashes of blocks other stores on its host wrote (another model's) that it deleted from the
+    # shared tiers to make room, by the identity of the store that wrote them (``Register.kv_store``)
+    store_dropped_others: dict[str, tuple[bytes, ...]] = field(default_factory=dict)
     received: int = 0  # work messages (Generate, Reserve, Prefill) taken in since it registered
     refused_peers: int = 0  # handshakes its KV endpoint refused since it started (no cluster secret)
     proposed_tokens: int = 0  # tokens speculative decoding proposed here since it started

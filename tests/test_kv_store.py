@@ -215,9 +215,11 @@ def test_the_disk_takes_what_ram_lets_go_by_the_admission_rule(tmp_path: Path) -
         restarted.close()
 
 
-def test_a_store_reports_the_prefixes_of_its_models_blocks_it_deleted(tmp_path: Path) -> None:
+def test_a_store_reports_the_prefixes_of_the_blocks_it_deleted_by_their_owner(tmp_path: Path) -> None:
     """What the writer deletes to make room (not what RAM moves down to disk) comes back as prefix
-    hashes, only for blocks of the store's own salt; the router's view of the store drops them."""
+    hashes: its own model's blocks for its own view of the store, another model's by the identity of
+    the store that wrote them (kept through RAM's move down to disk); the router drops each from the
+    view it was credited to."""
     from dataclasses import replace
 
     from pdfabric.control import Heartbeat, Register
@@ -243,15 +245,24 @@ def test_a_store_reports_the_prefixes_of_its_models_blocks_it_deleted(tmp_path: 
         kept = [h for h in hashes[:20] if h not in dropped]
         assert all(store.find([h]) == 1 for h in kept)  # what moved to the disk is not reported
         assert len(kept) > 10 and len(_files(tmp_path / "disk")) > 0  # RAM's ten and the disk's
+        # the other model's two blocks, the oldest, went down to the disk and off it first
+        theirs = (b"x" * 16, b"y" * 16)
+        assert all(other.find([h]) == 0 for h in theirs)
+        assert store.take_dropped_others() == {other.ident: theirs} and store.take_dropped_others() == {}
         reg = Register("w", "colocated", "default", "tiny", 4096, 4, 8, "", 1, 8, 512, 1000, WorkerProfile(),
                        kv_store=store.ident, kv_store_blocks=store.capacity_blocks)  # fmt: skip
+        reg_other = replace(reg, worker_id="v", model="other", kv_store=other.ident)
         registry = Registry()
         registry.register(reg)
+        registry.register(reg_other)
         beat = Heartbeat("w", 0, 0, 0, 8, 8, 0.0, 0, 0.0, WorkerProfile())
+        registry.heartbeat(replace(beat, worker_id="v", evicted=theirs))
         registry.heartbeat(replace(beat, evicted=tuple(hashes[:20])))
-        registry.heartbeat(replace(beat, store_dropped=dropped))
+        assert registry.stores.cached_blocks(store_key(reg_other), theirs) == 2
+        registry.heartbeat(replace(beat, store_dropped=dropped, store_dropped_others={other.ident: theirs}))
         held = [h for h in hashes[:20] if registry.stores.cached_blocks(store_key(reg), [h])]
         assert held == kept
+        assert registry.stores.cached_blocks(store_key(reg_other), theirs) == 0
     finally:
         store.close()
         other.close()

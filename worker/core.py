@@ -306,6 +306,7 @@ class WorkerCore:
             evicted=evicted,
             stored=self.store.take_stored() if self.store is not None else (),
             store_dropped=self.store.take_dropped() if self.store is not None else (),
+            store_dropped_others=self.store.take_dropped_others() if self.store is not None else {},
             received=self.received,
             refused_peers=refused_peers,
             proposed_tokens=s.speculation.proposed_tokens,

@@ -31,6 +31,13 @@ class PrefixIndex:
         while len(held) > limit:
             held.popitem(last=False)
 
+    def drop(self, worker_id: str, hashes: Sequence[bytes]) -> None:
+        """Removes ``hashes`` from what ``worker_id`` holds (nothing if it holds none)."""
+        held = self._held.get(worker_id)
+        if held:
+            for h in hashes:
+                held.pop(h, None)
+
     def forget(self, worker_id: str) -> None:
         self._held.pop(worker_id, None)
         self._limit.pop(worker_id, None)

@@ -38,8 +38,8 @@ class Registry:
         self.prefixes = PrefixIndex()  # which prefixes each worker reported in its cache
         # which prefixes each host KV store holds (by ``store_key``): what its workers' pools evicted,
         # which went to the store, and what they saved through (``Heartbeat.stored``), less what
-        # they deleted from it (``Heartbeat.store_dropped``); kept while workers come and go, since the
-        # store outlives them
+        # they or another model's workers deleted from it (``Heartbeat.store_dropped``,
+        # ``store_dropped_others``); kept while workers come and go, since the store outlives them
         self.stores = PrefixIndex()
 
     def register(self, reg: Register) -> WorkerInfo:
@@ -61,6 +61,8 @@ class Registry:
             self.stores.update(store_key(info.reg), hb.evicted + hb.stored, (), info.reg.kv_store_blocks)
         if info.reg.kv_store and hb.store_dropped:
             self.stores.update(store_key(info.reg), (), hb.store_dropped, info.reg.kv_store_blocks)
+        for owner, dropped in hb.store_dropped_others.items():  # other models' blocks, same host
+            self.stores.drop(store_key(info.reg, owner), dropped)
         return True
 
     def remove(self, worker_id: str) -> WorkerInfo | None:
@@ -104,6 +106,7 @@ def has_route(registry: Registry, served: str | None = None) -> bool:
     return COLOCATED in kinds or (PREFILL in kinds and DECODE in kinds)
 
 
-def store_key(reg: Register) -> str:
-    """The host KV store a worker shares: its host and the store's id (its directories and salt)."""
-    return f"{reg.host}/{reg.kv_store}"
+def store_key(reg: Register, ident: str = "") -> str:
+    """The host KV store a worker shares: its host and the store's id (its directories and salt);
+    with ``ident``, that of another store on the worker's host."""
+    return f"{reg.host}/{ident or reg.kv_store}"
