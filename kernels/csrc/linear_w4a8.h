@@ -9,8 +9,8 @@
  * Activations: quantized as the call starts exactly as W8A8's (linear_w8a8.h's quantize_row: groups of 32,
  * a float32 scale sx each). A group's two integer sums are exact in int32; then, in float32 and in this
  * order: P times sx (rounded), and d times that added to the output's running sum in one fused
- * multiply-add, then o times S sx (rounded once a row and group) in another; group after group. Two
- * fused multiply-adds where separate ones took five operations made SmolLM2's layers 11% faster; the
+ * multiply-add, then o times S sx (rounded once a row and group) in another; group after group (four
+ * operations a sum where separate multiplies and adds took six: SmolLM2's layers 6-10% faster). The
  * torch reference (w8a8_ref.w4a8_reference, its fma32 exact) and plain C's fmaf round them the same, so
  * a row's result depends on nothing but the row.
  *
@@ -22,8 +22,8 @@
  *
  * Packed layout (bytes): d [panels][groups][64] float32, o the same, then each panel's octets of inputs,
  * panel[k / 8][64][4] uint8 (columns past n hold zero weights and zero d and o).
- * Included by linear_cpu.c after linear_w8a8.h (its quantize_rows, W8_GROUP, W8_ROWS, QUAD_CHUNK, SUMS_IN_MEMORY; w4a8() and
- * the packed size are linear_cpu.c's).
+ * Included by linear_cpu.c after linear_w8a8.h (its quantize_rows, W8_GROUP, W8_ROWS, QUAD_CHUNK and
+ * SUMS_IN_MEMORY; w4a8() and the packed size are linear_cpu.c's).
  */
 #ifndef PDFABRIC_LINEAR_W4A8_H
 #define PDFABRIC_LINEAR_W4A8_H
