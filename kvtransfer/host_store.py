@@ -108,6 +108,7 @@ class HostKVStore:
         tiers = [str(t.path.resolve()) for t in (self.ram, self.disk) if t is not None]
         self.ident = hashlib.blake2b(json.dumps([*tiers, salt.hex()]).encode(), digest_size=8).hexdigest()
         self._owner = bytes.fromhex(self.ident)  # in the header of every block this store writes
+        self._removed: list[bytes] = []  # hashes of this store's blocks its tiers deleted to make room
         self._others: dict[str, list[bytes]] = {}  # owner -> prefix hashes: other stores' blocks deleted
         self.capacity_blocks = sum(t.capacity for t in (self.ram, self.disk) if t is not None) // (
             HEADER.size + self.payload_bytes
@@ -170,14 +171,9 @@ class HostKVStore:
         those a load found gone (a file that failed its check, by this process or another). Another
         process's deletions to make room are its own to report; the blocks of other stores (another
         model's, or the same model's with other tiers) this worker deleted go to ``take_dropped_others``."""
-        dropped, self._lost = self._lost, []
+        self._sort_removed()
+        dropped, self._lost, self._removed = self._lost + self._removed, [], []
         for tier in (self.ram, self.disk):
-            while tier is not None and tier.removed:
-                key, prefix, owner = tier.removed.popleft()
-                if self.key(prefix) == key:
-                    dropped.append(prefix)
-                elif owner != NO_OWNER:
-                    self._others.setdefault(owner.hex(), []).append(prefix)
             while tier is not None and tier.bad_keys:  # failed a check when read (by the loop or the reader)
                 prefix = self._asked.get(tier.bad_keys.popleft())
                 if prefix is not None:
@@ -186,10 +182,21 @@ class HostKVStore:
 
     def take_dropped_others(self) -> dict[str, tuple[bytes, ...]]:
         """The prefix hashes of other stores' blocks this worker deleted to make room, by the
-        identity (``ident``) of the store that wrote each, since the last call (``take_dropped``
-        collects them: call it first)."""
+        identity (``ident``) of the store that wrote each, since the last call."""
+        self._sort_removed()
         others, self._others = self._others, {}
         return {owner: tuple(prefixes) for owner, prefixes in others.items()}
+
+    def _sort_removed(self) -> None:
+        """Takes what the tiers deleted to make room: this store's blocks for ``take_dropped``, other
+        stores' by their owner for ``take_dropped_others`` (blocks written without one are not told)."""
+        for tier in (self.ram, self.disk):
+            while tier is not None and tier.removed:
+                key, prefix, owner = tier.removed.popleft()
+                if self.key(prefix) == key:
+                    self._removed.append(prefix)
+                elif owner != NO_OWNER:
+                    self._others.setdefault(owner.hex(), []).append(prefix)
 
     def take_stored(self) -> tuple[bytes, ...]:
         """The prefix hashes saved through since the last call (for the router's view of the store)."""
