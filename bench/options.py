@@ -77,6 +77,13 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     )
     s.add_argument("--duration", type=float, metavar="S", help="keep requests arriving in the first S s")
     s.add_argument("--max-requests", type=int, metavar="N", help="keep the first N requests")
+    s.add_argument(
+        "--hash-block-tokens",
+        type=int,
+        metavar="B",
+        help="Mooncake traces: each hash id names B tokens instead of 512 and prompts shrink by B/512, "
+        "keeping every shared prefix of the trace",
+    )
     s.add_argument("--length-ratio", type=float, default=1.0, help="multiply input and output lengths by R")
     s.add_argument("--max-input-len", type=int, metavar="N", help="cap prompt lengths at N tokens")
     s.add_argument("--max-output-len", type=int, metavar="N", help="cap output lengths at N tokens")
@@ -169,6 +176,7 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
         length_ratio=args.length_ratio,
         max_input_len=args.max_input_len,
         max_output_len=args.max_output_len,
+        hash_block_tokens=args.hash_block_tokens,
     )
     workload = scaling.apply(base)
     if not workload.requests:

@@ -17,8 +17,9 @@ draft model).
 
 Ids are drawn uniformly from ``[0, vocab_size)`` with a seeded generator, so the same workload and seed
 give the same prompts against every deployment. A request with Mooncake ``hash_ids`` is built block by
-block: block ``h`` is the same ``PREFIX_BLOCK_TOKENS`` ids wherever ``h`` appears, so requests that share
-leading hash ids share a real token prefix (the last block is cut to the prompt's length).
+block: block ``h`` is the same ``PREFIX_BLOCK_TOKENS`` ids wherever ``h`` appears (their first
+``hash_block`` where scaling shrank the blocks), so requests that share leading hash ids share a real
+token prefix (the last block is cut to the prompt's length).
 """
 
 from __future__ import annotations
@@ -200,7 +201,7 @@ class PromptBuilder:
         for h in req.hash_ids:
             if have >= req.input_len:
                 break
-            block = self._block(h)[: req.input_len - have]
+            block = self._block(h)[: min(req.hash_block, req.input_len - have)]
             parts.append(block)
             have += len(block)
         if have < req.input_len:  # fewer hash ids than blocks: the rest is private to this request

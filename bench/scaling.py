@@ -5,11 +5,14 @@ Applied in this order, and recorded in the workload's ``scaling`` so every repor
 1. ``time_scale`` X: arrival times are divided by X (X > 1 replays faster, X < 1 slower).
 2. ``duration_s``: keep the requests that arrive within the first S seconds of the scaled clock.
 3. ``max_requests``: keep the first N of those.
-4. ``length_ratio`` R: input and output lengths are multiplied by R (rounded, at least 1 token).
-5. ``max_input_len`` / ``max_output_len``: lengths above the cap are cut to the cap.
+4. ``hash_block_tokens`` B (Mooncake traces): each hash id names B tokens instead of 512, and input
+   lengths are multiplied by B/512, so a prompt keeps every block id and the trace's whole pattern of
+   shared prefixes (which blocks repeat, and where) at a fraction of its tokens.
+5. ``length_ratio`` R: input and output lengths are multiplied by R (rounded, at least 1 token).
+6. ``max_input_len`` / ``max_output_len``: lengths above the cap are cut to the cap.
 
-Mooncake ``hash_ids`` follow the cut input: a prompt of L tokens keeps its first ceil(L/512) block ids,
-so shared prefixes stay shared (the last block may be partial).
+Mooncake ``hash_ids`` follow the cut input: a prompt of L tokens keeps its first ceil(L/B) block ids
+(B = 512 unless ``hash_block_tokens``), so shared prefixes stay shared (the last block may be partial).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class Scaling:
     length_ratio: float = 1.0
     max_input_len: int | None = None
     max_output_len: int | None = None
+    hash_block_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not (self.time_scale > 0 and math.isfinite(self.time_scale)):
@@ -40,6 +44,9 @@ class Scaling:
             raise ValueError(f"max_requests must be >= 1, got {self.max_requests}")
         if not (self.length_ratio > 0 and math.isfinite(self.length_ratio)):
             raise ValueError(f"length_ratio must be a finite number > 0, got {self.length_ratio}")
+        b = self.hash_block_tokens
+        if b is not None and not 1 <= b <= PREFIX_BLOCK_TOKENS:
+            raise ValueError(f"hash_block_tokens must be in 1..{PREFIX_BLOCK_TOKENS}, got {b}")
         for name in ("max_input_len", "max_output_len"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -62,13 +69,18 @@ class Scaling:
             reqs = reqs[: self.max_requests]
         out: list[Request] = []
         for k, r in enumerate(reqs):
-            n_in = self._length(r.input_len, self.max_input_len)
+            block, n_in = r.hash_block, r.input_len
+            if self.hash_block_tokens is not None and r.hash_ids:
+                block = self.hash_block_tokens
+                n_in = math.ceil(n_in * block / r.hash_block)  # every block keeps a token
+            n_in = self._length(n_in, self.max_input_len)
             n_out = self._length(r.output_len, self.max_output_len)
             hashes = r.hash_ids
             if hashes is not None:
-                hashes = hashes[: math.ceil(n_in / PREFIX_BLOCK_TOKENS)]
-            out.append(Request(index=k, arrival_s=r.arrival_s, input_len=n_in, output_len=n_out,
-                               hash_ids=hashes))
+                hashes = hashes[: math.ceil(n_in / block)]
+            out.append(
+                replace(r, index=k, input_len=n_in, output_len=n_out, hash_ids=hashes, hash_block=block)
+            )
         scaled = replace(workload, requests=tuple(out))
         record = {**asdict(self), "before": before, "after": _stats(scaled)}
         return replace(scaled, scaling={**workload.scaling, **record})

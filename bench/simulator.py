@@ -56,7 +56,7 @@ from pdfabric.bench.sim_link import SimLink
 from pdfabric.bench.sim_spec import SimWorker
 from pdfabric.bench.sim_worker import SimulatedWorker
 from pdfabric.bench.sse import spread_tokens
-from pdfabric.bench.workload import PREFIX_BLOCK_TOKENS, Request, Workload
+from pdfabric.bench.workload import Request, Workload
 from pdfabric.control import COLOCATED, DECODE, PREFILL, Embedded, Heartbeat, Register, TokenDelta
 from pdfabric.router.dispatch.core import RouterCore
 from pdfabric.router.dispatch.effects import Deliver, Effect, Refused, Send
@@ -72,13 +72,13 @@ Progress = Callable[[int, int], None]  # (requests finished, requests in all)
 def _prompt(r: Request) -> tuple[int, ...]:
     """Stand-in token ids for ``r``'s prompt that share a prefix with another request's exactly when
     the real prompts would, so that the workers' prefix caches hit as they would: block by
-    ``PREFIX_BLOCK_TOKENS``-token block along ``hash_ids`` (Mooncake traces), otherwise never (the
+    ``hash_block``-token block along ``hash_ids`` (Mooncake traces), otherwise never (the
     request's own index leads)."""
     if not r.hash_ids:
         return (-1 - r.index,) + (0,) * (r.input_len - 1)
     ids: list[int] = []
     for h in r.hash_ids:
-        ids += [h] * PREFIX_BLOCK_TOKENS
+        ids += [h] * r.hash_block
     if len(ids) < r.input_len:  # more tokens than named blocks: the rest is the request's own
         ids += [-1 - r.index] * (r.input_len - len(ids))
     return tuple(ids[: r.input_len])

@@ -18,8 +18,9 @@ PREFIX_BLOCK_TOKENS = 512
 class Request:
     """One request to send: when (seconds after the run starts), how long a prompt, how many tokens.
 
-    ``hash_ids`` (Mooncake traces only) name the prompt's ``PREFIX_BLOCK_TOKENS``-token blocks: two
-    requests whose ids agree on a leading run share that many blocks of identical prompt tokens.
+    ``hash_ids`` (Mooncake traces only) name the prompt's ``hash_block``-token blocks
+    (``PREFIX_BLOCK_TOKENS`` unless scaling shrank them): two requests whose ids agree on a leading
+    run share that many blocks of identical prompt tokens.
     """
 
     index: int
@@ -27,6 +28,7 @@ class Request:
     input_len: int
     output_len: int
     hash_ids: tuple[int, ...] | None = None
+    hash_block: int = PREFIX_BLOCK_TOKENS  # tokens each hash id names
     embed: bool = False  # an embedding input (output_len unused): the simulator batches it as the router does
 
     def __post_init__(self) -> None:
@@ -36,6 +38,10 @@ class Request:
             raise ValueError(
                 f"request {self.index}: input_len and output_len must be >= 1, "
                 f"got {self.input_len} and {self.output_len}"
+            )
+        if not 1 <= self.hash_block <= PREFIX_BLOCK_TOKENS:
+            raise ValueError(
+                f"request {self.index}: hash_block must be in 1..{PREFIX_BLOCK_TOKENS}, got {self.hash_block}"
             )
 
 
@@ -144,8 +150,9 @@ def shared_prefix_tokens(requests: tuple[Request, ...] | list[Request]) -> int |
     for r in sorted(requests, key=lambda r: (r.arrival_s, r.index)):
         ids = r.hash_ids or ()
         matching = True
-        for i in range(min(len(ids), -(-r.input_len // PREFIX_BLOCK_TOKENS))):
-            chain, own = ids[: i + 1], min(PREFIX_BLOCK_TOKENS, r.input_len - i * PREFIX_BLOCK_TOKENS)
+        b = r.hash_block
+        for i in range(min(len(ids), -(-r.input_len // b))):
+            chain, own = ids[: i + 1], min(b, r.input_len - i * b)
             if matching:
                 before = seen.get(chain, 0)
                 shared += min(before, own)

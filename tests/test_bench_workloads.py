@@ -182,3 +182,27 @@ def test_shared_prefix_tokens_count_what_repeats_an_earlier_prompt() -> None:
     prompts = PromptBuilder(PromptConfig(vocab_size=1000, seed=1))
     t0, t1, t4 = prompts.tokens(reqs[0]), prompts.tokens(reqs[1]), prompts.tokens(reqs[4])
     assert t1[: 2 * b + 100] == t0 and t4 == t0[:50]
+
+
+def test_smaller_hash_blocks_keep_every_shared_prefix_of_the_trace(mooncake: Workload) -> None:
+    """``hash_block_tokens`` shrinks prompts by B/512 but keeps each one's every block id, so the
+    reusable share of prompt tokens stays what it was at full length (cutting lengths leaves most
+    prompts only their first block, the one every conversation starts with, and inflates it)."""
+    head = Scaling(max_requests=600).apply(mooncake)
+    small = Scaling(max_requests=600, hash_block_tokens=16).apply(mooncake)
+    cut = Scaling(max_requests=600, length_ratio=16 / 512).apply(mooncake)
+    for r, o in zip(small.requests, head.requests, strict=True):
+        assert r.hash_ids == o.hash_ids and r.hash_block == 16
+        assert r.input_len == math.ceil(o.input_len / 32) and r.output_len == o.output_len
+    share = {name: shared_prefix_tokens(w.requests) / w.describe()["input_tokens"]
+             for name, w in (("head", head), ("small", small), ("cut", cut))}  # fmt: skip
+    assert share["small"] == pytest.approx(share["head"], abs=0.01)
+    assert share["cut"] > share["head"] + 0.3
+    prompts = PromptBuilder(PromptConfig(vocab_size=1000, seed=1))
+    a, b = [r for r in small.requests if r.hash_ids and r.hash_ids[0] == 0 and r.input_len > 40][:2]
+    assert a.hash_ids and b.hash_ids and a.hash_ids[1] != b.hash_ids[1]
+    ta, tb = prompts.tokens(a), prompts.tokens(b)
+    assert len(ta) == a.input_len and ta[:16] == tb[:16] and ta[16:32] != tb[16:32]
+    assert small.scaling["hash_block_tokens"] == 16
+    with pytest.raises(ValueError, match="hash_block_tokens"):
+        Scaling(hash_block_tokens=513)
