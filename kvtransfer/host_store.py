@@ -178,18 +178,20 @@ class HostKVStore:
                 prefix = self._asked.get(tier.bad_keys.popleft())
                 if prefix is not None:
                     dropped.append(prefix)
-        return tuple(dropped)
+        return tuple(dict.fromkeys(dropped))  # a block that failed its check is in both records
 
     def take_dropped_others(self) -> dict[str, tuple[bytes, ...]]:
-        """The prefix hashes of other stores' blocks this worker deleted to make room, by the
-        identity (``ident``) of the store that wrote each, since the last call."""
+        """The prefix hashes of other stores' blocks this worker deleted (to make room, or for a
+        payload that failed its check under an intact header), by the identity (``ident``) of the
+        store that wrote each, since the last call."""
         self._sort_removed()
         others, self._others = self._others, {}
         return {owner: tuple(prefixes) for owner, prefixes in others.items()}
 
     def _sort_removed(self) -> None:
-        """Takes what the tiers deleted to make room: this store's blocks for ``take_dropped``, other
-        stores' by their owner for ``take_dropped_others`` (blocks written without one are not told)."""
+        """Takes what the tiers deleted (``TierDir.removed``): this store's blocks for
+        ``take_dropped``, other stores' by their owner for ``take_dropped_others`` (blocks written
+        without one are not told)."""
         for tier in (self.ram, self.disk):
             while tier is not None and tier.removed:
                 key, prefix, owner = tier.removed.popleft()

@@ -2,7 +2,7 @@
 
 A block is one file, ``<key in hex>.kv``: a header (magic, the block's key, the pool's prefix hash it
 was saved under, its owner: the identity of the store that wrote it, the payload's length and
-crc32), then the payload. It is written under a temporary
+crc32, and a crc32 of the header itself), then the payload. It is written under a temporary
 name and renamed into place, so a reader sees a whole file or none: a process killed mid-write
 leaves only a temporary file, which the next store opened on the directory removes. A file that
 fails its checks on reading (another key, another length, a wrong crc32: a torn write after a power
@@ -13,8 +13,9 @@ the bytes in it, and when its estimate passes the capacity it lists the director
 least recently used files (by modification time, which a read refreshes) down to ``LOW_WATER`` of it.
 What it deletes is recorded (``removed``: key, prefix hash and owner, read from the file's header),
 so that the worker can tell the router which prefixes its host's store no longer holds, its own
-model's and, by their owners, other models'. Files of earlier headers (``PDKVBLK1``, ``PDKVBLK2``)
-fail their checks and are deleted as they are read.
+model's and, by their owners, other models'; so is a file deleted for a payload that failed its
+check when its header passes its own (the header names whose block it was). Files of earlier
+headers (``PDKVBLK1`` to ``PDKVBLK3``) fail their checks and are deleted as they are read.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ from pathlib import Path
 
 from pdfabric.proc import alive
 
-MAGIC = b"PDKVBLK3"
-# magic, key, prefix hash, owner, payload bytes, crc32 of the payload, padding
-HEADER = struct.Struct("<8s16s16s8sQI4x")
+MAGIC = b"PDKVBLK4"
+# magic, key, prefix hash, owner, payload bytes, crc32 of the payload; then a crc32 of those
+_FIELDS = struct.Struct("<8s16s16s8sQI")
+HEADER = struct.Struct(_FIELDS.format + "I")
 NO_PREFIX = bytes(16)  # a block saved without its prefix hash
 NO_OWNER = bytes(8)  # a block saved without its writer's store identity
 SUFFIX = ".kv"
@@ -69,9 +71,10 @@ class TierDir:
         self.used = sum(size for _, size, _ in self._listing())
         self._counter = 0
         self._tag = secrets.token_hex(4)  # two tiers on one directory in one process never share a name
-        # (key, prefix hash, owner) of the blocks this process deleted to make room, oldest first; the
-        # worker's loop takes them (HostKVStore.take_dropped) while the writer thread adds more (a
-        # deque's appends and pops are atomic)
+        # (key, prefix hash, owner) of the blocks this process deleted to make room, or for a payload
+        # that failed its check under an intact header, oldest first; the worker's loop takes them
+        # (HostKVStore.take_dropped) while the writer thread adds more (a deque's appends and pops
+        # are atomic)
         self.removed: deque[tuple[bytes, bytes, bytes]] = deque(maxlen=1 << 16)
         # keys of the files this process deleted for failing their checks (any thread), oldest first
         self.bad_keys: deque[bytes] = deque(maxlen=1 << 16)
@@ -111,7 +114,7 @@ class TierDir:
         buf = bytearray(HEADER.size + payload_bytes)
         if not self._load_into(path, key, memoryview(buf)):
             return None
-        _, _, prefix, owner, _, _ = HEADER.unpack_from(buf)
+        _, _, prefix, owner, _, _, _ = HEADER.unpack_from(buf)
         return prefix, owner, bytes(memoryview(buf)[HEADER.size :])
 
     def _load_into(self, path: Path, key: bytes, buf: memoryview) -> bool:
@@ -132,6 +135,9 @@ class TierDir:
                 return False  # another reader found it bad first and deleted it: counted there
             self.stats.bad += 1
             self.bad_keys.append(key)
+            fields = _header(buf[: min(n, HEADER.size)])
+            if fields is not None and fields[1] == key and fields[2] != NO_PREFIX:
+                self.removed.append(fields[1:4])  # an intact header names whose block is gone
             return False
         return True
 
@@ -142,7 +148,8 @@ class TierDir:
         ``owner`` (the writing store's identity; write, then publish by renaming); ``False`` if the
         write failed (the tier then makes room, so that the next one may succeed)."""
         payload = memoryview(payload).cast("B")
-        header = HEADER.pack(MAGIC, key, prefix, owner, len(payload), zlib.crc32(payload))
+        fields = _FIELDS.pack(MAGIC, key, prefix, owner, len(payload), zlib.crc32(payload))
+        header = fields + struct.pack("<I", zlib.crc32(fields))
         self._counter += 1
         tmp = self.path / f"{TMP_PREFIX}{os.getpid()}-{self._tag}-{self._counter}"
         try:
@@ -193,10 +200,9 @@ class TierDir:
             return
         self.used -= size
         self.stats.evictions += 1
-        if not moved and len(header) == HEADER.size:
-            magic, key, prefix, owner, _, _ = HEADER.unpack(header)
-            if magic == MAGIC and prefix != NO_PREFIX:
-                self.removed.append((key, prefix, owner))
+        fields = None if moved else _header(header)
+        if fields is not None and fields[2] != NO_PREFIX:
+            self.removed.append(fields[1:4])
 
     def evict(self, at_least: int = 0) -> None:
         """Removes least recently used files down to ``LOW_WATER`` of capacity (and at least
@@ -251,8 +257,19 @@ def read_first(
     return None
 
 
+def _header(data: bytes | bytearray | memoryview) -> tuple[bytes, bytes, bytes, bytes, int, int] | None:
+    """A block file's header fields (magic, key, prefix hash, owner, payload bytes, payload crc32)
+    when ``data`` starts with a whole header of this version that passes its own check, else ``None``."""
+    if len(data) < HEADER.size:
+        return None
+    *fields, crc = HEADER.unpack_from(data)
+    if fields[0] != MAGIC or zlib.crc32(memoryview(data)[: _FIELDS.size]) != crc:
+        return None
+    return tuple(fields)  # type: ignore[return-value]
+
+
 def _valid(data: memoryview, key: bytes, payload_bytes: int) -> bool:
-    magic, stored_key, _, _, length, crc = HEADER.unpack_from(data)
-    if magic != MAGIC or stored_key != key or length != payload_bytes:
+    fields = _header(data)
+    if fields is None or fields[1] != key or fields[4] != payload_bytes:
         return False
-    return zlib.crc32(data[HEADER.size :]) == crc
+    return zlib.crc32(data[HEADER.size :]) == fields[5]

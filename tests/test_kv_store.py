@@ -268,6 +268,45 @@ def test_a_store_reports_the_prefixes_of_the_blocks_it_deleted_by_their_owner(tm
         other.close()
 
 
+def test_a_block_that_fails_its_check_as_another_model_moves_it_down_is_reported_to_its_owner(
+    tmp_path: Path,
+) -> None:
+    """A worker moving RAM's oldest blocks down to disk that finds another model's file corrupted
+    deletes it and, its header being intact (the header has a checksum of its own), reports it by
+    its owner; its own model's corrupted block once, in ``take_dropped``. A file whose header is
+    damaged names nobody that could be trusted: deleted, and reported by no one."""
+    caches = _caches(64)
+    one = (2 * 3 * 4 * 2 * 8 * 2) + HEADER.size  # a block file
+    hashes = [bytes([i + 1]) * 16 for i in range(20)]
+    store = _store(caches, tmp_path, kv_store_disk_dir=str(tmp_path / "disk"), kv_store_disk_mb=1,
+                   kv_store_disk_admission="all")  # fmt: skip
+    other = _store(caches, tmp_path, salt=b"another model", kv_store_disk_dir=str(tmp_path / "disk"),
+                   kv_store_disk_mb=1)  # fmt: skip
+    assert store.ram is not None and store.disk is not None and other.ram is not None
+    store.ram.capacity = 10 * one
+    theirs = (b"x" * 16, b"y" * 16, b"z" * 16)
+    try:
+        other.save([0, 1, 2], list(theirs))
+        _settle(other)
+        store.save([3], hashes[:1])
+        _settle(store)
+        for key, at in ((other.key(theirs[0]), HEADER.size + 7), (other.key(theirs[1]), 20),
+                        (store.key(hashes[0]), HEADER.size + 3)):  # fmt: skip
+            path = store.ram.file(key)
+            data = bytearray(path.read_bytes())
+            data[at] ^= 1  # a payload's bit, the second one's header's, our own block's payload
+            path.write_bytes(data)
+        store.save(list(range(4, 19)), hashes[1:16])  # RAM lets the oldest go down to the disk
+        _settle(store)
+        assert store.ram.stats.bad == 3 and all(other.find([h]) == 0 for h in theirs[:2])
+        assert other.find(theirs[2:]) == 1  # moved down whole: not reported
+        assert store.take_dropped_others() == {other.ident: theirs[:1]}
+        assert store.take_dropped() == tuple(hashes[:1]) and store.find(hashes[:1]) == 0
+    finally:
+        store.close()
+        other.close()
+
+
 # --- with the real model --------------------------------------------------------------------------
 
 
