@@ -4,8 +4,9 @@ and on disk, for every worker on the host and across restarts (docs/kvtransfer.m
 A block's life in it:
 
 1. ``save(blocks, hashes)``: the pool is about to reuse cached blocks. Their KV is copied out at once
-   into one host buffer and queued for the writer thread, which writes each block to the RAM tier
-   (without one, to the disk tier, if the admission rule takes it). The queue is bounded in bytes: a
+   into one host buffer and queued for the writer thread (``store_writer.StoreWriter``), which
+   writes each block to the RAM tier (without one, to the disk tier, if the admission rule takes
+   it). The queue is bounded in bytes: a
    save that finds it full is dropped and counted; the step never waits for a write. With
    ``write_through``, ``reused(blocks, hashes)`` saves the same way a prefix the pool serves again
    (the first time it is reused), so the host's other workers find it while this worker still holds
@@ -29,11 +30,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
-import queue
 import tempfile
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -46,14 +44,10 @@ from pdfabric.kvtransfer.frames import host, layout_of
 from pdfabric.kvtransfer.messages import KVLayout
 from pdfabric.kvtransfer.store_ahead import ReadAhead
 from pdfabric.kvtransfer.store_tier import HEADER, NO_OWNER, TierDir, TierStats, read_first
+from pdfabric.kvtransfer.store_writer import CHUNK, HOT, StoreWriter, remember
 from pdfabric.worker_config import WorkerConfig
 
-log = logging.getLogger("pdfabric.kvtransfer.host_store")
-
-CHUNK = 16  # blocks per staging buffer, and per read of a hit
 WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)  # the widest that divides a block's bytes
-GHOSTS = 1 << 16  # keys remembered as offered once, for the "reused" admission rule
-HOT = 1 << 16  # keys remembered as read back from the store
 THROUGH = 1 << 16  # prefix hashes remembered as saved through (write-through), and reported at most
 
 
@@ -99,7 +93,6 @@ class HostKVStore:
         ram_mb, disk_mb = cfg.kv_store_ram_mb, cfg.kv_store_disk_mb
         self.ram = TierDir("ram", ram_dir, ram_mb << 20) if ram_mb else None
         self.disk = TierDir("disk", cfg.kv_store_disk_dir, disk_mb << 20) if disk_mb else None
-        self.admit_all = cfg.kv_store_disk_admission == "all"
         self.write_through = cfg.kv_store_write_through
         self._through: OrderedDict[bytes, None] = OrderedDict()  # hashes saved through, the latest
         self._stored: list[bytes] = []  # hashes saved through since ``take_stored``
@@ -107,28 +100,23 @@ class HostKVStore:
         self._asked: OrderedDict[bytes, bytes] = OrderedDict()  # key -> prefix hash of blocks to be read
         tiers = [str(t.path.resolve()) for t in (self.ram, self.disk) if t is not None]
         self.ident = hashlib.blake2b(json.dumps([*tiers, salt.hex()]).encode(), digest_size=8).hexdigest()
-        self._owner = bytes.fromhex(self.ident)  # in the header of every block this store writes
         self._removed: list[bytes] = []  # hashes of this store's blocks its tiers deleted to make room
         self._others: dict[str, list[bytes]] = {}  # owner -> prefix hashes: other stores' blocks deleted
         self.capacity_blocks = sum(t.capacity for t in (self.ram, self.disk) if t is not None) // (
             HEADER.size + self.payload_bytes
         )
-        # Blocks move between the cache and the store in staging buffers of CHUNK blocks, reused so
-        # that their pages are touched once: at most queue_mb of them wait for the writer.
-        self.buffers = max(1, (cfg.kv_store_queue_mb << 20) // (CHUNK * self.payload_bytes))
-        self._made = 0  # staging buffers allocated so far
-        self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()  # written, ready for reuse
+        # Blocks move from the cache to the writer in staging buffers of CHUNK blocks, reused so that
+        # their pages are touched once: at most queue_mb of them wait to be written.
+        self.writer = StoreWriter(
+            self.ram, self.disk, owner=bytes.fromhex(self.ident),  # in the header of every block written
+            admit_all=cfg.kv_store_disk_admission == "all",
+            buffers=max(1, (cfg.kv_store_queue_mb << 20) // (CHUNK * self.payload_bytes)),
+            block_shape=(self.layout.num_layers, 2, self.layout.block_bytes),
+        )  # fmt: skip
         self._word = next(w for w in WORDS if self.layout.block_bytes % w.itemsize == 0)
         self._loading = torch.empty((CHUNK, HEADER.size + self.payload_bytes), dtype=torch.uint8)
         self.dropped = 0
         self.load_seconds = 0.0
-        self._ghosts: OrderedDict[bytes, None] = OrderedDict()  # writer thread only
-        self._hot: OrderedDict[bytes, None] = OrderedDict()
-        # blocks to write: their keys, their prefix hashes, their KV in a staging buffer
-        self._queue: queue.SimpleQueue[tuple[list[bytes], list[bytes], torch.Tensor] | None]
-        self._queue = queue.SimpleQueue()
-        self._writer = threading.Thread(target=self._write_loop, name="kv-store-writer", daemon=True)
-        self._writer.start()
         # blocks read ahead of their load, at most queue_mb of them
         cap = max(CHUNK, (cfg.kv_store_queue_mb << 20) // (HEADER.size + self.payload_bytes))
         self.ahead = ReadAhead(self.ram, self.disk, self.payload_bytes, cap)
@@ -144,12 +132,12 @@ class HostKVStore:
         keep = [i for i, k in enumerate(keys) if not self._has(k)]
         for start in range(0, len(keep), CHUNK):
             part = keep[start : start + CHUNK]
-            buf = self._buffer()
+            buf = self.writer.buffer()
             if buf is None:
                 self.dropped += len(keep) - start
                 return
             self.gather([blocks[i] for i in part], buf[: len(part)])
-            self._queue.put(([keys[i] for i in part], [hashes[i] for i in part], buf))
+            self.writer.put([keys[i] for i in part], [hashes[i] for i in part], buf)
 
     def reused(self, blocks: list[int], hashes: list[bytes]) -> None:
         if not self.write_through:
@@ -161,7 +149,7 @@ class HostKVStore:
         self.save([blocks[i] for i in new], [hashes[i] for i in new])
         if self.dropped == dropped:  # queued (or held already); a full queue drops it, and it is
             for i in new:  # offered again when reused again
-                _remember(self._through, hashes[i], THROUGH)
+                remember(self._through, hashes[i], THROUGH)
             self._stored += [hashes[i] for i in new]
             del self._stored[:-THROUGH]
 
@@ -232,11 +220,11 @@ class HostKVStore:
         """Saves the worker's cached blocks (it is stopping) and waits, at most ``timeout_s``, for every
         queued write; more than the staging buffers hold is saved in turns."""
         deadline = time.monotonic() + timeout_s
-        step = self.buffers * CHUNK
+        step = self.writer.buffers * CHUNK
         for i in range(0, len(blocks), step):
-            self._wait_idle(deadline)
+            self.writer.wait_idle(deadline)
             self.save(blocks[i : i + step], hashes[i : i + step])
-        self._wait_idle(deadline)
+        self.writer.wait_idle(deadline)
 
     def read_ahead(self, hashes: Sequence[bytes]) -> None:
         self.ahead.want(self._ask(hashes))
@@ -253,8 +241,7 @@ class HostKVStore:
         return keys
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._writer.join(timeout=10.0)
+        self.writer.close()
         self.ahead.close()
 
     def counters(self) -> dict[str, float]:
@@ -298,16 +285,16 @@ class HostKVStore:
                 break
             if tier is self.disk and self.ram is not None:
                 promote[n] = key
-            _remember(self._hot, key, HOT)
+            self.writer.read_back(key)
             n += 1
         if not n:
             return 0
         payload = self._loading[:n, HEADER.size :].view(n, self.layout.num_layers, 2, -1)
         self._scatter(payload, blocks[:n])
-        buf = self._buffer() if promote else None
+        buf = self.writer.buffer() if promote else None
         if buf is not None:
             buf[: len(promote)].copy_(payload[list(promote)])
-            self._queue.put((list(promote.values()), [hashes[i] for i in promote], buf))
+            self.writer.put(list(promote.values()), [hashes[i] for i in promote], buf)
         return n
 
     def _scatter(self, payload: torch.Tensor, blocks: list[int]) -> None:
@@ -319,74 +306,5 @@ class HostKVStore:
             src = words[:, layer].transpose(0, 1).to(cache.device)  # [2, n, words of a block]
             cache.view(self._word).view(2, cache.shape[1], -1).index_copy_(1, idx, src)
 
-    def _buffer(self) -> torch.Tensor | None:
-        """A free staging buffer ``[CHUNK, layers, 2, block bytes]``, or ``None`` when all of them
-        wait for the writer (the caller drops what it would have saved)."""
-        try:
-            return self._free.get_nowait()
-        except queue.Empty:
-            pass
-        if self._made >= self.buffers:
-            return None
-        self._made += 1
-        return torch.empty((CHUNK, self.layout.num_layers, 2, self.layout.block_bytes), dtype=torch.uint8)
-
-    def _wait_idle(self, deadline: float) -> None:
-        """Waits until the writer has written everything queued (or ``deadline``)."""
-        while self._free.qsize() < self._made and time.monotonic() < deadline and self._writer.is_alive():
-            time.sleep(0.005)
-
     def _has(self, key: bytes) -> bool:
         return (self.ram is not None and self.ram.has(key)) or (self.disk is not None and self.disk.has(key))
-
-    # --- the writer thread -------------------------------------------------------------------------
-
-    def _write_loop(self) -> None:
-        while (item := self._queue.get()) is not None:
-            keys, prefixes, buf = item
-            try:
-                for key, prefix, row in zip(keys, prefixes, buf, strict=False):  # the first len(keys) rows
-                    self._write(key, memoryview(row.reshape(-1).numpy()), prefix)
-            except Exception:  # a writer that dies would leave every later save queued forever
-                log.exception("host KV store: writing %d blocks failed", len(keys))
-            finally:
-                self._free.put(buf)
-
-    def _write(self, key: bytes, payload: memoryview, prefix: bytes) -> None:
-        """One block: into RAM (a disk hit copied up, or a save), else onto disk if admitted."""
-        if self.ram is not None:
-            if self.ram.write(key, payload, prefix, self._owner) and self.ram.over():
-                self._spill()
-        elif self.disk is not None and self._admit(key):
-            if self.disk.write(key, payload, prefix, self._owner) and self.disk.over():
-                self.disk.evict()
-
-    def _spill(self) -> None:
-        """The RAM tier's least recently used blocks go down to the disk tier (those admitted)."""
-        assert self.ram is not None
-        for path in self.ram.oldest():
-            key = TierDir.key_of(path)
-            moved = False
-            if self.disk is not None and key is not None and self._admit(key):
-                block = self.ram.take(path, key, self.payload_bytes)
-                moved = block is not None and self.disk.write(key, block[2], block[0], block[1])
-                if moved and self.disk.over():
-                    self.disk.evict()
-            self.ram.remove(path, moved)
-
-    def _admit(self, key: bytes) -> bool:
-        """The disk tier's admission rule: every block, or (``"reused"``) a block read back from the
-        store or offered a second time, so that one-off prompts do not churn the disk."""
-        if self.admit_all or key in self._hot or key in self._ghosts:
-            self._ghosts.pop(key, None)
-            return True
-        _remember(self._ghosts, key, GHOSTS)
-        return False
-
-
-def _remember(keys: OrderedDict[bytes, None], key: bytes, limit: int) -> None:
-    """Adds ``key`` as the newest of at most ``limit`` keys."""
-    keys[key] = None
-    keys.move_to_end(key)
-    if len(keys) > limit:
-        keys.popitem(last=False)

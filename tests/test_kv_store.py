@@ -165,13 +165,13 @@ def test_saved_blocks_load_into_other_blocks_and_only_under_their_salt(tmp_path:
 def test_a_full_write_queue_drops_saves_instead_of_waiting(tmp_path: Path) -> None:
     caches = _caches()
     store = _store(caches, tmp_path)
-    store.buffers = 1
-    held = store._buffer()  # the one staging buffer, as if the writer were still busy with it
+    store.writer.buffers = 1
+    held = store.writer.buffer()  # the one staging buffer, as if the writer were still busy with it
     try:
         store.save([0, 1], [b"a" * 16, b"b" * 16])
         assert store.dropped == 2 and store.find([b"a" * 16]) == 0
         assert held is not None
-        store._free.put(held)  # written
+        store.writer._free.put(held)  # written
         store.save([0, 1], [b"a" * 16, b"b" * 16])
         _settle(store)
         assert store.find([b"a" * 16, b"b" * 16]) == 2 and store.dropped == 2
