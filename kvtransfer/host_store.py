@@ -6,8 +6,8 @@ A block's life in it:
 1. ``save(blocks, hashes)``: the pool is about to reuse cached blocks. Their KV is copied out at once
    into one host buffer and queued for the writer thread (``store_writer.StoreWriter``), which
    writes each block to the RAM tier (without one, to the disk tier, if the admission rule takes
-   it). The queue is bounded in bytes: a
-   save that finds it full is dropped and counted; the step never waits for a write. With
+   it). The queue is bounded in bytes: a save that finds it full is dropped and counted; the step
+   never waits for a write. With
    ``write_through``, ``reused(blocks, hashes)`` saves the same way a prefix the pool serves again
    (the first time it is reused), so the host's other workers find it while this worker still holds
    it, and a crash does not lose it.
@@ -100,7 +100,7 @@ class HostKVStore:
         self._asked: OrderedDict[bytes, bytes] = OrderedDict()  # key -> prefix hash of blocks to be read
         tiers = [str(t.path.resolve()) for t in (self.ram, self.disk) if t is not None]
         self.ident = hashlib.blake2b(json.dumps([*tiers, salt.hex()]).encode(), digest_size=8).hexdigest()
-        self._removed: list[bytes] = []  # hashes of this store's blocks its tiers deleted to make room
+        self._removed: list[bytes] = []  # hashes of this store's blocks its tiers deleted (TierDir.removed)
         self._others: dict[str, list[bytes]] = {}  # owner -> prefix hashes: other stores' blocks deleted
         self.capacity_blocks = sum(t.capacity for t in (self.ram, self.disk) if t is not None) // (
             HEADER.size + self.payload_bytes

@@ -27,7 +27,7 @@ from pdfabric.kvtransfer.store_tier import TierDir
 
 log = logging.getLogger("pdfabric.kvtransfer.host_store")
 
-CHUNK = 16  # blocks per staging buffer
+CHUNK = 16  # blocks per staging buffer (and per read of a hit: HostKVStore.load)
 GHOSTS = 1 << 16  # keys remembered as offered once, for the "reused" admission rule
 HOT = 1 << 16  # keys remembered as read back from the store
 
