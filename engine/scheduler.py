@@ -6,14 +6,8 @@ budget with prefill chunks, higher priority first, then oldest first (background
 foreground sequence decodes, together at most ``background_chunk_tokens``). After the model runs,
 ``complete`` advances each sequence: a finished prompt either starts decoding
 (``on_prefilled="decode"``) or is parked for hand-over (``"handoff"``, the prefill worker), an
-embedding input (``Sequence.pooling``) ends with its prompt, and finished sequences give their blocks
-back.
-
-A request with several outputs (``n`` > 1) is one sequence with ``branches``: once its prompt's KV
-is complete (computed here, or arrived), each branch becomes a sequence of its own that holds a
-reference to the prompt's full blocks and computes only its tail (the prompt's last partial block,
-and a resumed branch's earlier output) before it samples. The prompt is computed once, and its
-blocks return to the pool when the last output that shares them ends.
+embedding input (``Sequence.pooling``) ends with its prompt, a request with several outputs starts
+its branches (``engine/branches.py``), and finished sequences give their blocks back.
 """
 
 from __future__ import annotations
@@ -21,14 +15,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from pdfabric.engine.block_pool import BlockTables, blocks_for, cacheable_blocks
+from pdfabric.engine.block_pool import BlockTables
+from pdfabric.engine.branches import Branches
+from pdfabric.engine.chunk import Chunk, Pick
 from pdfabric.engine.prefix_cache import HostTier, PrefixCache
-from pdfabric.engine.sequence import SeqState, Sequence, TopLogprobs, branch_id, branch_params
+from pdfabric.engine.sequence import SeqState, Sequence, TopLogprobs
 from pdfabric.engine.speculate import PromptLookup, Proposer, Speculation, Wanted
-from pdfabric.profile import StepShape
-
-# One sampled token: (token, logprob) or (token, logprob, top log-probabilities).
-Pick = tuple[int, float] | tuple[int, float, TopLogprobs]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,28 +51,6 @@ class SchedulerConfig:
             raise ValueError(f"on_prefilled must be 'decode' or 'handoff', got {self.on_prefilled!r}")
 
 
-@dataclass(frozen=True)
-class Chunk:
-    """Run tokens ``start:stop`` of ``seq`` this step; ``sample`` when they reach its end. A decode
-    chunk may carry a ``proposal``: tokens guessed to follow (``engine/speculate.py``), run after
-    ``stop`` in the same step and kept as far as the model picks them itself."""
-
-    seq: Sequence
-    start: int
-    stop: int
-    proposal: tuple[int, ...] = ()
-
-    @property
-    def last(self) -> bool:
-        """Whether the chunk reaches the sequence's end."""
-        return self.stop == self.seq.num_tokens
-
-    @property
-    def sample(self) -> bool:
-        """Whether the step samples a token after the chunk (never for an embedding input)."""
-        return self.last and not self.seq.pooling
-
-
 class Scheduler:
     def __init__(
         self,
@@ -102,7 +72,7 @@ class Scheduler:
         self.awaiting_kv: dict[str, Sequence] = {}
         self.handoff: dict[str, Sequence] = {}
         self._by_id: dict[str, Sequence] = {}
-        self._groups: dict[str, set[str]] = {}  # a request with branches -> its live sequences' ids
+        self.branches = Branches(tables)
         self.prefix = PrefixCache(tables, config.prefix_salt, tier)
         self.preemptions = 0  # running sequences sent back to wait, their blocks freed
         self.background_tokens = config.background_chunk_tokens  # the cap now (0: none)
@@ -312,29 +282,10 @@ class Scheduler:
         self.tables.shrink(seq.request_id, seq.num_tokens)
 
     def _branch(self, seq: Sequence) -> None:
-        """Starts the branches of a sequence whose prompt's KV is complete: each holds a reference to
-        the prompt's full blocks and waits at the head of the queue to compute its tail."""
-        if not seq.branches:
-            return
-        branches, seq.branches = seq.branches, ()
-        bs = self.tables.pool.block_size
-        table = self.tables.table(seq.request_id)
-        prompt = seq.prompt_ids[: len(seq.prompt_ids) - seq.params.output_offset]
-        members = self._groups.setdefault(seq.request_id, {seq.request_id})
-        started = []
-        for b in branches:
-            child = Sequence(
-                branch_id(seq.request_id, b.choice), prompt + b.output, branch_params(seq, b),
-                seq.eos_token_ids, group=seq.request_id,
-            )  # fmt: skip
-            shared = table[: min(len(prompt) // bs, cacheable_blocks(child.num_tokens, bs))]
-            self.tables.pool.share(shared)
-            self.tables.attach(child.request_id, shared)
-            child.num_cached, child.recorded = len(shared) * bs, min(seq.recorded, len(shared))
-            child.prefix_hit = 0  # not a prompt of its own: no prefix cache query
+        """Queues the branches of a sequence whose prompt's KV is complete at the head of the queue."""
+        started = self.branches.start(seq)
+        for child in started:
             self._admit(child)
-            members.add(child.request_id)
-            started.append(child)
         self.waiting.extendleft(reversed(started))
 
     def _append(self, seq: Sequence, token: int, logprob: float, top: TopLogprobs = ()) -> None:
@@ -359,19 +310,14 @@ class Scheduler:
         self._by_id.pop(seq.request_id, None)
         seq.state = SeqState.FINISHED
         seq.finish_reason = reason
-        group = seq.group or seq.request_id
-        members = self._groups.get(group)
-        if members is not None:
-            members.discard(seq.request_id)
-            if not members:
-                del self._groups[group]
+        self.branches.ended(seq)
 
     def finish(self, request_id: str, reason: str) -> Sequence | None:
         """Ends a request in any state (abort, error, hand-over done), with every branch it started,
         and frees their blocks."""
         seq = self._by_id.get(request_id)
-        for member in sorted(self._groups.get(request_id, ())):
-            if member != request_id and member in self._by_id:
+        for member in self.branches.others(request_id):
+            if member in self._by_id:
                 self._finish(self._by_id[member], reason)
         if seq is not None:
             self._finish(seq, reason)
@@ -383,16 +329,6 @@ class Scheduler:
     def request_ids(self) -> list[str]:
         """Every request held here, in any state."""
         return list(self._by_id)
-
-    @property
-    def prompt_tokens(self) -> int:
-        """Prompt tokens scheduled for the first time (prefix cache queries)."""
-        return self.prefix.prompt_tokens
-
-    @property
-    def prefix_hit_tokens(self) -> int:
-        """Of those, found in the prefix cache."""
-        return self.prefix.hit_tokens
 
     @property
     def has_work(self) -> bool:
@@ -411,17 +347,4 @@ class Scheduler:
         return len(self._by_id)
 
 
-def step_shape(chunks: list[Chunk]) -> StepShape:
-    """What a step runs, in the terms of the latency profile: decode tokens of running sequences
-    (by their length after the step) and prefill chunks (cached tokens, new tokens)."""
-    # a decode with a proposal runs its tokens as a chunk does
-    decoding = [c for c in chunks if c.seq.state is SeqState.RUNNING and not c.proposal]
-    prefilling = [
-        (c.start, c.stop - c.start + len(c.proposal))
-        for c in chunks
-        if c.seq.state is not SeqState.RUNNING or c.proposal
-    ]
-    return StepShape.of(prefilling, [c.stop for c in decoding])
-
-
-__all__ = ["Chunk", "Scheduler", "SchedulerConfig", "blocks_for", "step_shape"]
+__all__ = ["Scheduler", "SchedulerConfig"]

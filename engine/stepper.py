@@ -13,10 +13,10 @@ from collections.abc import Callable
 import torch
 
 from pdfabric.engine.block_pool import BlockTables
+from pdfabric.engine.chunk import Chunk, Pick
 from pdfabric.engine.grammar import Grammars
 from pdfabric.engine.runner import ModelRunner, StepEntry
 from pdfabric.engine.sampler import History, sample, score
-from pdfabric.engine.scheduler import Chunk, Pick
 from pdfabric.engine.sequence import Sequence
 
 log = logging.getLogger("pdfabric.engine.stepper")

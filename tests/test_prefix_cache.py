@@ -90,7 +90,7 @@ def test_a_prompt_starts_after_its_cached_prefix_and_turns_reuse_their_output() 
     assert deltas[0].cached_tokens == 36  # the 38 tokens of turn 1 (prompt and output) in full blocks
     plain = ColocatedCore(_spec(caching=False), FixedProfile(WorkerProfile()))
     assert _tokens(deltas, "c") == _tokens(_serve(plain, {"c": turn2}, 4), "c")
-    assert core.scheduler.prompt_tokens == 30 + 27 + 41 and core.scheduler.prefix_hit_tokens == 24 + 36
+    assert core.scheduler.prefix.prompt_tokens == 30 + 27 + 41 and core.scheduler.prefix.hit_tokens == 24 + 36
 
 
 def test_under_block_pressure_the_cache_gives_way_and_no_block_leaks() -> None:
@@ -105,7 +105,7 @@ def test_under_block_pressure_the_cache_gives_way_and_no_block_leaks() -> None:
         got = _serve(cached, {r: prompts[r] for r in batch}, 6)
         assert all(_tokens(got, r) == _tokens(want, r) for r in batch)
     pool = cached.tables.pool
-    assert pool.num_free == pool.num_blocks and cached.scheduler.prefix_hit_tokens > 0
+    assert pool.num_free == pool.num_blocks and cached.scheduler.prefix.hit_tokens > 0
     assert cached.scheduler.request_ids() == []
 
 
@@ -146,7 +146,7 @@ def test_with_the_real_model_cache_hits_change_no_token(tiny: tuple) -> None:
     first = run({"a": (system + (5, 6, 7), greedy), "b": (system + (8,) * 20, seeded)})
     turn2 = system + (5, 6, 7) + tuple(first["a"]) + (9, 10)
     second = run({"a2": (turn2, greedy), "c": (system + (11,), seeded), "d": (system[:33], greedy)})
-    assert core.scheduler.prefix_hit_tokens >= 48 + 48 + 32
+    assert core.scheduler.prefix.hit_tokens >= 48 + 48 + 32
     for rid, (prompt, params) in {
         "a": (system + (5, 6, 7), greedy), "b": (system + (8,) * 20, seeded),
         "a2": (turn2, greedy), "c": (system + (11,), seeded), "d": (system[:33], greedy),

@@ -44,8 +44,9 @@ from pdfabric.control import (
     TokenDelta,
 )
 from pdfabric.engine.block_pool import BlockPool, BlockTables, prefix_salt
+from pdfabric.engine.chunk import Chunk, Pick, step_shape
 from pdfabric.engine.prefix_cache import HostTier
-from pdfabric.engine.scheduler import Chunk, Pick, Scheduler, SchedulerConfig, step_shape
+from pdfabric.engine.scheduler import Scheduler, SchedulerConfig
 from pdfabric.engine.sequence import SeqState, Sequence
 from pdfabric.engine.speculate import Proposer, SpeculationGain
 from pdfabric.kvtransfer.state import TransferResult
@@ -300,8 +301,8 @@ class WorkerCore:
             profile=profile,
             kv_rates=self.kv_rates.per_transport(),
             draining=self.draining,
-            prompt_tokens=s.prompt_tokens,
-            prefix_hit_tokens=s.prefix_hit_tokens,
+            prompt_tokens=s.prefix.prompt_tokens,
+            prefix_hit_tokens=s.prefix.hit_tokens,
             cached=cached,
             evicted=evicted,
             stored=self.store.take_stored() if self.store is not None else (),
