@@ -3,7 +3,7 @@
 quantizing again (docs/engine.md#quantized-once-kept-in-the-model-cache).
 
 ``cached_quantizer(path, dtype)`` gives the packing (``ModelRunner(quantizer=...)``) a
-``linear_cpu.Quantizer`` whose forms live in ``$PDFABRIC_CACHE_DIR/quantized/<model>-<key>/``, one
+``weight_forms.Quantizer`` whose forms live in ``$PDFABRIC_CACHE_DIR/quantized/<model>-<key>/``, one
 safetensors file a layer and form (``model.layers.0.mlp.down_proj.int4.safetensors``). The key names
 everything the forms depend on: the checkpoint's weight files (path, size, modification time), the
 compute dtype and ``FORMAT`` (raised whenever a quantization rule changes). A layer missing there is
@@ -33,8 +33,8 @@ from safetensors.torch import load_file, save_file
 
 from pdfabric import envs
 from pdfabric.engine.loader import checkpoint_files
-from pdfabric.kernels.linear_cpu import Int8Form, Quantizer
 from pdfabric.kernels.quantized import GroupedWeight
+from pdfabric.kernels.weight_forms import Int8Form, Quantizer
 
 if TYPE_CHECKING:
     from pdfabric.engine.model import LlamaForCausalLM

@@ -19,8 +19,8 @@ from pdfabric.engine.model import HeadEmbedding, LlamaForCausalLM
 from pdfabric.kernels import AttentionMetadata, get_backend
 from pdfabric.kernels.decoder_cpu import Decoder
 from pdfabric.kernels.linear import can_pack, check_kind, check_quantization, pack_linears, packed, row_reader
-from pdfabric.kernels.linear_cpu import Quantizer
 from pdfabric.kernels.paged_attention_cpu import int8_kv_supported, tiled_kv_supported
+from pdfabric.kernels.weight_forms import Quantizer
 
 # Steps whose every sequence has at most this many new tokens (decode steps; speculation's checks and
 # drafts) run their layers in one C call where it exists (``kernels/decoder_cpu.py``), each token as

@@ -15,7 +15,7 @@ A layer that no kernel of the kind takes (a dtype the CPU cannot multiply native
 Triton) stays ``nn.Linear``.
 
 A worker's ``quantization`` setting holds the invariant kernel's weights quantized, weight-only:
-``int8`` with a scale per output (CPUs only: ``linear_cpu.quantize_int8``; ``w8a8`` the same weights
+``int8`` with a scale per output (CPUs only: ``weight_forms.quantize_int8``; ``w8a8`` the same weights
 times activations quantized in groups of 32 inputs, CPUs only), ``int4`` and ``gguf`` in
 groups of 32 inputs (``quantized.py``; on CPUs ``linear_cpu``, on CUDA ``quantized_triton``; GGUF's
 Q3_K and Q6_K in groups of 16 and Q5_1/Q5_K as 8 bits with offsets, CPUs only). A layer the format cannot
@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from pdfabric.kernels import dispatch, linear_cpu
+from pdfabric.kernels import dispatch, linear_cpu, weight_forms
 from pdfabric.kernels.launch_checks import FLOAT_DTYPES
 from pdfabric.kernels.quantized import GROUP
 from pdfabric.worker_config import LINEARS
@@ -80,15 +80,15 @@ def packed(
     linear: nn.Linear,
     kind: str = "invariant",
     quantization: str = "none",
-    quantizer: linear_cpu.Quantizer | None = None,
+    quantizer: weight_forms.Quantizer | None = None,
     name: str = "",
 ) -> nn.Module:
     """``linear`` (the model's ``name``) as a module of ``kind`` (the caller checks ``can_pack`` first).
-    ``quantizer``: where a CPU layer's quantized weight comes from (``linear_cpu.Quantizer``; default:
+    ``quantizer``: where a CPU layer's quantized weight comes from (``weight_forms.Quantizer``; default:
     computed)."""
     if linear.weight.device.type == "cpu":
-        return linear_cpu.packed(linear, kind, quantization, quantizer or linear_cpu.COMPUTE, name)
-    grouped = linear_cpu.grouped_form(linear, quantization)
+        return linear_cpu.packed(linear, kind, quantization, quantizer or weight_forms.COMPUTE, name)
+    grouped = weight_forms.grouped_form(linear, quantization)
     # the Triton matmul takes groups of 32, offsets for 4 bits only: Q3_K, Q6_K, Q5_1, Q5_K in the
     # compute dtype
     triton_form = grouped is not None and grouped.group == GROUP
@@ -106,7 +106,7 @@ def pack_linears(
     module: nn.Module,
     kind: str = "invariant",
     quantization: str = "none",
-    quantizer: linear_cpu.Quantizer | None = None,
+    quantizer: weight_forms.Quantizer | None = None,
     prefix: str = "",
 ) -> int:
     """Replaces every ``nn.Linear`` under ``module`` that ``can_pack`` by its module of ``kind``; returns

@@ -17,16 +17,16 @@ Both take CPU tensors in float32, or in bfloat16 on a CPU that multiplies it nat
 elsewhere bfloat16 checkpoints are computed in float32, ``engine/loader.py``). Layers that neither
 can take stay ``nn.Linear``.
 
-The invariant kernel also holds weights quantized (a worker's ``quantization``), the inputs and
-outputs staying in the compute dtype: ``int8`` (a scale per output, ``quantize_int8``), ``int4``
-(groups of 32 inputs, ``quantized.quantize_int4``) and ``gguf`` (a GGUF checkpoint's own Q4_0, Q4_1,
-Q4_K and Q8_0 blocks, ``quantized.from_gguf``; a layer whose blocks are of another type stays in the
-compute dtype). Grouped weights need an input count that is a multiple of 32; other layers stay in
-the compute dtype too. ``w8a8`` holds the weights as ``int8`` does and quantizes the activations too,
-each row in groups of 32 inputs with a scale each, as the call starts (``w8a8_ref.quantize_rows``): the
-products are integers, summed exactly by an instruction that does twice bfloat16's multiply-adds on
-CPUs with AVX512-VNNI (``csrc/linear_w8a8.h``), so prompts and large batches, which are bound by
-arithmetic, run faster (1.2-1.4x on SmolLM2's shapes).
+The invariant kernel also holds weights quantized (a worker's ``quantization``, in the forms
+``weight_forms.py`` chooses), the inputs and outputs staying in the compute dtype: ``int8`` (a scale per
+output, ``quantize_int8``), ``int4`` (groups of 32 inputs, ``quantized.quantize_int4``) and ``gguf`` (a
+GGUF checkpoint's own Q4_0, Q4_1, Q4_K and Q8_0 blocks, ``quantized.from_gguf``; a layer whose blocks
+are of another type stays in the compute dtype). Grouped weights need an input count that is a multiple
+of 32; other layers stay in the compute dtype too. ``w8a8`` holds the weights as ``int8`` does and
+quantizes the activations too, each row in groups of 32 inputs with a scale each, as the call starts
+(``w8a8_ref.quantize_rows``): the products are integers, summed exactly by an instruction that does
+twice bfloat16's multiply-adds on CPUs with AVX512-VNNI (``csrc/linear_w8a8.h``), so prompts and large
+batches, which are bound by arithmetic, run faster (1.2-1.4x on SmolLM2's shapes).
 """
 
 from __future__ import annotations
@@ -39,7 +39,17 @@ from torch import nn
 
 from pdfabric.kernels import cpu_build
 from pdfabric.kernels.linear_onednn import PackedLinear, onednn_available
-from pdfabric.kernels.quantized import GROUP, GroupedWeight, quantize_int4
+from pdfabric.kernels.quantized import GROUP, GroupedWeight
+from pdfabric.kernels.weight_forms import (
+    COMPUTE,
+    Int8Form,
+    Parts,
+    Quantizer,
+    gguf_parts,
+    grouped_form,
+    layer_quantization,
+    quantize_int8,
+)
 from pdfabric.worker_config import QUANTIZATIONS  # the worker's setting, named there so configs need no torch
 
 LINEAR_KINDS = ("invariant", "onednn")
@@ -93,67 +103,7 @@ def kernel_address() -> int:
     return ctypes.cast(_library().pd_linear, ctypes.c_void_p).value
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weight`` ``[n, k]`` as int8 and one float32 scale per row: symmetric, ``q = round(w / s)`` with
-    ``s = max |w| / 127`` over the row (1 for a row of zeros), so ``q * s`` is the weight to within half
-    a step."""
-    w = weight.detach().float()
-    scale = w.abs().amax(dim=1) / 127.0
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q.contiguous(), scale.contiguous()
-
-
-Int8Form = tuple[torch.Tensor, torch.Tensor]  # quantize_int8's: int8 [n, k] and a float32 scale per row
-
-
-class Quantizer:
-    """Where packing gets a layer's quantized weight: computed here (``quantize_int8``,
-    ``quantize_int4``); ``engine/quantized_cache.py`` keeps what it computes in the model cache.
-    ``name``: the layer's module path in the model, ``weight``: its ``[n, k]`` weight."""
-
-    def int8(self, name: str, weight: torch.Tensor) -> Int8Form:
-        return quantize_int8(weight)
-
-    def int4(self, name: str, weight: torch.Tensor) -> GroupedWeight:
-        return quantize_int4(weight)
-
-
-COMPUTE = Quantizer()
-
-
 PARTS_CODE = 16  # pd_linear's dtype for a weight of parts in different formats (csrc/linear_cpu.c)
-Parts = tuple[tuple[int, GroupedWeight | None], ...]  # each part's outputs and blocks (None: the dtype)
-
-
-def gguf_parts(linear: nn.Linear, quantization: str) -> Parts | None:
-    """A stacked projection's parts when the loader found them in different formats (``gguf_parts``:
-    a GGUF file's q and k in Q4_K beside v in Q6_K, say), under ``gguf``; else None."""
-    return getattr(linear, "gguf_parts", None) if quantization == "gguf" else None
-
-
-def grouped_form(
-    linear: nn.Linear, quantization: str, quantizer: Quantizer = COMPUTE, name: str = ""
-) -> GroupedWeight | None:
-    """The grouped weight ``linear`` (the model's ``name``) is held as under ``quantization``: its int4
-    quantization (from ``quantizer``), the GGUF blocks the loader gave it (``gguf_blocks``), or None
-    where it keeps its own dtype (another quantization, an input count that is not a multiple of 32,
-    no blocks). Under ``w4a8`` a GGUF file's 4-bit blocks (Q4_0, Q4_1, Q4_K: a scale and an offset
-    per 32 inputs, as int4's) are taken as they are: the file's own weights, nothing quantized again."""
-    if linear.in_features % GROUP:
-        return None
-    blocks = getattr(linear, "gguf_blocks", None)
-    if quantization == "w4a8" and blocks is not None and blocks.bits == 4:
-        return blocks
-    if quantization in ("int4", "w4a8"):
-        return quantizer.int4(name, linear.weight)
-    return blocks if quantization == "gguf" else None
-
-
-def _w8a8_or_none(quantization: str, in_features: int) -> str:
-    """``w8a8`` and ``w4a8`` quantize activations in groups of 32 inputs: a layer of other widths keeps
-    its dtype."""
-    return "none" if quantization in ("w8a8", "w4a8") and in_features % GROUP else quantization
 
 
 def _dtype_code(dtype: torch.dtype, quantization: str, grouped: GroupedWeight | None) -> int:
@@ -184,7 +134,7 @@ def can_pack(linear: nn.Linear, kind: str = "invariant", quantization: str = "no
     lib = _library()
     if lib is None:
         return False
-    quantization = _w8a8_or_none(quantization, linear.in_features)
+    quantization = layer_quantization(quantization, linear.in_features)
     blocks = getattr(linear, "gguf_blocks", None) if quantization == "gguf" else None
     parts = gguf_parts(linear, quantization)
     if parts is not None:
@@ -222,7 +172,7 @@ class InvariantLinear(nn.Module):
         super().__init__()
         # weight: [out_features, in_features]; bias: [out_features] or None, both in the compute dtype
         self.out_features, self.in_features = weight.shape
-        quantization = _w8a8_or_none(quantization, self.in_features)
+        quantization = layer_quantization(quantization, self.in_features)
         if grouped is not None and grouped.shape != tuple(weight.shape):
             raise ValueError(f"grouped weight {grouped.shape} does not fit a {tuple(weight.shape)} layer")
         eight = quantization in ("int8", "w8a8")
@@ -371,6 +321,6 @@ def packed(
         return PackedLinear(linear)
     parts = gguf_parts(linear, quantization)
     grouped = grouped_form(linear, quantization, quantizer, name)
-    eight = _w8a8_or_none(quantization, linear.in_features) in ("int8", "w8a8")
+    eight = layer_quantization(quantization, linear.in_features) in ("int8", "w8a8")
     int8 = quantizer.int8(name, linear.weight) if eight and grouped is None and parts is None else None
     return InvariantLinear(linear.weight, linear.bias, quantization, grouped, parts, int8)

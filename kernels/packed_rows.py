@@ -3,7 +3,7 @@ multiplies instead of keeping the table a second time (``engine/model.HeadEmbedd
 
 ``packed_rows(linear, ids)`` gives rows of an ``InvariantLinear``'s weight in the compute dtype, read
 from its panels (``csrc/linear_cpu.c`` describes each layout): float32 and bfloat16 as they are,
-quantized ones dequantized in float32 as ``quantized.dequantize`` and ``linear_cpu.quantize_int8``
+quantized ones dequantized in float32 as ``quantized.dequantize`` and ``weight_forms.quantize_int8``
 define them, then rounded once, so the rows are the weights the kernel multiplies.
 """
 

@@ -160,7 +160,7 @@ def test_a_tied_heads_packed_weight_serves_the_embedding_lookup(
     rows (dequantized where the head is quantized), and the table is not held a second time; an untied
     model keeps its own table."""
     from pdfabric.engine.model import HeadEmbedding
-    from pdfabric.kernels.linear_cpu import quantize_int8
+    from pdfabric.kernels.weight_forms import quantize_int8
 
     _need(dtype)
     model = load_model(checkpoint, dtype, quantization=quantization)

@@ -283,8 +283,8 @@ def test_w4a8_takes_a_gguf_files_4_bit_blocks_as_they_are(tmp_path: Path) -> Non
     import torch
 
     from pdfabric.engine.loader import load_model
-    from pdfabric.kernels.linear_cpu import grouped_form
     from pdfabric.kernels.w8a8_ref import w4a8_reference
+    from pdfabric.kernels.weight_forms import grouped_form
 
     source = resolve_model("tiny")
     cfg = json.loads((source / "config.json").read_text())

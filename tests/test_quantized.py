@@ -16,9 +16,10 @@ import torch
 
 from pdfabric.engine.generate import ReferenceEngine
 from pdfabric.kernels.cpu_build import cpu_has_half_math
-from pdfabric.kernels.linear_cpu import InvariantLinear, quantize_int8
+from pdfabric.kernels.linear_cpu import InvariantLinear
 from pdfabric.kernels.quantized import GroupedWeight, dequantize, from_gguf, quantize_int4
 from pdfabric.kernels.w8a8_ref import fma32, quantize_rows, w4a8_reference, w8a8_reference
+from pdfabric.kernels.weight_forms import quantize_int8
 from pdfabric.sampling_params import SamplingParams
 from tests.fabric import get_json, post_json, running_fabric, wait_blocks_free
 

@@ -14,7 +14,7 @@ from pdfabric.engine.default_model import ensure_preset
 from pdfabric.engine.loader import load_model
 from pdfabric.engine.quantized_cache import CachedQuantizer, cached_quantizer, quantizer_for
 from pdfabric.engine.runner import ModelRunner
-from pdfabric.kernels import linear_cpu
+from pdfabric.kernels import linear_cpu, weight_forms
 
 
 def _packed(path: Path, quantization: str, quantizer: CachedQuantizer | None) -> list[torch.Tensor]:
@@ -36,8 +36,12 @@ def _no_quantizing(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(weight: torch.Tensor) -> None:
         raise AssertionError("quantized again instead of read from the cache")
 
-    monkeypatch.setattr(linear_cpu, "quantize_int8", refuse)
-    monkeypatch.setattr(linear_cpu, "quantize_int4", refuse)
+    for module, name in (
+        (weight_forms, "quantize_int8"),
+        (weight_forms, "quantize_int4"),
+        (linear_cpu, "quantize_int8"),
+    ):
+        monkeypatch.setattr(module, name, refuse)
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4", "w8a8", "w4a8"])
