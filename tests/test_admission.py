@@ -9,6 +9,7 @@ import pytest
 
 from pdfabric.router.routing.admission import (
     ADMIT,
+    BEHIND,
     DEADLINE,
     QUEUE,
     QUEUE_FULL,
@@ -17,7 +18,7 @@ from pdfabric.router.routing.admission import (
     Outcome,
     Ticket,
 )
-from pdfabric.router.routing.routes import BATCH_FULL, Budgets, Choice, Ranking
+from pdfabric.router.routing.routes import BATCH_FULL, KV_FULL, Budgets, Choice, Ranking
 from pdfabric.router.routing.slo import BudgetError, resolve
 from pdfabric.routing_config import AdmissionConfig, PoolConfig, SloClass, Tenant
 
@@ -278,3 +279,52 @@ def test_spent_ttft_budget_is_a_deadline_rejection() -> None:
     q = AdmissionQueue(config())
     out = last(q.arrive(ticket("r1", t=0.0, ttft=100), 0.2, Fleet(slots=1).fit))
     assert (out.action, out.reason) == (REJECT, DEADLINE)
+
+
+class Room:
+    """A fleet of ``free`` KV tokens: a prompt fits while it has room for it, and takes that room."""
+
+    def __init__(self, free: int) -> None:
+        self.free = free
+        self.asked: list[str] = []
+
+    def fit(self, ticket: Ticket, budgets: Budgets) -> Ranking:
+        self.asked.append(ticket.request_id)
+        if ticket.prompt_len <= self.free:
+            self.free -= ticket.prompt_len
+            return Ranking((ROUTE,))
+        return Ranking((), KV_FULL, 300.0, 300.0)
+
+
+def sized(rid: str, prompt_len: int, t: float, cls: str = "interactive", served: str = "") -> Ticket:
+    return Ticket(rid, "a", cls, Budgets(600_000, 100), prompt_len, t, served=served)
+
+
+def test_a_long_prompt_is_passed_over_only_until_it_has_waited_max_overtake_ms() -> None:
+    """Short prompts that fit go past a long one waiting for KV room, for max_overtake_ms; then they
+    wait behind it (asked nothing of the fleet, so no load is counted for them) until it fits, and
+    follow it. Another model version's requests, and a higher class's, still go past."""
+    cfg = AdmissionConfig(classes=(*CLASSES, SloClass("vip", priority=20)), max_overtake_ms=1000)
+    q, room = AdmissionQueue(cfg), Room(free=300)
+    assert last(q.arrive(sized("long", 1000, 0.0), 0.0, room.fit)).action == QUEUE
+    assert last(q.arrive(sized("s1", 100, 0.5), 0.5, room.fit)).action == ADMIT  # long waited 0.5 s
+    assert last(q.arrive(sized("s2", 100, 0.9), 0.9, room.fit)).action == ADMIT
+    room.asked.clear()
+    out = last(q.arrive(sized("s3", 100, 1.2), 1.2, room.fit))  # long has waited 1.2 s
+    assert (out.action, out.reason) == (QUEUE, BEHIND) and room.asked == ["long"]
+    assert last(q.arrive(sized("other", 100, 1.3, served="v2"), 1.3, room.fit)).action == ADMIT
+    room.free = 100  # room for a short prompt, not the long one: nothing passes it now
+    assert q.poll(1.4, room.fit) == [] and room.asked[-1] == "long" and "s3" not in room.asked
+    assert last(q.arrive(sized("vip", 100, 1.5, cls="vip"), 1.5, room.fit)).action == ADMIT
+    room.free = 1100  # the fleet drained
+    admitted = [o.ticket.request_id for o in q.poll(2.0, room.fit) if o.action == ADMIT]
+    assert admitted == ["long", "s3"] and len(q) == 0
+
+
+def test_max_overtake_ms_zero_keeps_arrival_order() -> None:
+    q, room = AdmissionQueue(config(max_overtake_ms=0)), Room(free=300)
+    q.arrive(sized("long", 1000, 0.0), 0.0, room.fit)
+    out = last(q.arrive(sized("short", 100, 0.0), 0.0, room.fit))
+    assert (out.action, out.reason) == (QUEUE, BEHIND)
+    with pytest.raises(ValueError, match="max_overtake_ms"):
+        AdmissionConfig(max_overtake_ms=-1)

@@ -50,6 +50,7 @@ _WHY = {
     "no_workers": "no worker can take it",
     "queue_full": "the router's wait queue is full",
     "deadline": "no route fitted before its deadline",
+    "behind_waiting": "requests that have waited longer go first",
 }
 
 

@@ -9,7 +9,11 @@ A request's life here:
 3. waiting requests are ordered by class priority, then by start-time fair queuing between tenants
    (a tenant's requests are spaced by 1 / weight in virtual time, so a burst from one tenant queues
    behind the others' requests); ``poll`` admits them in that order as routes fit, with their TTFT
-   budget reduced by the time waited, and rejects those whose deadline passed;
+   budget reduced by the time waited, and rejects those whose deadline passed; a later request
+   that fits may be admitted past one that does not (a short prompt past a long one waiting for KV
+   room), but not past one that has waited ``max_overtake_ms``: from then on, requests of its model
+   version and of its priority or lower wait behind it (reason ``behind_waiting``), so that the
+   workers drain until it fits, and a long prompt is never passed over for good;
 4. when the queue is full, an arrival displaces the newest request of the tenant most over its share
    of the queue, if that tenant is further over its share than the arrival's would be; else it is
    rejected.
@@ -28,7 +32,7 @@ from pdfabric.router.routing.routes import Budgets, Ranking
 from pdfabric.routing_config import AdmissionConfig
 
 ADMIT, QUEUE, REJECT = "admit", "queue", "reject"
-QUEUE_FULL, DEADLINE = "queue_full", "deadline"
+QUEUE_FULL, DEADLINE, BEHIND = "queue_full", "deadline", "behind_waiting"
 
 # --- the wait queue -----------------------------------------------------------------------------
 
@@ -115,7 +119,9 @@ class AdmissionQueue:
         budgets = _remaining(ticket, now)
         if budgets is None:
             return [*outcomes, self._reject(ticket, now, DEADLINE, None)]
-        ranking = fit(ticket, budgets)
+        ahead = self._overtaken(ticket, cls.priority, now)
+        # ``fit`` counts an admitted ticket's load at once: it is not asked for one that must wait
+        ranking = fit(ticket, budgets) if ahead is None else Ranking((), BEHIND, ahead.last.drain_ms)
         if ranking.fits:
             start, _ = self._tags(ticket)
             self._vtime = max(self._vtime, start)
@@ -142,7 +148,10 @@ class AdmissionQueue:
         outcomes = [self._drop(w, now, DEADLINE) for w in list(self._waiting.values()) if w.deadline <= now]
         order = sorted(self._waiting.values(), key=lambda w: (-w.priority, w.start, w.seq))
         misses = 0
+        held: dict[str, int] = {}  # model version -> the priority of its first request overtaken too long
         for w in order:
+            if held.get(w.ticket.served, w.priority - 1) >= w.priority:
+                continue  # behind a request that has waited long enough
             budgets = _remaining(w.ticket, now)
             if budgets is None:
                 outcomes.append(self._drop(w, now, DEADLINE))
@@ -158,6 +167,8 @@ class AdmissionQueue:
                 outcomes.append(self._drop(w, now, ranking.reason))
             else:
                 w.last = ranking
+                if now - w.ticket.arrived >= self.config.max_overtake_ms / 1e3:
+                    held.setdefault(w.ticket.served, w.priority)
                 misses += 1
                 if misses >= self.config.poll_probes:
                     break
@@ -173,6 +184,19 @@ class AdmissionQueue:
         return w.ticket
 
     # --- helpers --------------------------------------------------------------------------------
+
+    def _overtaken(self, ticket: Ticket, priority: int, now: float) -> _Waiting | None:
+        """The waiting request of ``ticket``'s model version and of ``priority`` or higher that has
+        waited ``max_overtake_ms`` or longer, if any: ``ticket`` may not be admitted past it."""
+        limit_s = self.config.max_overtake_ms / 1e3
+        for w in self._waiting.values():
+            if (
+                w.ticket.served == ticket.served
+                and w.priority >= priority
+                and now - w.ticket.arrived >= limit_s
+            ):
+                return w
+        return None
 
     def _weight(self, ticket: Ticket) -> float:
         return self.config.tenant(ticket.tenant).weight
