@@ -150,8 +150,9 @@ class AdmissionConfig:
     queue_capacity: int = 256  # requests waiting at once, all tenants
     poll_probes: int = 32  # waiting requests tried per poll before giving up until the next one
     # how long a waiting request may see later ones admitted past it (they fit, it does not: a long
-    # prompt waiting for KV room); after that they wait behind it (0: never past a waiting one)
-    max_overtake_ms: float = 2_000.0
+    # prompt waiting for KV room); after that they wait behind it (0: never past a waiting one; None,
+    # the default: until its deadline)
+    max_overtake_ms: float | None = None
     min_retry_ms: int = 100
     max_retry_ms: int = 60_000
     policy: str = BUDGET
@@ -184,7 +185,8 @@ class AdmissionConfig:
             raise ValueError(f"routing: default_class {self.default_class!r} is not a declared class")
         if self.queue_capacity < 0 or self.poll_probes < 1:
             raise ValueError("routing: queue_capacity must be >= 0 and poll_probes >= 1")
-        _check_ms("routing", "max_overtake_ms", self.max_overtake_ms)
+        if self.max_overtake_ms is not None:
+            _check_ms("routing", "max_overtake_ms", self.max_overtake_ms)
         if not 1 <= self.min_retry_ms <= self.max_retry_ms:
             raise ValueError("routing: need 1 <= min_retry_ms <= max_retry_ms")
         if not (math.isfinite(self.background_slowdown) and self.background_slowdown >= 0):

@@ -11,9 +11,9 @@ A request's life here:
    behind the others' requests); ``poll`` admits them in that order as routes fit, with their TTFT
    budget reduced by the time waited, and rejects those whose deadline passed; a later request
    that fits may be admitted past one that does not (a short prompt past a long one waiting for KV
-   room), but not past one that has waited ``max_overtake_ms``: from then on, requests of its model
-   version and of its priority or lower wait behind it (reason ``behind_waiting``), so that the
-   workers drain until it fits, and a long prompt is never passed over for good;
+   room), until its deadline or, with ``max_overtake_ms`` set, until it has waited that long: from
+   then on, requests of its model version and of its priority or lower wait behind it (reason
+   ``behind_waiting``) while the workers drain until it fits;
 4. when the queue is full, an arrival displaces the newest request of the tenant most over its share
    of the queue, if that tenant is further over its share than the arrival's would be; else it is
    rejected.
@@ -167,7 +167,7 @@ class AdmissionQueue:
                 outcomes.append(self._drop(w, now, ranking.reason))
             else:
                 w.last = ranking
-                if now - w.ticket.arrived >= self.config.max_overtake_ms / 1e3:
+                if self._passed_over_too_long(w, now):
                     held.setdefault(w.ticket.served, w.priority)
                 misses += 1
                 if misses >= self.config.poll_probes:
@@ -188,15 +188,18 @@ class AdmissionQueue:
     def _overtaken(self, ticket: Ticket, priority: int, now: float) -> _Waiting | None:
         """The waiting request of ``ticket``'s model version and of ``priority`` or higher that has
         waited ``max_overtake_ms`` or longer, if any: ``ticket`` may not be admitted past it."""
-        limit_s = self.config.max_overtake_ms / 1e3
         for w in self._waiting.values():
             if (
                 w.ticket.served == ticket.served
                 and w.priority >= priority
-                and now - w.ticket.arrived >= limit_s
+                and self._passed_over_too_long(w, now)
             ):
                 return w
         return None
+
+    def _passed_over_too_long(self, w: _Waiting, now: float) -> bool:
+        limit_ms = self.config.max_overtake_ms
+        return limit_ms is not None and (now - w.ticket.arrived) * 1e3 >= limit_ms
 
     def _weight(self, ticket: Ticket) -> float:
         return self.config.tenant(ticket.tenant).weight
