@@ -281,13 +281,11 @@ class WorkerCore:
         KV endpoint has refused so far (the driver's KV side counts them)."""
         if now < self.next_heartbeat:
             return None
-        self.next_heartbeat = now + self.spec.config.heartbeat_s
-        s, pool = self.scheduler, self.tables.pool
+        cfg, s, pool = self.spec.config, self.scheduler, self.tables.pool
+        self.next_heartbeat = now + cfg.heartbeat_s
         cached, evicted = pool.take_events()
         profile = self.profile.profile()
-        s.background_tokens = background_tokens(
-            profile, self.spec.config.background_step_ms, s.config.max_batch_tokens
-        )
+        s.background_tokens = background_tokens(profile, cfg.background_step_ms, s.config.max_batch_tokens)
         return Heartbeat(
             worker_id=self.worker_id,
             queued_tokens=s.queued_tokens,
