@@ -150,7 +150,8 @@ class AdmissionQueue:
         misses = 0
         held: dict[str, int] = {}  # model version -> the priority of its first request overtaken too long
         for w in order:
-            if held.get(w.ticket.served, w.priority - 1) >= w.priority:
+            ahead = held.get(w.ticket.served)
+            if ahead is not None and ahead >= w.priority:
                 continue  # behind a request that has waited long enough
             budgets = _remaining(w.ticket, now)
             if budgets is None:
