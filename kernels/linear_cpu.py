@@ -7,7 +7,8 @@ Two kernels, behind the seam ``kernels/linear.py`` (``pack_linears``) that also 
   logits are the same to the bit alone, in any batch, in a prefill chunk or a decode step. Measured on
   a 2-core AMD EPYC with AVX512-BF16 on SmolLM2-135M's shapes (``docs/engine.md``): faster than
   oneDNN at 1 to 32 rows (it reads the weight panels at memory speed with no per-call set-up), as
-  fast at 512 rows.
+  fast at 512 rows. On CPUs with AMX tiles bfloat16 runs on them for every row count
+  (``csrc/linear_amx.h``, ``amx_tiles``): 8-10x VDPBF16PS's rate at 512 rows on a Sapphire Rapids VM.
 - ``onednn``: the weight reordered once into oneDNN's blocked layout (the ops PyTorch's compiler uses
   when it freezes a model). oneDNN picks its blocking per shape; on SmolLM2's down projection
   (K = 1536) a row's sum changes with the rows beside it, so greedy text changed with the batch.
@@ -37,6 +38,7 @@ import functools
 import torch
 from torch import nn
 
+from pdfabric import envs
 from pdfabric.kernels import cpu_build
 from pdfabric.kernels.linear_onednn import PackedLinear, onednn_available
 from pdfabric.kernels.quantized import GROUP, GroupedWeight
@@ -92,7 +94,9 @@ def _library() -> ctypes.CDLL | None:
         lib.pd_linear_packed_elems.argtypes = [i64, i64, i32]
         lib.pd_linear_packed_elems.restype = i64
         lib.pd_linear_supported.argtypes = [i32]
-        for fn in (lib.pd_linear, lib.pd_linear_pack, lib.pd_linear_supported):
+        lib.pd_linear_amx.argtypes = [i32]
+        lib.pd_linear_amx(int(envs.get("PDFABRIC_CPU_AMX") == "on"))
+        for fn in (lib.pd_linear, lib.pd_linear_pack, lib.pd_linear_supported, lib.pd_linear_amx):
             fn.restype = ctypes.c_int
     return lib
 
@@ -101,6 +105,16 @@ def _library() -> ctypes.CDLL | None:
 def kernel_address() -> int:
     """The address of ``pd_linear``, for C code that calls it (``decoder_cpu``); the library must load."""
     return ctypes.cast(_library().pd_linear, ctypes.c_void_p).value
+
+
+def amx_tiles(use: bool | None = None) -> bool:
+    """Whether the invariant kernel runs bfloat16 layers on AMX tiles (Intel CPUs since Sapphire Rapids,
+    where the kernel grants their state; on there unless ``PDFABRIC_CPU_AMX=off``, ``csrc/linear_amx.h``).
+    ``use`` turns them on or off for this process, to compare the two paths; returns the state after."""
+    lib = _library()
+    if lib is None:
+        return False
+    return bool(lib.pd_linear_amx(-1 if use is None else int(use)))
 
 
 PARTS_CODE = 16  # pd_linear's dtype for a weight of parts in different formats (csrc/linear_cpu.c)

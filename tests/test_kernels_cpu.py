@@ -17,7 +17,7 @@ from pdfabric.kernels.attention_ref import paged_attention_ref, store_kv_ref
 from pdfabric.kernels.layer_ops_cpu import can_store_kv, rms_norm_cpu, rope_cpu, silu_mul_cpu, store_kv_cpu
 from pdfabric.kernels.layer_ops_ref import rms_norm_ref, rope_ref, silu_mul_ref
 from pdfabric.kernels.linear import pack_linears
-from pdfabric.kernels.linear_cpu import LINEAR_KINDS, InvariantLinear, can_pack, packed
+from pdfabric.kernels.linear_cpu import LINEAR_KINDS, InvariantLinear, amx_tiles, can_pack, packed
 from pdfabric.kernels.paged_attention_cpu import (
     decodes_as_prefill,
     paged_attention_cpu,
@@ -344,6 +344,37 @@ def test_invariant_linear_gives_a_row_the_same_bits_in_any_batch(dtype: torch.dt
                 assert torch.equal(got, alone[start : start + rows]), (count, start, rows)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("shape", [(200, 1536), (80, 97), (130, 31)])
+def test_bfloat16_on_amx_tiles_keeps_a_rows_bits_in_any_batch(shape: tuple) -> None:
+    """On a CPU with AMX every bfloat16 row goes through the tiles (csrc/linear_amx.h): a row alone (padded
+    to a tile of 16), in part tiles and in whole ones, with K a multiple of 32, odd or below one step,
+    gets the same bits; the tiles' sums are as close to float64's as VDPBF16PS's, whose path the same
+    build takes with the tiles turned off."""
+    if not amx_tiles():
+        pytest.skip("no AMX tiles on this CPU (or not granted by the kernel)")
+    n, k = shape
+    torch.manual_seed(n + k)
+    layer = nn.Linear(k, n).to(torch.bfloat16)
+    packed_layer = InvariantLinear(layer.weight, layer.bias)
+    x = torch.randn(100, k, dtype=torch.bfloat16)
+    want = F.linear(x.double(), layer.weight.double(), layer.bias.double())
+    try:
+        results = {}
+        for tiles in (True, False):
+            assert amx_tiles(tiles) == tiles
+            y = packed_layer(x)
+            alone = torch.cat([packed_layer(x[i : i + 1]) for i in range(100)])
+            assert torch.equal(y, alone), tiles
+            for start, rows in ((0, 2), (5, 17), (1, 33), (3, 97)):
+                got = packed_layer(x[start : start + rows])
+                assert torch.equal(got, y[start : start + rows]), (tiles, rows)
+            results[tiles] = (y.double() - want).abs().max().item()
+    finally:
+        amx_tiles(True)
+    bound = 2e-2 * want.abs().max().item()
+    assert results[True] < bound and results[False] < bound, results
 
 
 def test_invariant_linear_rejects_an_input_that_does_not_fit() -> None:

@@ -51,6 +51,9 @@
  * contiguous. dtype: 0 float32, 1 bfloat16 (x, weight, bias and out alike). Rounding to bfloat16 is
  * to nearest even on the bits, as torch rounds.
  *
+ * On CPUs with AMX, bfloat16 (dtype 1) runs on its tiles instead (linear_amx.h): every row of every call,
+ * each output one fixed chain of 32-input tile steps, so the batch invariance holds there too.
+ *
  * Built by kernels/cpu_build.py with -O3 -march=native -fopenmp; bfloat16 needs AVX512-BF16, float32
  * takes AVX-512 where the CPU has it and plain C that the compiler vectorises elsewhere.
  */
@@ -277,6 +280,7 @@ static void run_items(void (*item)(const void *job, int64_t block, int64_t panel
 
 #include "linear_w8a8.h" /* dtypes 8 and 9: int8 weights times int8 activations */
 #include "linear_w4a8.h" /* dtypes 14 and 15: 4-bit weights times int8 activations */
+#include "linear_amx.h"  /* dtype 1 on AMX tiles where the CPU has them */
 
 /* Writes the `rows` x 64 float32 sums `acc` (row stride COLS) of panel p to the output rows from m0. */
 static void store_tile(const job_t *j, int64_t m0, int rows, int64_t p, const float *acc) {
@@ -623,6 +627,14 @@ static void run_item(const void *job, int64_t block, int64_t p) {
     const job_t *j = job;
     float acc[ROW_BLOCK * COLS];
     const int64_t start = block * ROW_BLOCK, end = start + ROW_BLOCK < j->m ? start + ROW_BLOCK : j->m;
+#ifdef HAVE_AMX
+    if (j->dtype == 1 && amx_on()) {
+        amx_item_bf16(j, block, p, acc);
+        for (int64_t m0 = start; m0 < end; m0 += ROWS)
+            store_tile(j, m0, end - m0 < ROWS ? (int)(end - m0) : ROWS, p, acc + (m0 - start) * COLS);
+        return;
+    }
+#endif
     const int pairs = x_is_bf16(j->dtype) || grouped(j->dtype);
     const int64_t steps = pairs ? pairs_of(j->k) : j->k, chunk = pairs ? K_CHUNK : 2 * K_CHUNK;
     /* Grouped bfloat16 weights widened once a chunk for blocks of many rows (a prompt's); below
