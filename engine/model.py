@@ -193,8 +193,11 @@ class LlamaForCausalLM(nn.Module):
         return cos, sin
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [N, hidden] -> logits [N, vocab] in float32, rounded to the model dtype first (as Hugging
-        # Face computes them). A tied head multiplies by the embedding table unless a runner packed it.
+        # hidden: [N, hidden] -> logits [N, vocab] in float32. An unpacked head rounds them to the model
+        # dtype first (as Hugging Face computes them); the CPU's invariant kernel, packed by a runner,
+        # returns its float32 sums (bfloat16 logits near 25 are 0.125 apart: a greedy choice between two
+        # that float32 tells apart became a tie). A tied head multiplies by the embedding table unless a
+        # runner packed it.
         if self.lm_head is None:
             return nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
         return self.lm_head(hidden).float()

@@ -236,7 +236,7 @@ def _pack_model(
         head.gguf_blocks = model.__dict__.pop("tied_head_blocks", None)  # load_model's, under "gguf"
     held_as = head_quantization(quantization, device)
     if isinstance(head, nn.Linear) and can_pack(head, kind, held_as):
-        model.lm_head = packed(head, kind, held_as, quantizer, "lm_head")
+        model.lm_head = packed(head, kind, held_as, quantizer, "lm_head", float_out=True)
         rows = row_reader(model.lm_head) if head.weight is model.model.embed_tokens.weight else None
         if rows is not None:
             model.model.embed_tokens = HeadEmbedding(rows, head.in_features)

@@ -82,12 +82,15 @@ def packed(
     quantization: str = "none",
     quantizer: weight_forms.Quantizer | None = None,
     name: str = "",
+    float_out: bool = False,
 ) -> nn.Module:
     """``linear`` (the model's ``name``) as a module of ``kind`` (the caller checks ``can_pack`` first).
     ``quantizer``: where a CPU layer's quantized weight comes from (``weight_forms.Quantizer``; default:
-    computed)."""
+    computed). ``float_out``: the CPU's invariant kernel returns float32 sums, not rounded to the compute
+    dtype (a head's logits); the other modules round them."""
     if linear.weight.device.type == "cpu":
-        return linear_cpu.packed(linear, kind, quantization, quantizer or weight_forms.COMPUTE, name)
+        compute = quantizer or weight_forms.COMPUTE
+        return linear_cpu.packed(linear, kind, quantization, compute, name, float_out)
     grouped = weight_forms.grouped_form(linear, quantization)
     # the Triton matmul takes groups of 32, offsets for 4 bits only: Q3_K, Q6_K, Q5_1, Q5_K in the
     # compute dtype

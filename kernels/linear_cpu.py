@@ -57,6 +57,7 @@ from pdfabric.worker_config import QUANTIZATIONS  # the worker's setting, named 
 LINEAR_KINDS = ("invariant", "onednn")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 INT8_CODES = {torch.bfloat16: 2, torch.float32: 3}  # int8 weights beside inputs and outputs of this dtype
+OUT_F32 = 64  # a flag on pd_linear's dtype: float32 out, unrounded, whatever the input's dtype
 W8A8_CODES = {torch.bfloat16: 8, torch.float32: 9}  # int8 weights times rows quantized to int8 per call
 W4A8_CODES = {torch.bfloat16: 14, torch.float32: 15}  # int4's weights times rows quantized as W8A8's
 # weights in groups of inputs, by bits, inputs a group (Q3_K's and Q6_K's 16), offsets held and the
@@ -172,7 +173,9 @@ class InvariantLinear(nn.Module):
     With ``grouped`` (``grouped_form``: int4, or a GGUF tensor's blocks) it is held in groups of 32
     inputs (16 for Q3_K's and Q6_K's); under ``"w4a8"`` the int4 weight multiplies input rows quantized
     as ``"w8a8"`` quantizes them (``w8a8_ref.w4a8_reference``); with ``parts`` (``gguf_parts``) each
-    part of a stacked projection in its own format. The inputs and outputs stay in the compute dtype."""
+    part of a stacked projection in its own format. The inputs stay in the compute dtype, and so do the
+    outputs unless ``float_out``: then they are the float32 sums plus the bias, not rounded (a model's
+    head: its logits)."""
 
     def __init__(
         self,
@@ -182,6 +185,7 @@ class InvariantLinear(nn.Module):
         grouped: GroupedWeight | None = None,
         parts: Parts | None = None,
         int8: Int8Form | None = None,
+        float_out: bool = False,
     ) -> None:
         super().__init__()
         # weight: [out_features, in_features]; bias: [out_features] or None, both in the compute dtype
@@ -209,6 +213,10 @@ class InvariantLinear(nn.Module):
         # Plain attributes for the hot path (a module's buffer lookup costs about a microsecond a call);
         # buffers never move, and the model is not moved after packing (CPU only).
         self._dtype = weight.dtype
+        self.float_out = float_out
+        self._out_dtype, self._call_code = weight.dtype, self.dtype_code
+        if float_out:
+            self._out_dtype, self._call_code = torch.float32, self.dtype_code | OUT_F32
         self._weight_ptr = self.packed_weight.data_ptr()
         self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
         self._kernel = _library().pd_linear
@@ -222,11 +230,11 @@ class InvariantLinear(nn.Module):
             raise ValueError(f"input {tuple(x.shape)} {x.dtype} does not fit {self.extra_repr()}")
         if x.stride(1) != 1:
             x = x.contiguous()
-        out = torch.empty((rows, self.out_features), dtype=x.dtype)
+        out = torch.empty((rows, self.out_features), dtype=self._out_dtype)
         with cpu_build.profiled("linear_cpu"):
             status = self._kernel(
                 x.data_ptr(), x.stride(0), self._weight_ptr, self._bias_ptr, out.data_ptr(),
-                self.out_features, rows, self.out_features, self.in_features, self.dtype_code,
+                self.out_features, rows, self.out_features, self.in_features, self._call_code,
                 torch.get_num_threads(),
             )  # fmt: skip
         if status != 0:
@@ -244,6 +252,7 @@ class InvariantLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
             + quantized
+            + (", float32 out" if self.float_out else "")
         )
 
 
@@ -328,13 +337,15 @@ def packed(
     quantization: str = "none",
     quantizer: Quantizer = COMPUTE,
     name: str = "",
+    float_out: bool = False,
 ) -> nn.Module:
     """``linear`` (the model's ``name``) packed for ``kind``, its quantized weight from ``quantizer``
-    (the caller checks ``can_pack`` first)."""
+    (the caller checks ``can_pack`` first). ``float_out``: the invariant kernel writes float32 outputs,
+    not rounded to the compute dtype (oneDNN's module rounds them)."""
     if kind == "onednn":
         return PackedLinear(linear)
     parts = gguf_parts(linear, quantization)
     grouped = grouped_form(linear, quantization, quantizer, name)
     eight = layer_quantization(quantization, linear.in_features) in ("int8", "w8a8")
     int8 = quantizer.int8(name, linear.weight) if eight and grouped is None and parts is None else None
-    return InvariantLinear(linear.weight, linear.bias, quantization, grouped, parts, int8)
+    return InvariantLinear(linear.weight, linear.bias, quantization, grouped, parts, int8, float_out)

@@ -281,6 +281,35 @@ def test_a_weight_of_parts_gives_each_parts_own_outputs_to_the_bit(dtype: torch.
         InvariantLinear(w, b, "gguf", None, ((192, g4), (64, q6)))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_float_out_gives_each_formats_sums_before_they_are_rounded(dtype: torch.dtype) -> None:
+    """``float_out`` (a model's head: its logits): every format writes float32 outputs that round to the
+    very bits its rounded layer writes, bias included, and a row's are the same in any batch; in
+    bfloat16 they are not all bfloat16 values (the rounding is really left out)."""
+    torch.manual_seed(5)
+    n, k = 200, 256
+    w = (torch.randn(n, k) * 0.05).to(dtype)
+    b = (torch.randn(n) * 0.1).to(dtype)
+    int4 = quantize_int4(w.float())
+    parts = ((136, quantize_int4(w[:136].float())), (64, _q8_groups(64, k, 16)))  # Q4-like beside Q6_K-like
+    forms = [
+        ("none", None, None), ("int8", None, None), ("w8a8", None, None), ("int4", int4, None),
+        ("w4a8", int4, None), ("gguf", _q8_groups(n, k, 32), None), ("gguf", _q8_groups(n, k, 16), None),
+        ("gguf", None, parts),
+    ]  # fmt: skip
+    x = torch.randn(40, k).to(dtype)
+    for quantization, grouped, held_parts in forms:
+        rounded = InvariantLinear(w, b, quantization, grouped, held_parts)
+        exact = InvariantLinear(w, b, quantization, grouped, held_parts, float_out=True)
+        y = exact(x)
+        assert y.dtype == torch.float32, rounded.extra_repr()
+        assert torch.equal(y.to(dtype), rounded(x)), rounded.extra_repr()
+        for start, rows in ((0, 1), (3, 7), (1, 33)):
+            assert torch.equal(exact(x[start : start + rows]), y[start : start + rows]), rounded.extra_repr()
+        if dtype == torch.bfloat16:
+            assert not torch.equal(y, y.to(dtype).float()), rounded.extra_repr()
+
+
 def test_a_layer_whose_inputs_are_not_groups_of_32_keeps_the_model_dtype() -> None:
     from torch import nn
 

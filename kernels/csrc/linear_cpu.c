@@ -50,6 +50,9 @@
  * Layouts (element strides): x row m starts at m * x_stride, out row m at m * out_stride, elements
  * contiguous. dtype: 0 float32, 1 bfloat16 (x, weight, bias and out alike). Rounding to bfloat16 is
  * to nearest even on the bits, as torch rounds.
+ * With the flag OUT_F32 on the dtype, out is float32 for every dtype: each output's float32 sum plus its
+ * bias, not rounded (a model's logits: rounded to bfloat16, two logits near 25 that float32 tells apart
+ * by 0.04 are a tie, which greedy sampling breaks by token id).
  *
  * On CPUs with AMX, bfloat16 (dtype 1) runs on its tiles instead (linear_amx.h): every row of every call,
  * each output one fixed chain of 32-input tile steps, so the batch invariance holds there too.
@@ -105,6 +108,7 @@ static inline int x_is_bf16(int dtype) { return dtype == 1 || dtype == 2 || grou
 static inline int w8a8(int dtype) { return dtype == 8 || dtype == 9; } /* linear_w8a8.h */
 static inline int w4a8(int dtype) { return dtype == 14 || dtype == 15; } /* linear_w4a8.h */
 #define PARTS 16 /* the dtype of a weight of several parts (pd_linear_pack_parts) */
+#define OUT_F32 64 /* a flag on pd_linear's dtype: float32 out whatever x is */
 
 /* Bytes of a W8A8 [n, k] weight: a scale per output, then a byte per weight. */
 static inline int64_t w8a8_packed_bytes(int64_t n, int64_t k) {
@@ -227,6 +231,7 @@ typedef struct {
     void *out;
     int64_t x_stride, out_stride, m, n, k;
     int dtype;
+    int out_f32;        /* out is float32 whatever x is (pd_linear's OUT_F32) */
     const float *xsums; /* groups with offsets, bfloat16 x: each row's sum of each group's inputs, [m][k / 32] */
 } job_t;
 
@@ -287,6 +292,13 @@ static void store_tile(const job_t *j, int64_t m0, int rows, int64_t p, const fl
     const int64_t c0 = p * COLS;
     const int cols = j->n - c0 < COLS ? (int)(j->n - c0) : COLS;
     const int bf16 = x_is_bf16(j->dtype);
+    if (j->out_f32) {
+        const float *scale = quantized(j->dtype) ? (const float *)j->packed + c0 : NULL;
+        const void *bias = j->bias ? (const char *)j->bias + c0 * (bf16 ? 2 : 4) : NULL;
+        for (int r = 0; r < rows; r++)
+            store_row_f32((float *)j->out + (m0 + r) * j->out_stride + c0, acc + r * COLS, scale, bias, bf16, cols);
+        return;
+    }
 #ifdef HAVE_AVX512
     if (bf16) {
         store_tile_bf16(j, m0, rows, c0, cols, acc);
@@ -697,34 +709,38 @@ int pd_linear(const void *x, int64_t x_stride, const void *packed, const void *b
 
 /* pd_linear for a weight of parts: one call a part, each on its columns of out. */
 static int linear_parts(const void *x, int64_t x_stride, const void *packed, const void *bias, void *out,
-                        int64_t out_stride, int64_t m, int64_t n, int64_t k, int threads) {
+                        int64_t out_stride, int64_t m, int64_t n, int64_t k, int out_f32, int threads) {
     const int64_t *h = (const int64_t *)packed;
     int64_t row = 0;
     for (int64_t i = 0; i < h[0]; i++) {
         const int64_t outputs = h[1 + 3 * i], dtype = h[2 + 3 * i], offset = h[3 + 3 * i];
-        const int64_t esize = x_is_bf16((int)dtype) || dtype == 8 ? 2 : 4; /* x, bias and out elements */
+        const int64_t esize = x_is_bf16((int)dtype) || dtype == 8 ? 2 : 4; /* x and bias elements */
+        const int64_t osize = out_f32 ? 4 : esize;
         if (row + outputs > n) return 1;
         const int status = pd_linear(x, x_stride, (const char *)packed + offset,
-                                     bias ? (const char *)bias + row * esize : NULL, (char *)out + row * esize,
-                                     out_stride, m, outputs, k, (int)dtype, threads);
+                                     bias ? (const char *)bias + row * esize : NULL, (char *)out + row * osize,
+                                     out_stride, m, outputs, k, (int)dtype | (out_f32 ? OUT_F32 : 0), threads);
         if (status) return status;
         row += outputs;
     }
     return row == n ? 0 : 1;
 }
 
-/* Returns 0 on success, 1 on bad arguments, 2 when out of memory, 3 when this build cannot run the dtype. */
+/* Returns 0 on success, 1 on bad arguments, 2 when out of memory, 3 when this build cannot run the dtype.
+ * `dtype | OUT_F32` writes out as float32 sums (bias added, not rounded) whatever x's dtype. */
 int pd_linear(const void *x, int64_t x_stride, const void *packed, const void *bias, void *out,
               int64_t out_stride, int64_t m, int64_t n, int64_t k, int dtype, int threads) {
+    const int out_f32 = (dtype & OUT_F32) != 0;
+    dtype &= ~OUT_F32;
     if (dtype == PARTS) {
         if (m < 0 || n <= 0 || k <= 0 || x_stride < k || out_stride < n) return 1;
-        return linear_parts(x, x_stride, packed, bias, out, out_stride, m, n, k, threads);
+        return linear_parts(x, x_stride, packed, bias, out, out_stride, m, n, k, out_f32, threads);
     }
     if (m < 0 || n <= 0 || k <= 0 || x_stride < k || out_stride < n || dtype < 0 || dtype > 15) return 1;
     if ((grouped(dtype) && k % group_inputs(dtype)) || ((w8a8(dtype) || w4a8(dtype)) && k % GROUP)) return 1;
     if (!pd_linear_supported(dtype)) return 3;
-    if (w8a8(dtype)) return linear_w8a8(x, x_stride, packed, bias, out, out_stride, m, n, k, dtype, threads);
-    if (w4a8(dtype)) return linear_w4a8(x, x_stride, packed, bias, out, out_stride, m, n, k, dtype, threads);
+    if (w8a8(dtype)) return linear_w8a8(x, x_stride, packed, bias, out, out_stride, m, n, k, dtype, out_f32, threads);
+    if (w4a8(dtype)) return linear_w4a8(x, x_stride, packed, bias, out, out_stride, m, n, k, dtype, out_f32, threads);
     float *xsums = NULL;
 #ifdef HAVE_AVX512_BF16
     if ((dtype == 4 || dtype == 12) && m > 0) { /* once a call, not once a panel: the same sums either way */
@@ -735,7 +751,7 @@ int pd_linear(const void *x, int64_t x_stride, const void *packed, const void *b
                 xsums[r * groups + g] = group_sum_bf16((const pair_t *)((const uint16_t *)x + r * x_stride) + g * (GROUP / 2));
     }
 #endif
-    const job_t job = {x, packed, bias, out, x_stride, out_stride, m, n, k, dtype, xsums};
+    const job_t job = {x, packed, bias, out, x_stride, out_stride, m, n, k, dtype, out_f32, xsums};
     const int64_t panels = (n + COLS - 1) / COLS, blocks = (m + ROW_BLOCK - 1) / ROW_BLOCK;
     if (threads < 1 || m * n * k < SERIAL_MACS) threads = 1;
     run_items(run_item, &job, blocks, panels, threads);

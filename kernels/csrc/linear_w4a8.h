@@ -66,6 +66,7 @@ typedef struct {
     void *out;
     int64_t out_stride, m, n, k;
     int dtype;
+    int out_f32; /* float32 out whatever x is */
 } w4_job_t;
 
 /* Row m's group g of inputs summed as float32: its quantized inputs' sum times its scale sx. */
@@ -149,7 +150,10 @@ static void w4_store(const w4_job_t *j, int64_t m0, int rows, int64_t p, const f
     const int cols = j->n - c0 < COLS ? (int)(j->n - c0) : COLS;
     for (int r = 0; r < rows; r++) {
         const float *a = acc + r * COLS;
-        if (j->dtype == 14) {
+        if (j->out_f32) {
+            const void *bias = j->bias ? (const char *)j->bias + c0 * (j->dtype == 14 ? 2 : 4) : NULL;
+            store_row_f32((float *)j->out + (m0 + r) * j->out_stride + c0, a, NULL, bias, j->dtype == 14, cols);
+        } else if (j->dtype == 14) {
             const uint16_t *bias = (const uint16_t *)j->bias;
             uint16_t *out = (uint16_t *)j->out + (m0 + r) * j->out_stride + c0;
             for (int c = 0; c < cols; c++) out[c] = f32_to_bf16(bias ? a[c] + bf16_to_f32(bias[c0 + c]) : a[c]);
@@ -179,7 +183,7 @@ static void w4_item(const void *job, int64_t block, int64_t p) {
 
 /* pd_linear for dtypes 14 and 15 (its arguments checked): 0, 1 on bad arguments, 2 when out of memory. */
 static int linear_w4a8(const void *x, int64_t x_stride, const void *packed, const void *bias, void *out,
-                       int64_t out_stride, int64_t m, int64_t n, int64_t k, int dtype, int threads) {
+                       int64_t out_stride, int64_t m, int64_t n, int64_t k, int dtype, int out_f32, int threads) {
     if (k % W8_GROUP) return 1;
     const int64_t panels = (n + COLS - 1) / COLS, groups = k / W8_GROUP;
     if (threads < 1) threads = 1;
@@ -187,7 +191,7 @@ static int linear_w4a8(const void *x, int64_t x_stride, const void *packed, cons
     if (quantize_rows(x, x_stride, dtype == 14 ? 8 : 9, m, k, threads, &rows)) return 2;
     const float *d = (const float *)packed, *o = d + panels * groups * COLS;
     const w4_job_t job = {rows.q, rows.xs, rows.start, d, o, (const uint8_t *)(o + panels * groups * COLS), bias,
-                          out, out_stride, m, n, k, dtype};
+                          out, out_stride, m, n, k, dtype, out_f32};
     if (m * n * k < SERIAL_MACS) threads = 1;
     run_items(w4_item, &job, (m + ROW_BLOCK - 1) / ROW_BLOCK, panels, threads);
     free_quantized(&rows);

@@ -70,6 +70,7 @@ typedef struct {
     void *out;
     int64_t out_stride, m, n, k;
     int dtype;
+    int out_f32; /* float32 out whatever x is */
 } w8_job_t;
 
 /* Row x (k inputs of `dtype`) quantized into q, each group's scale into xs and starting sum into start. */
@@ -219,7 +220,10 @@ static void w8_store(const w8_job_t *j, int64_t m0, int rows, int64_t p, const f
     const float *scale = j->scale + c0;
     for (int r = 0; r < rows; r++) {
         const float *a = acc + r * COLS;
-        if (j->dtype == 8) {
+        if (j->out_f32) {
+            const void *bias = j->bias ? (const char *)j->bias + c0 * (j->dtype == 8 ? 2 : 4) : NULL;
+            store_row_f32((float *)j->out + (m0 + r) * j->out_stride + c0, a, scale, bias, j->dtype == 8, cols);
+        } else if (j->dtype == 8) {
             const uint16_t *bias = (const uint16_t *)j->bias;
             uint16_t *o = (uint16_t *)j->out + (m0 + r) * j->out_stride + c0;
 #ifdef HAVE_AVX512
@@ -264,14 +268,15 @@ static void w8_item(const void *job, int64_t block, int64_t p) {
 
 /* pd_linear for dtypes 8 and 9 (its arguments checked): 0, 1 on bad arguments, 2 when out of memory. */
 static int linear_w8a8(const void *x, int64_t x_stride, const void *packed, const void *bias, void *out,
-                       int64_t out_stride, int64_t m, int64_t n, int64_t k, int dtype, int threads) {
+                       int64_t out_stride, int64_t m, int64_t n, int64_t k, int dtype, int out_f32, int threads) {
     if (k % W8_GROUP) return 1;
     const int64_t panels = (n + COLS - 1) / COLS;
     if (threads < 1) threads = 1;
     quantized_rows_t rows;
     if (quantize_rows(x, x_stride, dtype, m, k, threads, &rows)) return 2;
     const w8_job_t job = {rows.q, rows.xs, rows.start, (const float *)packed,
-                          (const uint8_t *)packed + panels * COLS * sizeof(float), bias, out, out_stride, m, n, k, dtype};
+                          (const uint8_t *)packed + panels * COLS * sizeof(float), bias, out, out_stride, m, n, k, dtype,
+                          out_f32};
     if (m * n * k < SERIAL_MACS) threads = 1;
     run_items(w8_item, &job, (m + ROW_BLOCK - 1) / ROW_BLOCK, panels, threads);
     free_quantized(&rows);
