@@ -214,9 +214,8 @@ class InvariantLinear(nn.Module):
         # buffers never move, and the model is not moved after packing (CPU only).
         self._dtype = weight.dtype
         self.float_out = float_out
-        self._out_dtype, self._call_code = weight.dtype, self.dtype_code
-        if float_out:
-            self._out_dtype, self._call_code = torch.float32, self.dtype_code | OUT_F32
+        self._out_dtype = torch.float32 if float_out else weight.dtype
+        self._call_code = self.dtype_code | (OUT_F32 if float_out else 0)
         self._weight_ptr = self.packed_weight.data_ptr()
         self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
         self._kernel = _library().pd_linear

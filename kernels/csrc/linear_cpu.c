@@ -292,8 +292,8 @@ static void store_tile(const job_t *j, int64_t m0, int rows, int64_t p, const fl
     const int64_t c0 = p * COLS;
     const int cols = j->n - c0 < COLS ? (int)(j->n - c0) : COLS;
     const int bf16 = x_is_bf16(j->dtype);
+    const float *scale = quantized(j->dtype) ? (const float *)j->packed + c0 : NULL;
     if (j->out_f32) {
-        const float *scale = quantized(j->dtype) ? (const float *)j->packed + c0 : NULL;
         const void *bias = j->bias ? (const char *)j->bias + c0 * (bf16 ? 2 : 4) : NULL;
         for (int r = 0; r < rows; r++)
             store_row_f32((float *)j->out + (m0 + r) * j->out_stride + c0, acc + r * COLS, scale, bias, bf16, cols);
@@ -305,7 +305,6 @@ static void store_tile(const job_t *j, int64_t m0, int rows, int64_t p, const fl
         return;
     }
 #endif
-    const float *scale = quantized(j->dtype) ? (const float *)j->packed + c0 : NULL;
     for (int r = 0; r < rows; r++) {
         const float *a = acc + r * COLS;
         if (bf16) {
