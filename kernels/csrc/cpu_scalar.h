@@ -27,19 +27,19 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(bits >> 16);
 }
 
-/* One row of `cols` float32 outputs: the sums a (times scale[c] where scale is not NULL) plus the bias
- * (bias[c] as bfloat16 where bias_bf16, else float32; NULL: none), unrounded. For outputs kept in
- * float32 whatever the input's dtype (a model's logits). */
+/* One row of `cols` float32 outputs from column c0 on: the sums a (times scale[c] where scale is not
+ * NULL) plus the bias (bias[c0 + c], bfloat16 where bias_bf16, else float32; NULL: none), unrounded. For
+ * outputs kept in float32 whatever the input's dtype (a model's logits). */
 static inline void store_row_f32(float *o, const float *a, const float *scale, const void *bias, int bias_bf16,
-                                 int cols) {
+                                 int64_t c0, int cols) {
     /* one plain loop per case, so that each vectorises */
     if (scale) for (int c = 0; c < cols; c++) o[c] = a[c] * scale[c];
     else memcpy(o, a, (size_t)cols * sizeof(float));
     if (bias && bias_bf16) {
-        const uint16_t *b = (const uint16_t *)bias;
+        const uint16_t *b = (const uint16_t *)bias + c0;
         for (int c = 0; c < cols; c++) o[c] += bf16_to_f32(b[c]);
     } else if (bias) {
-        const float *b = (const float *)bias;
+        const float *b = (const float *)bias + c0;
         for (int c = 0; c < cols; c++) o[c] += b[c];
     }
 }

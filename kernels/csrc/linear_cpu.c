@@ -294,9 +294,9 @@ static void store_tile(const job_t *j, int64_t m0, int rows, int64_t p, const fl
     const int bf16 = x_is_bf16(j->dtype);
     const float *scale = quantized(j->dtype) ? (const float *)j->packed + c0 : NULL;
     if (j->out_f32) {
-        const void *bias = j->bias ? (const char *)j->bias + c0 * (bf16 ? 2 : 4) : NULL;
         for (int r = 0; r < rows; r++)
-            store_row_f32((float *)j->out + (m0 + r) * j->out_stride + c0, acc + r * COLS, scale, bias, bf16, cols);
+            store_row_f32((float *)j->out + (m0 + r) * j->out_stride + c0, acc + r * COLS, scale, j->bias, bf16, c0,
+                          cols);
         return;
     }
 #ifdef HAVE_AVX512

@@ -151,8 +151,7 @@ static void w4_store(const w4_job_t *j, int64_t m0, int rows, int64_t p, const f
     for (int r = 0; r < rows; r++) {
         const float *a = acc + r * COLS;
         if (j->out_f32) {
-            const void *bias = j->bias ? (const char *)j->bias + c0 * (j->dtype == 14 ? 2 : 4) : NULL;
-            store_row_f32((float *)j->out + (m0 + r) * j->out_stride + c0, a, NULL, bias, j->dtype == 14, cols);
+            store_row_f32((float *)j->out + (m0 + r) * j->out_stride + c0, a, NULL, j->bias, j->dtype == 14, c0, cols);
         } else if (j->dtype == 14) {
             const uint16_t *bias = (const uint16_t *)j->bias;
             uint16_t *out = (uint16_t *)j->out + (m0 + r) * j->out_stride + c0;

@@ -221,8 +221,7 @@ static void w8_store(const w8_job_t *j, int64_t m0, int rows, int64_t p, const f
     for (int r = 0; r < rows; r++) {
         const float *a = acc + r * COLS;
         if (j->out_f32) {
-            const void *bias = j->bias ? (const char *)j->bias + c0 * (j->dtype == 8 ? 2 : 4) : NULL;
-            store_row_f32((float *)j->out + (m0 + r) * j->out_stride + c0, a, scale, bias, j->dtype == 8, cols);
+            store_row_f32((float *)j->out + (m0 + r) * j->out_stride + c0, a, scale, j->bias, j->dtype == 8, c0, cols);
         } else if (j->dtype == 8) {
             const uint16_t *bias = (const uint16_t *)j->bias;
             uint16_t *o = (uint16_t *)j->out + (m0 + r) * j->out_stride + c0;
