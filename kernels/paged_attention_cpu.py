@@ -10,7 +10,8 @@ the cache, no padding to the longest sequence, and a row's result does not depen
 differs in the last bits from a prompt chunk's).
 Prompt chunks in bfloat16 on a CPU with AVX512-BF16 go to ``csrc/paged_prefill_cpu.c``: it packs the
 sequence's keys and values once through the block table and runs tiled Q K^T, an exact softmax and
-P V on VDPBF16PS, four to seven times PyTorch's fused CPU attention. A tiled cache
+P V on VDPBF16PS, four to seven times PyTorch's fused CPU attention (on CPUs with AMX both products
+run on its tiles instead, prompt chunks and decode rows alike: ``attention_amx``). A tiled cache
 (``AttentionMetadata.tiled_kv``, written by ``store_kv_tiled``; ``ModelRunner`` tiles bfloat16 caches
 where ``tiled_kv_supported``) holds each block in those layouts already, so both kernels read it in
 place instead of packing it every call: decode rows read the cache twice as fast, and the results
@@ -32,6 +33,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from pdfabric import envs
 from pdfabric.kernels import cpu_build, kv_int8_ref
 from pdfabric.kernels.metadata import AttentionMetadata
 
@@ -77,6 +79,10 @@ def _prefill_library(dtype: torch.dtype) -> ctypes.CDLL | None:
             lib.pd_paged_prefill_int8.restype = ctypes.c_int
             lib.pd_store_kv_int8.argtypes = lib.pd_store_kv_tiled.argtypes
             lib.pd_store_kv_int8.restype = ctypes.c_int
+        if hasattr(lib, "pd_prefill_amx"):
+            lib.pd_prefill_amx.argtypes = [i32]
+            lib.pd_prefill_amx.restype = ctypes.c_int
+            lib.pd_prefill_amx(int(envs.get("PDFABRIC_CPU_AMX") == "on"))
         for name in ("pd_paged_decode_rows", "pd_paged_decode_rows_tiled", "pd_paged_decode_rows_int8"):
             if hasattr(lib, name):
                 getattr(lib, name).argtypes = [
@@ -84,6 +90,17 @@ def _prefill_library(dtype: torch.dtype) -> ctypes.CDLL | None:
                 ]  # fmt: skip
                 getattr(lib, name).restype = ctypes.c_int
     return lib
+
+
+def attention_amx(use: bool | None = None) -> bool:
+    """Whether bfloat16 attention over a dense or tiled cache (prompt chunks and decode rows alike) runs
+    its two products on AMX tiles (Intel CPUs since Sapphire Rapids, where the kernel grants their
+    state; on there unless ``PDFABRIC_CPU_AMX=off``, ``csrc/paged_prefill_cpu.c``). ``use`` turns them on
+    or off for this process, to compare the two paths; returns the state after."""
+    lib = _prefill_library(torch.bfloat16)
+    if lib is None or not hasattr(lib, "pd_prefill_amx"):
+        return False
+    return bool(lib.pd_prefill_amx(-1 if use is None else int(use)))
 
 
 def tiled_kv_supported(

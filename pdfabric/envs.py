@@ -27,8 +27,9 @@ REGISTRY: dict[str, tuple[str, Callable[[str], object], str]] = {
     "PDFABRIC_CPU_AMX": (
         "on",
         _choice("on", "off"),
-        "bfloat16 linear layers on AMX tiles where the CPU has them (Intel since Sapphire Rapids): on, or "
-        "off for the AVX512-BF16 path (docs/kernels.md); either keeps a row's result the same in any batch",
+        "bfloat16 linear layers and attention on AMX tiles where the CPU has them (Intel since Sapphire "
+        "Rapids): on, or off for the AVX512-BF16 path (docs/kernels.md); either keeps a row's result the "
+        "same in any batch",
     ),
     "PDFABRIC_CACHE_DIR": (
         str(Path.home() / ".cache" / "pdfabric"),

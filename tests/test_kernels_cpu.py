@@ -19,6 +19,7 @@ from pdfabric.kernels.layer_ops_ref import rms_norm_ref, rope_ref, silu_mul_ref
 from pdfabric.kernels.linear import pack_linears
 from pdfabric.kernels.linear_cpu import LINEAR_KINDS, InvariantLinear, amx_tiles, can_pack, packed
 from pdfabric.kernels.paged_attention_cpu import (
+    attention_amx,
     decodes_as_prefill,
     paged_attention_cpu,
     prefill_rows,
@@ -182,6 +183,40 @@ def test_a_decode_row_equals_the_same_position_in_any_prompt_chunk(shape: tuple,
         rows = build([1, 1, 1], [5, last, 120], [table, table, table], block)
         batched = paged_attention_cpu(torch.stack([q[4], q[last - 1], q[119]]), kv, rows, 0.125)
         assert torch.equal(batched[1], want), last
+
+
+@pytest.mark.parametrize("shape", [(9, 3, 64, 16), (8, 2, 128, 4), (4, 4, 64, 1)])
+def test_attention_on_amx_tiles_keeps_a_positions_bits_decoded_or_prefilled(shape: tuple) -> None:
+    """On a CPU with AMX both products of bfloat16 attention run on the tiles for every row
+    (csrc/paged_prefill_cpu.c): a decode row (a tile of its query heads) gets the bits of the same
+    position inside prompt chunks of any length (tiles of 16 rows), and the results are as close to
+    the float32 reference as the VDPBF16PS path's, which the same build takes with the tiles off."""
+    if not attention_amx():
+        pytest.skip("no AMX tiles on this CPU (or not granted by the kernel)")
+    q_heads, kv_heads, head_dim, block = shape
+    seq_len = 150
+    q, kv, meta = make_batch([seq_len], [seq_len], q_heads, kv_heads, head_dim, block, torch.bfloat16, seed=7)
+    table = meta.block_tables[0].tolist()
+    build = type(meta).build
+    ref = paged_attention_ref(q, kv, meta, 0.125)
+    try:
+        outs = {}
+        for tiles in (True, False):
+            assert attention_amx(tiles) == tiles
+            whole = paged_attention_cpu(q, kv, meta, 0.125)
+            assert_close(whole, ref)
+            for last in (150, 97, 64, 17, 1):
+                rows = build([1, 1], [5, last], [table, table], block)
+                decoded = paged_attention_cpu(torch.stack([q[4], q[last - 1]]), kv, rows, 0.125)[1]
+                assert torch.equal(decoded, whole[last - 1]), (tiles, last)
+                for chunk in (c for c in (2, 15, 33) if c <= last):
+                    part_meta = build([chunk], [last], [table], block)
+                    part = paged_attention_cpu(q[last - chunk : last], kv, part_meta, 0.125)
+                    assert torch.equal(part[-1], whole[last - 1]), (tiles, last, chunk)
+            outs[tiles] = whole
+    finally:
+        attention_amx(True)
+    assert not torch.equal(outs[True], outs[False])  # the tiles' own order of summation: another path
 
 
 def test_prefill_kernel_declines_what_it_cannot_do() -> None:

@@ -207,7 +207,7 @@ static void attend_tile_int8(const job_t *j, int h, int t0, const int8_view_t *v
         }
     for (int r = 0; r < rows_padded; r++) {
         if (r < rows)
-            inv[r] = softmax_row(scores + r * lds, probs + r * lds, past + t0 + r / group + 1, (int)lds, view->vs,
+            inv[r] = softmax_row(scores + r * lds, 1.0f, probs + r * lds, past + t0 + r / group + 1, (int)lds, view->vs,
                                  j->block_size);
         else
             memset(probs + r * lds, 0, (size_t)lds * sizeof *probs);

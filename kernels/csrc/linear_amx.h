@@ -22,39 +22,18 @@
 #ifndef PDFABRIC_LINEAR_AMX_H
 #define PDFABRIC_LINEAR_AMX_H
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(HAVE_AVX512_BF16)
-#define HAVE_AMX 1
-#include <sys/syscall.h>
-long syscall(long number, ...); /* glibc's; unistd.h declares it only outside strict C11 */
+#include "cpu_amx.h"
 
+#ifdef HAVE_AMX
 #define AMX_ROWS 16 /* rows a tile */
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed, aligned(64))) tile_config_t;
-
-static int amx_granted; /* the kernel let this process use the tile state (asked once, at load) */
-static int amx_wanted = 1;
-
-__attribute__((constructor)) static void amx_ask(void) {
-    amx_granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}
-
-static inline int amx_on(void) { return amx_granted && amx_wanted; }
 
 /* Loads this thread's tile configuration: all eight tiles 16 rows of 64 bytes. Tile 0 holds a step of
  * the rows (16 rows x 32 inputs), 1 to 3 a step of the weights (16 pairs x 16 columns), 4 to 7 the sums
  * of 16 rows by 64 columns. */
 static inline void amx_configure(void) {
-    tile_config_t cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) cfg.rows[t] = AMX_ROWS, cfg.colsb[t] = 64;
-    _tile_loadconfig(&cfg);
+    static const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+    static const uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+    amx_load_config(rows, colsb);
 }
 
 /* bfloat16 rows [block * ROW_BLOCK, +ROW_BLOCK) against panel p (bfloat16 pairs, 256 bytes a pair of
@@ -114,16 +93,10 @@ static void amx_item_bf16(const job_t *j, int64_t block, int64_t p, float *acc) 
     _tile_release();
 }
 
-#else
-static inline int amx_on(void) { return 0; }
-static int amx_wanted = 1;
 #endif
 
 /* Whether pd_linear uses AMX tiles: want 1 or 0 asks for them or not (where granted), -1 only reads.
  * Returns 1 when they are used from now on. For comparing the two paths; the default is on. */
-int pd_linear_amx(int want) {
-    if (want >= 0) amx_wanted = want != 0;
-    return amx_on();
-}
+int pd_linear_amx(int want) { return amx_switch(want); }
 
 #endif
