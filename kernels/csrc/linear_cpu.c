@@ -605,6 +605,8 @@ static inline __attribute__((always_inline)) void tile_rows(const job_t *j, int6
         }
         return;
     }
+#else
+    (void)wide; /* bfloat16 x is widened only where the CPU multiplies it */
 #endif
     if (grouped(j->dtype)) { /* float32 x: 5, 7, 11 and 13 */
         for (int r = 0; r < rows; r++) tile_grouped_f32(j, m0 + r, p, i0, i1, acc + r * COLS, group_bits(j->dtype));
