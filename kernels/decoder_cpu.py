@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from pdfabric.kernels import cpu_build, dispatch, layer_ops_cpu, linear_cpu, paged_attention_cpu
+from pdfabric.kernels import cpu_build, dispatch, layer_ops_cpu, linear_cpu, paged_attention_cpu, tiled_kv_cpu
 from pdfabric.kernels.linear_cpu import InvariantLinear
 from pdfabric.kernels.metadata import AttentionMetadata
 
@@ -103,7 +103,7 @@ class Decoder:
         int8 = kv_caches[0].dtype == torch.int8  # an int8 cache is tiled, written by pd_store_kv_int8
         self._kernels = _Kernels(
             ops["rms_norm"], linear_cpu.kernel_address(), ops["rope"], ops["silu_mul"], ops["store_kv"],
-            paged_attention_cpu.store_kv_tiled_address(int8) if tiled else None,
+            tiled_kv_cpu.store_kv_tiled_address(int8) if tiled else None,
             paged_attention_cpu.decode_rows_address(dtype, tiled, int8),
         )  # fmt: skip
         _, num_blocks, block_size, _, _ = kv_caches[0].shape

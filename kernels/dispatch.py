@@ -195,7 +195,7 @@ def store_kv(
     ``AttentionMetadata.tiled_kv``)."""
     if tiled:
         if _use_cpu_layer_ops(key):
-            from pdfabric.kernels.paged_attention_cpu import store_kv_tiled
+            from pdfabric.kernels.tiled_kv_cpu import store_kv_tiled
 
             store_kv_tiled(key, value, kv_cache, slot_mapping)
         else:

@@ -9,20 +9,20 @@ sequence's keys and values in place through its block table: no gathered copy, n
 the cache, no padding to the longest sequence, and a row's result does not depend on the batch (but
 differs in the last bits from a prompt chunk's).
 Prompt chunks in bfloat16 on a CPU with AVX512-BF16 go to ``csrc/paged_prefill_cpu.c``: it packs the
-sequence's keys and values once through the block table and runs tiled Q K^T, an exact softmax and
-P V on VDPBF16PS, four to seven times PyTorch's fused CPU attention (on CPUs with AMX both products
-run on its tiles instead, prompt chunks and decode rows alike: ``attention_amx``). A tiled cache
-(``AttentionMetadata.tiled_kv``, written by ``store_kv_tiled``; ``ModelRunner`` tiles bfloat16 caches
-where ``tiled_kv_supported``) holds each block in those layouts already, so both kernels read it in
-place instead of packing it every call: decode rows read the cache twice as fast, and the results
-are the same to the bit. An int8 cache (``kv_int8_ref``; ``ModelRunner(kv_cache_dtype="int8")``, written by
-``store_kv_tiled`` too) is read in place by the same kernel's int8 twin (``csrc/kv_int8.h``: scores on
-VPDPBUSD against the query quantized per row, P V over the values widened to bfloat16): half the bytes
-from memory, and the same bits for a position in a decode step and in any prompt chunk. Float32
-chunks go to its plain-C twin ``csrc/paged_prefill_f32_cpu.c``. Other prompt chunks (bfloat16 on a
-CPU without AVX512-BF16, float16) gather their cached blocks and run that fused attention in the
-cache's dtype, causal without a mask when the chunk is the whole prompt. ``paged_attention_ref`` stays the
-float32 oracle all of these are tested against.
+sequence's keys and values once through the block table and runs tiled Q K^T, an exact softmax and P V
+on VDPBF16PS, four to seven times PyTorch's fused CPU attention (on CPUs with AMX both products run on
+its tiles instead, prompt chunks and decode rows alike: ``attention_amx``). A tiled cache
+(``AttentionMetadata.tiled_kv``, written by ``tiled_kv_cpu.store_kv_tiled``; ``ModelRunner`` tiles
+bfloat16 caches where ``tiled_kv_supported``) holds each block in those layouts already, so both kernels
+read it in place instead of packing it every call: decode rows read the cache twice as fast, and the
+results are the same to the bit. An int8 cache (``kv_int8_ref``; ``ModelRunner(kv_cache_dtype="int8")``,
+written by ``store_kv_tiled`` too) is read in place by the same kernel's int8 twin (``csrc/kv_int8.h``:
+scores on VPDPBUSD against the query quantized per row, P V over the values widened to bfloat16): half
+the bytes from memory, and the same bits for a position in a decode step and in any prompt chunk.
+Float32 chunks go to its plain-C twin ``csrc/paged_prefill_f32_cpu.c``. Other prompt chunks (bfloat16 on
+a CPU without AVX512-BF16, float16) gather their cached blocks and run that fused attention in the
+cache's dtype, causal without a mask when the chunk is the whole prompt. ``paged_attention_ref`` stays
+the float32 oracle all of these are tested against.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def _library() -> ctypes.CDLL | None:
 
 
 @functools.cache
-def _prefill_library(dtype: torch.dtype) -> ctypes.CDLL | None:
+def prefill_library(dtype: torch.dtype) -> ctypes.CDLL | None:
     """The prompt kernel for ``dtype``: ``paged_prefill_cpu`` (bfloat16, AVX512-BF16) or
     ``paged_prefill_f32_cpu`` (float32, any CPU the compiler vectorises for); ``None`` for others."""
     name, fn_name, ok_name = {
@@ -97,7 +97,7 @@ def attention_amx(use: bool | None = None) -> bool:
     its two products on AMX tiles (Intel CPUs since Sapphire Rapids, where the kernel grants their
     state; on there unless ``PDFABRIC_CPU_AMX=off``, ``csrc/paged_prefill_cpu.c``). ``use`` turns them on
     or off for this process, to compare the two paths; returns the state after."""
-    lib = _prefill_library(torch.bfloat16)
+    lib = prefill_library(torch.bfloat16)
     if lib is None or not hasattr(lib, "pd_prefill_amx"):
         return False
     return bool(lib.pd_prefill_amx(-1 if use is None else int(use)))
@@ -110,7 +110,7 @@ def tiled_kv_supported(
     (``AttentionMetadata.tiled_kv``): bfloat16 on AVX512-BF16, a head size the kernel takes, blocks of
     a multiple of 16 tokens and at most 16 query heads per kv head. Decode rows and prompt chunks then
     read keys and values in place instead of packing them for every call."""
-    lib = _prefill_library(dtype)
+    lib = prefill_library(dtype)
     return (
         dtype == torch.bfloat16
         and lib is not None
@@ -127,7 +127,7 @@ def int8_kv_supported(q_heads: int, kv_heads: int, head_dim: int, block_size: in
     """Whether an int8 cache of this shape can be served on this CPU: where a bfloat16 cache would be
     tiled (``tiled_kv_supported``), by a library that has the int8 entry points."""
     return tiled_kv_supported(torch.bfloat16, q_heads, kv_heads, head_dim, block_size) and hasattr(
-        _prefill_library(torch.bfloat16), "pd_paged_decode_rows_int8"
+        prefill_library(torch.bfloat16), "pd_paged_decode_rows_int8"
     )
 
 
@@ -234,7 +234,7 @@ def decode_rows(
 def decodes_as_prefill(dtype: torch.dtype) -> bool:
     """Whether decode rows in ``dtype`` run the prompt kernel's arithmetic on this CPU (bfloat16 with
     AVX512-BF16, float32 with AVX-512; the head size must suit the prompt kernel too)."""
-    return hasattr(_prefill_library(dtype), "pd_paged_decode_rows")
+    return hasattr(prefill_library(dtype), "pd_paged_decode_rows")
 
 
 def decode_rows_address(dtype: torch.dtype, tiled: bool = False, int8: bool = False) -> int:
@@ -245,46 +245,10 @@ def decode_rows_address(dtype: torch.dtype, tiled: bool = False, int8: bool = Fa
 
 
 def _decode_rows_kernel(dtype: torch.dtype, tiled: bool, int8: bool) -> ctypes._CFuncPtr:
-    lib = _prefill_library(dtype)
+    lib = prefill_library(dtype)
     if int8:
         return lib.pd_paged_decode_rows_int8
     return lib.pd_paged_decode_rows_tiled if tiled else lib.pd_paged_decode_rows
-
-
-def store_kv_tiled_address(int8: bool = False) -> int:
-    """The address of ``pd_store_kv_tiled`` (``pd_store_kv_int8`` for an int8 cache), for C code that
-    calls it; ``tiled_kv_supported`` must hold."""
-    lib = _prefill_library(torch.bfloat16)
-    return ctypes.cast(lib.pd_store_kv_int8 if int8 else lib.pd_store_kv_tiled, ctypes.c_void_p).value
-
-
-def store_kv_tiled(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Writes new keys and values ``[T, kv_heads, head_dim]`` (bfloat16) into their slots of a tiled
-    cache, or quantized into an int8 one; ``tiled_kv_supported`` must hold for it."""
-    _, num_blocks, block_size, kv_heads, _ = kv_cache.shape
-    head_dim = key.shape[2]
-    if key.stride(2) != 1 or key.stride(1) != head_dim:
-        key = key.contiguous()
-    if value.stride(2) != 1 or value.stride(1) != head_dim:
-        value = value.contiguous()
-    int8 = kv_cache.dtype == torch.int8
-    takes = torch.bfloat16 if int8 else kv_cache.dtype
-    if key.dtype != takes or value.dtype != takes or not kv_cache.is_contiguous():
-        raise ValueError(f"a tiled cache takes contiguous {takes}, got {key.dtype} and {value.dtype}")
-    if int8 and kv_int8_ref.head_dim_of(kv_cache) != head_dim:
-        raise ValueError(f"an int8 cache of {kv_int8_ref.head_dim_of(kv_cache)}-dim heads, got {head_dim}")
-    slots = slot_mapping.to(torch.int64).contiguous()
-    lib = _prefill_library(takes)
-    with cpu_build.profiled("store_kv_tiled_cpu"):
-        status = (lib.pd_store_kv_int8 if int8 else lib.pd_store_kv_tiled)(
-            key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), kv_cache[0].data_ptr(),
-            kv_cache[1].data_ptr(), slots.data_ptr(), num_blocks * block_size, key.shape[0], kv_heads,
-            head_dim, block_size, torch.get_num_threads(),
-        )  # fmt: skip
-    if status != 0:
-        raise RuntimeError(f"pd_store_kv_tiled rejected its arguments (status {status})")
 
 
 def prefill_supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -292,7 +256,7 @@ def prefill_supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     anywhere, a head size the kernel handles, and a library that built here."""
     if kv_cache.dtype == torch.int8:
         return supports(q, kv_cache)
-    lib = _prefill_library(kv_cache.dtype)
+    lib = prefill_library(kv_cache.dtype)
     return q.dtype == kv_cache.dtype and lib is not None and bool(lib.supported(q.shape[2]))
 
 
@@ -312,7 +276,7 @@ def prefill_rows(
     if q.stride(2) != 1 or q.stride(1) != head_dim:
         q = q.contiguous()
     table = table.contiguous()
-    lib = _prefill_library(q.dtype)
+    lib = prefill_library(q.dtype)
     if kv_cache.dtype == torch.int8:
         kernel = lib.pd_paged_prefill_int8
     else:

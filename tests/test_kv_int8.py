@@ -18,8 +18,9 @@ from pdfabric.engine.model import LlamaForCausalLM
 from pdfabric.engine.runner import ModelRunner, StepEntry
 from pdfabric.kernels import kv_int8_ref
 from pdfabric.kernels.attention_ref import paged_attention_ref, store_kv_ref
-from pdfabric.kernels.paged_attention_cpu import int8_kv_supported, paged_attention_cpu, store_kv_tiled
+from pdfabric.kernels.paged_attention_cpu import int8_kv_supported, paged_attention_cpu
 from pdfabric.kernels.testing import make_batch
+from pdfabric.kernels.tiled_kv_cpu import store_kv_tiled
 from pdfabric.kvtransfer.frames import layout_of
 from pdfabric.sampling_params import SamplingParams
 from tests.test_gguf import packaged

@@ -18,8 +18,9 @@ from pdfabric.engine.runner import ModelRunner, StepEntry
 from pdfabric.kernels import dispatch
 from pdfabric.kernels.attention_ref import paged_attention_ref, store_kv_ref, tile_blocks, untile_blocks
 from pdfabric.kernels.metadata import AttentionMetadata
-from pdfabric.kernels.paged_attention_cpu import paged_attention_cpu, store_kv_tiled, tiled_kv_supported
+from pdfabric.kernels.paged_attention_cpu import paged_attention_cpu, tiled_kv_supported
 from pdfabric.kernels.testing import make_batch
+from pdfabric.kernels.tiled_kv_cpu import store_kv_tiled
 from pdfabric.kvtransfer.frames import layout_of
 
 BF16 = torch.bfloat16
