@@ -353,12 +353,13 @@ static inline int tile_rows_end(int rows) {
     return rest == 0 ? wide : rest <= MR ? wide + MR : wide + MR_WIDE;
 }
 
-/* Rows of scratch a tile of up to `rows` rows needs: tile_rows_end's, or a multiple of MR for the
- * int8 cache's tiles (kv_int8.h), which take blocks of MR only. */
+/* Rows of scratch a tile of up to `rows` rows needs: tile_rows_end's, a multiple of MR for the int8
+ * cache's tiles (kv_int8.h), which take blocks of MR only, or whole AMX tiles of 16 rows for a prompt
+ * tile on the tiles (attend_tile; a decode row's tile there is only its own rows). */
 static inline int tile_rows_room(int rows) {
     const int by_mr = (rows + MR - 1) / MR * MR, end = tile_rows_end(rows), by_tile = (rows + 15) / 16 * 16;
     const int most = end > by_mr ? end : by_mr;
-    return most > by_tile ? most : by_tile; /* and whole AMX tiles of 16 (amx_tile) */
+    return most > by_tile ? most : by_tile;
 }
 
 /* Step 3: the tile's rows of o (rows, MR-padded, d wide, the query heads sharing kv head h of tokens
