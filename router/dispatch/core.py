@@ -8,25 +8,20 @@ and act on the effects it returns; neither keeps decisions of its own. A request
 1. ``submit`` asks admission control (``Routing``'s ranking and its ``AdmissionQueue``) for routes
    that meet the request's budgets: admitted now, refused now (``Refused``, 429), or waiting until a
    ``poll`` admits or refuses it. Its TTFT budget counts from ``submit``.
-2. An admitted request tries its routes best first. A colocated worker gets ``Generate``; for a
-   disaggregated pair the decode worker is asked to ``Reserve`` blocks and, on a ``Reserved`` reply
-   with blocks, the prefill worker gets ``Prefill`` with them. Either way the request is ``Started``.
-   A decode worker that refuses, does not answer within ``reserve_timeout_s`` or is gone moves the
-   request to its next route; with none left it is ``Refused`` (503) with every route's reason, unless
-   a refusal was for want of free blocks (``Reserved.no_room``): the router's view of that worker was
-   stale, so the request asks admission again when the worker next reports (or a worker joins or
-   leaves) and then starts, waits for room or is refused with a 429, a failover's attempt included.
+2. An admitted request tries its routes best first (``placement.Placement``): a colocated worker
+   gets ``Generate``, a disaggregated pair ``Reserve`` then ``Prefill``; either way the request is
+   ``Started``. A decode worker that refuses, does not answer within ``reserve_timeout_s`` or is gone
+   moves the request to its next route; with none left it is ``Refused`` (503) with every route's
+   reason, unless a refusal was for want of free blocks: then it asks admission again when the
+   worker next reports (or a worker joins or leaves) and starts, waits for room or is refused with a
+   429, a failover's attempt included.
 3. Token deltas come out as ``Deliver`` in output order, each index once, the last with its finish
    reason.
-4. Failover: when a worker holding a started request dies (``worker_gone``) or reports an error (a
-   failed KV transfer included), the request moves to healthy workers, at most ``max_failovers``
-   times and only before its deadline: the workers of the failed attempt get ``Abort``, and the new
-   attempt prefills the prompt plus every token already delivered, asks for the remaining tokens
-   only, and samples them with ``SamplingParams.output_offset`` so that a seeded or greedy request
-   continues exactly as it would have (``FailedOver`` says so; the client sees no gap and no
-   duplicate). Each attempt has its own
-   id on the wire (``rid``, ``rid~1``, ...), so a late message from a failed attempt is ignored. With
-   no attempt left, or no worker able to take it, one error delta is delivered.
+4. Failover (``failover.Failover``): when a worker holding a started request dies (``worker_gone``),
+   reports an error (a failed KV transfer included) or lets go of it with tokens never received, the
+   request resumes on healthy workers from what the client has, at most ``max_failovers`` times and
+   only before its deadline, asking admission again like a new request. With no attempt left, or no
+   worker able to take it, one error delta is delivered.
 5. ``end`` forgets the request (its client's handler is done with it: finished, gone, timed out);
    every worker still holding it is sent ``Abort`` so that its blocks come back. ``holders.Holders``
    is the one record of which workers hold it; ``request.RouterRequest`` keeps the rest (its output
@@ -39,38 +34,30 @@ deadline, a reservation's timeout). Times are the ``clock`` given (seconds).
 
 from __future__ import annotations
 
-import heapq
-import math
 import time
 from collections.abc import Callable
 from dataclasses import replace
 
 from pdfabric.control import (
-    Abort,
     Drain,
-    Generate,
     HandedOff,
     Heartbeat,
-    Prefill,
     Register,
     Reregister,
-    Reserve,
     Reserved,
     StepOutputs,
     TokenDelta,
 )
-from pdfabric.router.dispatch.effects import Deliver, Effect, FailedOver, Refused, Send, Started, Transferred
+from pdfabric.router.dispatch.effects import Effect, Refused, Send, Transferred, deliver
+from pdfabric.router.dispatch.failover import ERROR, TOKENS_LOST, WORKER_GONE, Failover, fail
+from pdfabric.router.dispatch.placement import Placement
 from pdfabric.router.dispatch.request import RouterRequest
 from pdfabric.router.routing.admission import ADMIT, REJECT, Outcome, Ticket
-from pdfabric.router.routing.choice import Routing, route_of
-from pdfabric.router.routing.holders import Holders
+from pdfabric.router.routing.choice import Routing
 from pdfabric.router.routing.registry import Registry, has_route
-from pdfabric.router.routing.routes import Budgets, Choice
+from pdfabric.router.routing.routes import Budgets
 from pdfabric.routing_config import AdmissionConfig, PredictorConfig
 from pdfabric.sampling_params import SamplingParams
-
-WORKER_GONE, ERROR, TOKENS_LOST = "worker_gone", "error", "tokens_lost"  # failover causes
-_ANY = Budgets(3_600_000.0, 3_600_000.0)  # a failover takes any route that can hold it
 
 
 class RouterCore:
@@ -87,14 +74,12 @@ class RouterCore:
     ) -> None:
         self.registry = Registry()
         self.routing = Routing(self.registry, admission, predictor, clock)
-        self.holders: Holders[float] = self.routing.holders  # a reservation's waiter: its deadline
         self.clock = clock
-        self.reserve_timeout_s = reserve_timeout_s
-        self.max_failovers = max_failovers
+        self._placement = Placement(self.registry, self.routing, clock, reserve_timeout_s)
+        self.holders = self._placement.holders
+        self._failovers = Failover(self._placement, self.routing, clock, max_failovers)
         self._requests: dict[str, RouterRequest] = {}
         self._wire: dict[str, RouterRequest] = {}  # every attempt's wire id -> its request
-        self._timeouts: list[tuple[float, str, str]] = []  # (deadline, wire id, decode worker id)
-        self._await_report: set[str] = set()  # attempts every route refused for want of KV blocks
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -151,9 +136,9 @@ class RouterCore:
             return []
         out: list[Effect] = []
         self.routing.queue.cancel(req.wire_id)
-        self._await_report.discard(req.wire_id)
+        self._placement.stop_waiting(req.wire_id)
         self._forget(req)
-        self._drop_attempt(req, abort_reason, out)
+        self._placement.drop_attempt(req, abort_reason, out)
         self._poll(out)
         return out
 
@@ -161,25 +146,18 @@ class RouterCore:
         """Times out reservations past their deadline and re-runs admission (waiting requests whose
         route now fits or whose deadline passed). Call it at ``next_deadline()``."""
         out: list[Effect] = []
-        now = self.clock()
-        while self._timeouts and self._timeouts[0][0] <= now:
-            deadline, wire_id, worker_id = heapq.heappop(self._timeouts)
+        for wire_id, worker_id in self._placement.expired(self.clock()):
             req = self._current(wire_id)
-            if req is None or self.holders.awaiting(wire_id, worker_id) != deadline:
-                continue  # answered or ended meanwhile
-            self._let_go(wire_id, worker_id, "reservation timed out", out)
-            req.reasons.append(f"{worker_id} did not answer a reservation in {self.reserve_timeout_s:g}s")
-            self._try_next(req, out)
+            if req is not None:  # else ended meanwhile
+                self._placement.time_out(req, worker_id, out)
+                self._try_next(req, out)
         self._poll(out)
         return out
 
     def next_deadline(self) -> float | None:
         """When ``poll`` must run next, on ``clock`` (None: nothing is timed)."""
-        timeouts = self._timeouts
-        while timeouts and self.holders.awaiting(timeouts[0][1], timeouts[0][2]) != timeouts[0][0]:
-            heapq.heappop(timeouts)  # answered or ended: no longer timed
-        queue = self.routing.queue.next_deadline()
-        times = [t for t in (timeouts[0][0] if timeouts else None, queue) if t is not None]
+        timed = (self._placement.next_timeout(), self.routing.queue.next_deadline())
+        times = [t for t in timed if t is not None]
         return min(times) + 1e-3 if times else None  # a hair after: the deadline has surely passed
 
     # --- workers --------------------------------------------------------------------------------
@@ -208,7 +186,10 @@ class RouterCore:
                     self._reports_changed(out)
                 self._poll(out)
         elif isinstance(msg, Reserved):
-            self._on_reserved(msg, out)
+            req = self._current(msg.request_id)
+            if self._placement.reserved(msg, req, out):
+                assert req is not None
+                self._try_next(req, out)
         elif isinstance(msg, Register):
             if msg.worker_id in self.registry.workers:  # a new process under the old id: the old is gone
                 out += self.worker_gone(msg.worker_id, "it registered again (restarted)")
@@ -265,89 +246,22 @@ class RouterCore:
                 self._try_next(req, out)
             elif req.started and outcome.action == REJECT:  # a failover that found no room in time
                 self.routing.forget(req.wire_id)
-                self._fail(req, "; ".join([*req.reasons, f"no worker could take it ({outcome.reason})"]), out)
+                fail(req, "; ".join([*req.reasons, f"no worker could take it ({outcome.reason})"]), out)
             elif outcome.action == REJECT:
                 self._forget(req)
                 out.append(Refused(req.request_id, 429, outcome.reason, outcome))
 
     def _try_next(self, req: RouterRequest, out: list[Effect]) -> None:
-        """Starts the request on its next route that exists: at once if colocated, else after the
-        decode worker's reservation reply. Refuses it (503) when no route is left."""
-        rid, prompt, params, branches = req.wire_id, req.run_prompt, req.run_params, req.run_branches
-        while req.tried < len(req.choices):
-            choice = req.choices[req.tried]
-            req.tried += 1
-            route = route_of(self.registry, choice)
-            if route is None:
-                req.reasons.append(f"{choice.prefill}/{choice.decode} is gone")
-                continue
-            if route.colocated is not None:
-                self.holders.hold(rid, choice.decode)
-                self._send_work(choice.decode, Generate(rid, prompt, params, req.eos, branches), out)
-                self._started(req, choice, choice.decode, out)
-                return
-            deadline = self.clock() + self.reserve_timeout_s
-            self.holders.reserving(rid, choice.decode, deadline)  # an end from here on aborts it there
-            heapq.heappush(self._timeouts, (deadline, rid, choice.decode))
-            self._send_work(choice.decode, Reserve(rid, prompt, params, req.eos, branches), out)
-            return
-        self.routing.forget(rid)
-        self.holders.end(rid)  # every route let go of it already
-        if req.no_room and has_route(self.registry, req.ticket.served):
-            # Fuller than the router knew (it saw free blocks): the attempt asks admission again when
-            # a refusing worker next reports how full it is, or a worker joins or leaves.
-            req.no_room = False
-            self._await_report.add(rid)
+        """Starts the request on its next route that exists (``Placement.next_route``). With none left
+        it is refused (503), or a failover's attempt fails."""
+        if self._placement.next_route(req, out):
             return
         why = "no worker could take the request: " + "; ".join(req.reasons or ["no route fits it"])
         if req.started:  # a failover found no home: the client's stream ends with the error
-            self._fail(req, why, out)
+            fail(req, why, out)
         else:
             self._forget(req)
             out.append(Refused(req.request_id, 503, why))
-
-    def _on_reserved(self, reply: Reserved, out: list[Effect]) -> None:
-        rid, decode_id = reply.request_id, reply.worker_id
-        req = self._current(rid)
-        if self.holders.replied(rid, decode_id) is None or req is None:  # given up on (ended, timed out)
-            if reply.block_ids:  # its blocks come back
-                out.append(Send(decode_id, Abort(rid, "reservation no longer wanted")))
-            return
-        choice = req.choices[req.tried - 1]
-        if not reply.block_ids:
-            self.holders.done(rid, decode_id)
-            req.reasons.append(f"{decode_id}: {reply.reason}")
-            if reply.no_room and decode_id in self.registry.workers:
-                self.registry.workers[decode_id].out_of_blocks = req.no_room = True
-            self._try_next(req, out)
-            return
-        if choice.prefill not in self.registry.workers:
-            self._let_go(rid, decode_id, "prefill worker gone", out)
-            req.reasons.append(f"{choice.prefill} is gone")
-            self._try_next(req, out)
-            return
-        self.holders.hold(rid, choice.prefill)  # the decode worker holds it since `reserving`
-        kv_endpoint = self.registry.workers[decode_id].reg.kv_endpoint
-        prefill = Prefill(
-            rid, req.run_prompt, req.run_params, req.eos, kv_endpoint, reply.block_ids, reply.cached_blocks
-        )
-        self._send_work(choice.prefill, prefill, out)
-        self._started(req, choice, f"{choice.prefill}->{decode_id}", out)
-
-    def _send_work(self, worker_id: str, msg: Generate | Reserve | Prefill, out: list[Effect]) -> None:
-        self.holders.sent(msg.request_id, worker_id)  # numbered, for the heartbeat that counts it
-        out.append(Send(worker_id, msg))
-
-    def _started(self, req: RouterRequest, choice: Choice, route: str, out: list[Effect]) -> None:
-        self.routing.routed(req.wire_id, len(req.run_prompt), choice)
-        if not req.started:  # a failover's new route goes unannounced: the stream just goes on
-            req.started = True
-            out.append(Started(req.request_id, choice, route, req.waited_ms))
-
-    def _let_go(self, request_id: str, worker_id: str, abort_reason: str, out: list[Effect]) -> None:
-        """One worker stops holding a request that goes on elsewhere (or nowhere): it gets an ``Abort``."""
-        if self.holders.done(request_id, worker_id):
-            out.append(Send(worker_id, Abort(request_id, abort_reason)))
 
     def _on_delta(self, worker_id: str, delta: TokenDelta, out: list[Effect]) -> None:
         req = self._current(delta.request_id)
@@ -365,12 +279,12 @@ class RouterCore:
             done = req.attempt_done(mine.choice)
             if done:  # the worker holds the request no longer
                 self.holders.done(req.wire_id, worker_id)
-            self._deliver(req, mine, out)
+            deliver(req, mine, out)
             if done:
                 self._released(req, worker_id, out)
             self._poll(out)
         else:
-            self._deliver(req, mine, out)
+            deliver(req, mine, out)
 
     def _released(self, req: RouterRequest, worker_id: str, out: list[Effect]) -> None:
         """A worker let go of ``req``'s attempt. If none holds it now and the client still misses
@@ -378,9 +292,6 @@ class RouterCore:
         the client has, as after a worker's failure, instead of waiting out its timeout."""
         if not req.finished and not self.holders.holders(req.wire_id):
             self._failover(req, TOKENS_LOST, worker_id, "the attempt ended with tokens never received", out)
-
-    def _deliver(self, req: RouterRequest, delta: TokenDelta, out: list[Effect]) -> None:
-        out += [Deliver(req.request_id, d) for d in req.accept(delta)]
 
     def _current(self, wire_id: str) -> RouterRequest | None:
         """The live request whose current attempt is ``wire_id`` (None: ended, or a failed attempt)."""
@@ -393,58 +304,22 @@ class RouterCore:
         for wire_id in req.wire_ids():
             self._wire.pop(wire_id, None)
 
-    def _drop_attempt(self, req: RouterRequest, abort_reason: str | None, out: list[Effect]) -> None:
-        """Lets go of the current attempt everywhere; its workers still holding it get an ``Abort``."""
-        self.routing.forget(req.wire_id)
-        for worker_id in self.holders.end(req.wire_id):
-            if abort_reason is not None and worker_id in self.registry.workers:
-                out.append(Send(worker_id, Abort(req.wire_id, abort_reason)))
-
     def _failover(
         self, req: RouterRequest, cause: str, worker_id: str, message: str, out: list[Effect]
     ) -> None:
-        """Moves a started request off a failed attempt onto other workers, or ends it with the error
-        when it has no failover left."""
-        if req.finished:
+        """Moves a started request off a failed attempt onto other workers (``Failover.move``), or ends
+        it with the error when it has no failover left."""
+        ticket = self._failovers.move(req, cause, worker_id, message, out)
+        if ticket is None:
             return
-        if req.failovers >= self.max_failovers:
-            tried = f" (after {req.failovers} failovers)" if req.failovers else " (failover is off)"
-            self._fail(req, message + tried, out)
-            return
-        left_s = req.deadline - self.clock() if req.deadline is not None else math.inf
-        if left_s <= 0:
-            self._fail(req, message + " (and the request's deadline has passed)", out)
-            return
-        self._drop_attempt(req, "moved to another worker", out)
-        for spent in req.spent():  # every token of that output is out; only its finish was lost
-            self._deliver(req, spent, out)
-        if not req.resume():
-            return
-        self._wire[req.wire_id] = req
-        out.append(FailedOver(req.request_id, cause, worker_id, message, req.delivered))
-        # The new attempt asks admission like a new request, so with every worker full it waits for
-        # room (until its deadline, or until the client's handler gives up on it) instead of failing.
-        ticket = self._retry_ticket(req)
-        req.choices, req.tried, req.reasons = (), 0, [message]
+        self._wire[req.wire_id] = req  # the new attempt's id on the wire
         if not has_route(self.registry, req.ticket.served):  # nothing to wait for: no worker pair left
             req.reasons.append("no route fits it (no_workers)")
             self._try_next(req, out)  # fails it, naming the reasons
             return
+        # The new attempt asks admission like a new request, so with every worker full it waits for
+        # room (until its deadline, or until the client's handler gives up on it) instead of failing.
         self._readmit(req, ticket, out)
-
-    def _retry_ticket(self, req: RouterRequest) -> Ticket:
-        """The admission ticket of the request's current attempt: its own for a first attempt (its TTFT
-        budget still counts from its arrival); for a failover's, one that takes any route that can
-        hold the prompt and what was delivered, until the request's deadline."""
-        if not req.started:
-            return req.ticket
-        left_s = req.deadline - self.clock() if req.deadline is not None else math.inf
-        key, prefix = self.routing.prefix_of(req.run_prompt, req.ticket.served)
-        ttft_ms = max(1e-3, min(_ANY.ttft_ms, left_s * 1e3))
-        return replace(
-            req.ticket, request_id=req.wire_id, prompt_len=len(req.run_prompt), prefix=prefix,
-            prefix_key=key, budgets=replace(_ANY, ttft_ms=ttft_ms), arrived=self.clock(), max_wait_ms=ttft_ms,
-        )  # fmt: skip
 
     def _readmit(self, req: RouterRequest, ticket: Ticket, out: list[Effect]) -> None:
         """Hands the attempt back to admission: it starts when a route fits, waits, or is refused."""
@@ -453,12 +328,7 @@ class RouterCore:
     def _reports_changed(self, out: list[Effect]) -> None:
         """A worker reported after refusing for want of blocks, or workers came or went: the attempts
         held for such news ask admission again."""
-        held, self._await_report = self._await_report, set()
-        for wire_id in sorted(held):
+        for wire_id in self._placement.reported():
             req = self._current(wire_id)
             if req is not None:
-                self._readmit(req, self._retry_ticket(req), out)
-
-    def _fail(self, req: RouterRequest, message: str, out: list[Effect]) -> None:
-        index = req.outs[0].next_index  # where the first output stopped (a failure ends every output)
-        self._deliver(req, TokenDelta(req.request_id, index, (), (), "error", message), out)
+                self._readmit(req, self._failovers.retry_ticket(req), out)

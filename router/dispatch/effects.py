@@ -1,12 +1,14 @@
 """What ``core.RouterCore`` asks its driver to do: each call into it returns a list of these effects,
 which the serving router (``dispatcher.Dispatcher``) carries out over its sockets and the simulator
-(``pdfabric.bench.simulator``) in simulated time."""
+(``pdfabric.bench.simulator``) in simulated time. ``deliver`` makes the ``Deliver`` effects of a
+request's delta."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from pdfabric.control import HandedOff, TokenDelta
+from pdfabric.router.dispatch.request import RouterRequest
 from pdfabric.router.routing.admission import Outcome
 from pdfabric.router.routing.routes import Choice
 
@@ -70,3 +72,9 @@ class FailedOver:
 
 
 Effect = Send | Started | Refused | Deliver | Transferred | FailedOver
+
+
+def deliver(req: RouterRequest, delta: TokenDelta, out: list[Effect]) -> None:
+    """A delta of ``req`` in client output indices: appends a ``Deliver`` for each delta now due to the
+    client (``RouterRequest.accept``), in order."""
+    out += [Deliver(req.request_id, d) for d in req.accept(delta)]
