@@ -18,7 +18,8 @@ def init_dist(port: int, rank: int) -> None:
 def _open_receiver(
     dist_port: int, kind: str, checksum: bool, dims: tuple[int, ...], blocks: int, bind: str
 ) -> tuple[Any, Any]:
-    """A receiver over ``kind`` with a zeroed bfloat16 cache, and its ``SharedKVPool`` for shm."""
+    """A receiver over ``kind`` with a zeroed bfloat16 cache, and its ``SharedKVPool`` for shm: anonymous,
+    as a decode worker's, so that a receiver ended without its teardown leaves nothing in /dev/shm."""
     import torch
 
     from pdfabric.kv_config import TransferConfig
@@ -30,7 +31,11 @@ def _open_receiver(
         init_dist(dist_port, rank=1)  # the parent joins at the same time
     layers, bs, heads, dim = dims
     transport = kind.split("-")[0]
-    shm = SharedKVPool.create(layers, blocks, bs, heads, dim, torch.bfloat16) if transport == "shm" else None
+    shm = (
+        SharedKVPool.create(layers, blocks, bs, heads, dim, torch.bfloat16, anonymous=True)
+        if transport == "shm"
+        else None
+    )
     caches = (
         shm.caches
         if shm
@@ -77,6 +82,8 @@ def receiver_main(conn: Connection, dist_port: int) -> None:
             continue
         cmd, *rest = conn.recv()
         if cmd == "quit":
+            if state["receiver"] is not None:  # a session that ended without its teardown
+                _receiver_request(state, dist_port, "teardown", [])
             return
         try:
             conn.send(_receiver_request(state, dist_port, cmd, rest))

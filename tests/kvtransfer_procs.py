@@ -55,7 +55,12 @@ def _receiver(cfg: TransferConfig, bind: str, dist_port: int, out: Queue, inbox:
     if cfg.transport == "dist":
         _init_dist(dist_port, rank=1)
     pool = FakePool(BLOCKS)
-    shm = SharedKVPool.create(LAYERS, BLOCKS, 4, 2, 8, torch.bfloat16) if cfg.transport == "shm" else None
+    # anonymous, as a decode worker's: a receiver the test kills leaves nothing in /dev/shm
+    shm = (
+        SharedKVPool.create(LAYERS, BLOCKS, 4, 2, 8, torch.bfloat16, anonymous=True)
+        if cfg.transport == "shm"
+        else None
+    )
     caches = shm.caches if shm else make_caches(LAYERS, BLOCKS, torch.bfloat16, None)
     receiver = KVReceiver(caches, cfg, pool.reservations(), bind, shm.paths if shm else ())
     out.put(receiver.endpoint)

@@ -58,13 +58,21 @@ def test_bench_transfer_layerwise_row_beside_small_prompts(tmp_path: Path) -> No
     assert row["transport"] == "shm" and row["tokens"] == 2048 and row["layerwise_total_ms"] >= 12
 
 
+def shm_files() -> set[str]:
+    shm = Path("/dev/shm")
+    return {p.name for p in shm.glob("pdfabric-kv-*")} if shm.is_dir() else set()
+
+
 def test_bench_transfer_raises_the_receivers_error() -> None:
-    """A request the receiver process refuses comes back as its error, at once, not as a timeout."""
+    """A request the receiver process refuses comes back as its error, at once, not as a timeout; the
+    session, ended without its teardown, leaves no file of the receiver's cache in /dev/shm."""
     from pdfabric.bench.progress import Progress
 
+    before = shm_files()
     with transfer.bench_session(["shm"], 1, False, Progress(1, "t", enabled=False)) as bench:
         started = time.monotonic()
         with pytest.raises(RuntimeError, match="block id out of range"):
             bench._call("setup", "shm", False, transfer.PAYLOAD, 2, f"ipc://{bench.tmpdir}/kv.sock")
             bench._call("expect", "r1", (0, 5))
         assert time.monotonic() - started < 30
+    assert shm_files() <= before
