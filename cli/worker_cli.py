@@ -79,7 +79,11 @@ OVERRIDES: tuple[tuple[str, type, str], ...] = (
         str,
         "which blocks the disk tier takes: reused (read back or offered twice) or all",
     ),
-    ("kv_store_queue_mb", int, "evicted blocks waiting to be written to the host KV store, MiB at most"),
+    (
+        "kv_store_queue_mb",
+        int,
+        "evicted blocks queued for the host KV store, MiB at most (at least a longest prompt's)",
+    ),
     (
         "kv_store_write_through",
         bool,

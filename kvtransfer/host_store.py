@@ -82,7 +82,11 @@ class HostKVStore:
         salt: bytes,
         caches: Callable[[], list[torch.Tensor]],
         tiled: bool = False,
+        burst_blocks: int = 0,
     ) -> None:
+        """``burst_blocks``: the most blocks the worker's pool evicts at once (a longest prompt's, which
+        its scheduler allocates whole); the staging buffers hold at least that many whatever
+        ``kv_store_queue_mb`` says, so that one prompt's allocation never drops a save."""
         if not cfg.kv_store_ram_mb and not cfg.kv_store_disk_mb:
             raise ValueError("a host KV store needs kv_store_ram_mb or kv_store_disk_mb")
         self.salt = salt
@@ -106,11 +110,16 @@ class HostKVStore:
             HEADER.size + self.payload_bytes
         )
         # Blocks move from the cache to the writer in staging buffers of CHUNK blocks, reused so that
-        # their pages are touched once: at most queue_mb of them wait to be written.
+        # their pages are touched once: at most queue_mb of them wait to be written, or a burst's.
+        # A block dropped costs more than its own tokens: a later prompt's hit ends at the first
+        # block the store lacks.
+        buffers = max(
+            (cfg.kv_store_queue_mb << 20) // (CHUNK * self.payload_bytes), -(-burst_blocks // CHUNK), 1
+        )
         self.writer = StoreWriter(
             self.ram, self.disk, owner=bytes.fromhex(self.ident),  # in the header of every block written
             admit_all=cfg.kv_store_disk_admission == "all",
-            buffers=max(1, (cfg.kv_store_queue_mb << 20) // (CHUNK * self.payload_bytes)),
+            buffers=buffers,
             block_shape=(self.layout.num_layers, 2, self.layout.block_bytes),
         )  # fmt: skip
         self._word = next(w for w in WORDS if self.layout.block_bytes % w.itemsize == 0)

@@ -107,9 +107,10 @@ class WorkerConfig:
     # evicts go to a RAM tier (a directory in shared memory, "": /dev/shm/pdfabric-kv-store-UID) and a
     # disk tier, shared by the host's workers and kept across restarts; a prompt's cached prefix
     # continues there. 0 MiB: that tier is off. The disk takes a block the RAM tier lets go if it was
-    # read back or offered twice ("reused"), or every one ("all"). Saves queue at most queue_mb. With
-    # write_through, a pool block that serves a prompt again (a hot prefix) is saved at once, not only
-    # when evicted: the host's other workers read it while this one holds it, and a crash keeps it.
+    # read back or offered twice ("reused"), or every one ("all"). Saves queue at most queue_mb (but
+    # at least a longest prompt's blocks). With write_through, a pool block that serves a prompt again
+    # (a hot prefix) is saved at once, not only when evicted: the host's other workers read it while
+    # this one holds it, and a crash keeps it.
     kv_store_ram_mb: int = 0
     kv_store_ram_dir: str = ""
     kv_store_disk_dir: str = ""

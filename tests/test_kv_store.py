@@ -10,7 +10,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -160,6 +162,41 @@ def test_saved_blocks_load_into_other_blocks_and_only_under_their_salt(tmp_path:
         assert store.ram is not None and (store.ram.stats.hits, store.ram.stats.writes) == (2, 3)
     finally:
         store.close()
+
+
+def stalled(write: Callable[..., None], until: threading.Event) -> Callable[..., None]:
+    """``write`` that first waits for ``until`` (a writer thread busy elsewhere)."""
+
+    def wait_then_write(*args: object) -> None:
+        until.wait(30)
+        write(*args)
+
+    return wait_then_write
+
+
+def test_one_prompts_evictions_are_never_dropped_whatever_queue_mb_says(tmp_path: Path) -> None:
+    """A scheduler allocates a prompt's blocks whole, so one allocation may evict up to a longest
+    prompt's blocks at once: the staging buffers hold at least ``burst_blocks`` (a dropped block
+    would end every later hit of its prefix there), even with the writer busy throughout."""
+    gen = torch.Generator().manual_seed(0)
+    caches = [torch.randn(2, 200, 4, 2, 64, generator=gen).to(torch.bfloat16) for _ in range(3)]
+    hashes = [i.to_bytes(16, "little") for i in range(1, 201)]
+    cfg = WorkerConfig(
+        kind="colocated", kv_store_ram_mb=4, kv_store_ram_dir=str(tmp_path / "ram"), kv_store_queue_mb=1
+    )
+    for burst, dropped in ((0, True), (200, False)):  # 1 MiB: 10 buffers of 16 such blocks
+        store = HostKVStore(cfg, bytes([burst % 251]), lambda: caches, burst_blocks=burst)
+        busy = threading.Event()
+        store.writer._write = stalled(store.writer._write, busy)  # type: ignore[method-assign]
+        try:
+            store.save(list(range(200)), hashes)  # while the writer has written nothing yet
+            assert (store.dropped > 0) is dropped
+            busy.set()
+            _settle(store)
+            assert (store.find(hashes) == 200) is not dropped
+        finally:
+            busy.set()
+            store.close()
 
 
 def test_a_full_write_queue_drops_saves_instead_of_waiting(tmp_path: Path) -> None:
