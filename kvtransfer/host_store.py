@@ -84,9 +84,10 @@ class HostKVStore:
         tiled: bool = False,
         burst_blocks: int = 0,
     ) -> None:
-        """``burst_blocks``: the most blocks the worker's pool evicts at once (a longest prompt's, which
-        its scheduler allocates whole); the staging buffers hold at least that many whatever
-        ``kv_store_queue_mb`` says, so that one prompt's allocation never drops a save."""
+        """``burst_blocks``: the most blocks the worker's pool may evict at once (a longest prompt's:
+        a decode worker reserves a prompt's blocks whole, and a hit read from the store gets its blocks
+        in one allocation); the staging buffers hold at least that many whatever ``kv_store_queue_mb``
+        says, so that one such allocation never drops a save."""
         if not cfg.kv_store_ram_mb and not cfg.kv_store_disk_mb:
             raise ValueError("a host KV store needs kv_store_ram_mb or kv_store_disk_mb")
         self.salt = salt

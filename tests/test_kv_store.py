@@ -175,9 +175,9 @@ def stalled(write: Callable[..., None], until: threading.Event) -> Callable[...,
 
 
 def test_one_prompts_evictions_are_never_dropped_whatever_queue_mb_says(tmp_path: Path) -> None:
-    """A scheduler allocates a prompt's blocks whole, so one allocation may evict up to a longest
-    prompt's blocks at once: the staging buffers hold at least ``burst_blocks`` (a dropped block
-    would end every later hit of its prefix there), even with the writer busy throughout."""
+    """A decode worker's reservation of a prompt, or a hit read from the store, may evict up to a
+    longest prompt's blocks in one allocation: the staging buffers hold at least ``burst_blocks`` (a
+    dropped block would end every later hit of its prefix there), even with the writer busy."""
     gen = torch.Generator().manual_seed(0)
     caches = [torch.randn(2, 200, 4, 2, 64, generator=gen).to(torch.bfloat16) for _ in range(3)]
     hashes = [i.to_bytes(16, "little") for i in range(1, 201)]

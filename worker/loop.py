@@ -294,7 +294,7 @@ def open_store(cfg: WorkerConfig, engine: Engine) -> HostKVStore:
     runner = engine.runner
     layout = layout_of(runner.kv_caches, runner.kv_tiled)
     salt = store_salt(cfg, engine.model_dir or Path(cfg.model), layout)
-    spec = engine.spec  # its scheduler allocates a prompt's blocks whole: as many may be evicted at once
+    spec = engine.spec  # a prompt's reservation, or its hit read from the store, evicts up to this many
     burst = min(spec.num_blocks, -(-spec.max_model_len // layout.block_size))
     return HostKVStore(cfg, salt, lambda: runner.kv_caches, runner.kv_tiled, burst_blocks=burst)
 
