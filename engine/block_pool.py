@@ -231,6 +231,11 @@ class BlockTables:
             raise ValueError(f"sequence {seq_id!r} already has a table")
         self._tables[seq_id] = list(blocks)
 
+    def extend(self, seq_id: Hashable, blocks: list[int]) -> None:
+        """Continues a sequence's table with blocks it already holds a reference to (the cached
+        blocks of the prefix that follows its table's)."""
+        self._tables[seq_id].extend(blocks)
+
     def hold(self, seq_id: Hashable) -> None:
         """Takes the sequence's table away from it without freeing its blocks (``free_held`` does)."""
         table = self._tables.pop(seq_id, None)

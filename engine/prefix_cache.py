@@ -85,11 +85,32 @@ class PrefixCache:
         the tier's part gets fresh blocks but is not read yet: ``load_deferred`` reads it."""
         if seq.prefix_hit is None:
             self.prompt_tokens += len(seq.prompt_ids)
+        seq.from_cache = 0
         if self.salt is None or seq.runs_whole:  # scored prompts and pooled ones run whole
             seq.prefix_hit = 0
             return
+        seq.num_cached = seq.recorded = 0
+        self._continue(seq, defer)
+        if seq.prefix_hit is None:
+            seq.prefix_hit = 0
+
+    def extend(self, seq: Sequence) -> None:
+        """A waiting sequence computed to the end of its table's last block continues from the cache
+        where it can: the pool's blocks of the prefix that follows (another prompt computed them
+        meanwhile), then the tier's (``attach`` takes at most the blocks the pool has free then, so a
+        long prompt's hit may have been cut short)."""
+        if self.salt is None or seq.runs_whole or seq.request_id in self._deferred:
+            return
+        have = len(self.tables.table(seq.request_id))
+        if seq.num_cached == have * self.tables.pool.block_size and seq.recorded == have:
+            self._continue(seq, defer=False)
+
+    def _continue(self, seq: Sequence, defer: bool) -> None:
+        """Takes the cached blocks of the prefix past the sequence's ``num_cached`` tokens (a whole
+        number of blocks, all of them cached) into its table and counts them."""
         pool = self.tables.pool
-        hashes = self.hashes(seq, cacheable_blocks(seq.num_tokens, pool.block_size))
+        have = seq.num_cached // pool.block_size
+        hashes = self.hashes(seq, cacheable_blocks(seq.num_tokens, pool.block_size))[have:]
         blocks = pool.lookup(hashes)
         pool.acquire(blocks)
         if self.tier is not None and blocks:
@@ -98,17 +119,23 @@ class PrefixCache:
         if self.tier is not None and len(blocks) < len(hashes):
             rest = hashes[len(blocks) :]
             loaded = self._claim(seq.request_id, rest) if defer else self._load(rest)
-        if seq.prefix_hit is None:
-            seq.prefix_hit = min((len(blocks) + len(loaded)) * pool.block_size, len(seq.prompt_ids))
-            self.hit_tokens += seq.prefix_hit
-            self.tier_hit_tokens += min(len(loaded) * pool.block_size, seq.prefix_hit)
-        pooled = len(blocks)
-        blocks += loaded
-        if blocks:
-            self.tables.attach(seq.request_id, blocks)
+        if not blocks and not loaded:
+            return
+        if have:
+            self.tables.extend(seq.request_id, blocks + loaded)
+        else:
+            self.tables.attach(seq.request_id, blocks + loaded)
+        seq.num_cached += (len(blocks) + len(loaded)) * pool.block_size
         # blocks claimed for a deferred load enter the pool's cache once read (``load_deferred``)
-        seq.num_cached = len(blocks) * pool.block_size
-        seq.recorded = pooled if seq.request_id in self._deferred else len(blocks)
+        seq.recorded += len(blocks) if seq.request_id in self._deferred else len(blocks) + len(loaded)
+        seq.from_cache += (len(blocks) + len(loaded)) * pool.block_size
+        if seq.output_ids and seq.prefix_hit is not None:
+            return  # computed again after a preemption: its prompt was counted the first time
+        hit = min(seq.from_cache, len(seq.prompt_ids))
+        gain = max(0, hit - (seq.prefix_hit or 0))  # a prompt that restarts counts its best attempt
+        seq.prefix_hit = (seq.prefix_hit or 0) + gain
+        self.hit_tokens += gain
+        self.tier_hit_tokens += min(len(loaded) * pool.block_size, gain)
 
     def load_deferred(self, seq: Sequence) -> bool:
         """Reads the tier's blocks that ``attach(seq, defer=True)`` claimed (read ahead meanwhile, so

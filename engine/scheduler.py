@@ -187,6 +187,8 @@ class Scheduler:
                 continue  # the background share of the step is spent; a foreground prompt may come later
             if seq.request_id not in self.tables:
                 self.prefix.attach(seq)
+            else:  # a prompt part way through: the cache may hold what follows by now
+                self.prefix.extend(seq)
             stop = min(seq.num_tokens, seq.num_cached + room)
             if not self.tables.can_grow(seq.request_id, stop):
                 self._reclaim_partial(keep={c.seq for c in chunks} | {seq})

@@ -30,7 +30,8 @@ class Sequence:
     # Per prompt token after the first, when params.prompt_logprobs: (log-probability, top ones).
     prompt_logprobs: list[tuple[float, TopLogprobs]] = field(default_factory=list)
     num_cached: int = 0  # leading tokens of all_ids whose KV is in the cache
-    prefix_hit: int | None = None  # prompt tokens found in the prefix cache when first scheduled
+    prefix_hit: int | None = None  # prompt tokens taken from the prefix cache as it was first prefilled
+    from_cache: int = 0  # leading tokens of its table taken from the prefix cache since it was attached
     block_hashes: list[bytes] = field(default_factory=list)  # prefix hashes of its full blocks so far
     recorded: int = 0  # leading blocks of its table that are in the prefix cache
     state: SeqState = SeqState.WAITING

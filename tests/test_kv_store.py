@@ -502,6 +502,32 @@ def test_a_queued_prompts_store_hit_is_read_ahead_while_the_worker_steps(tiny: t
         store.close()
 
 
+def test_a_store_hit_cut_short_by_a_full_pool_continues_from_the_store(tiny: tuple, tmp_path: Path) -> None:
+    """A prompt whose six stored blocks do not fit beside a running request takes the four the pool
+    has free, waits, and once the request ends reads the other two from the store instead of
+    computing them; token-exact, and its usage counts all six."""
+    reference, path = tiny
+    prompt, hog = tuple(range(40, 140)), tuple(range(130, 250))  # 6 full blocks; 8 blocks
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    want = {"p": reference.generate(list(prompt), params).token_ids,
+            "hog": reference.generate(list(hog), params).token_ids}  # fmt: skip
+    core, stepper, store = _worker(path, tmp_path, 12)
+    try:
+        _serve(core, stepper, {"first": prompt})
+        store.flush(*core.tables.pool.cached_blocks())  # the worker stops
+    finally:
+        store.close()
+    core, stepper, store = _worker(path, tmp_path, 12)  # started again: an empty pool
+    try:
+        got = _serve(core, stepper, {"hog": hog, "p": prompt})  # p is scheduled with 4 blocks free
+        assert _tokens(got, "hog") == want["hog"] and _tokens(got, "p") == want["p"]
+        assert [d.cached_tokens for d in got if d.index == 0 and d.request_id == "p"] == [96]
+        assert core.scheduler.prefix.tier_hit_tokens == 96
+        assert core.tables.pool.num_free == core.tables.pool.num_blocks
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize("reader_first", [False, True])
 def test_a_block_that_fails_its_check_is_recomputed_not_served(
     tiny: tuple, tmp_path: Path, reader_first: bool

@@ -93,6 +93,20 @@ def test_a_prompt_starts_after_its_cached_prefix_and_turns_reuse_their_output() 
     assert core.scheduler.prefix.prompt_tokens == 30 + 27 + 41 and core.scheduler.prefix.hit_tokens == 24 + 36
 
 
+def test_a_prompt_part_way_through_continues_from_blocks_another_prompt_cached_meanwhile() -> None:
+    """b shares a's 28 tokens and arrives with it: b starts from the 16 a computed in the first step,
+    computes one block beside a's last chunk, then takes a's next two blocks instead of computing them."""
+    core = ColocatedCore(_spec(), FixedProfile(WorkerProfile()))
+    shared = tuple(range(3, 31))  # 7 blocks of 4
+    deltas = _serve(core, {"a": shared, "b": (*shared, 60, 61)}, 3)
+    hits = {d.request_id: d.cached_tokens for d in deltas if d.index == 0}
+    assert hits == {"a": 0, "b": 16 + 8}
+    plain = ColocatedCore(_spec(caching=False), FixedProfile(WorkerProfile()))
+    want = _serve(plain, {"a": shared, "b": (*shared, 60, 61)}, 3)
+    assert all(_tokens(deltas, r) == _tokens(want, r) for r in "ab")
+    assert core.tables.pool.num_free == core.tables.pool.num_blocks
+
+
 def test_under_block_pressure_the_cache_gives_way_and_no_block_leaks() -> None:
     rng = random.Random(3)
     base = [tuple(rng.randrange(3, 90) for _ in range(20)) for _ in range(3)]
