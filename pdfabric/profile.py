@@ -99,8 +99,11 @@ class WorkerProfile:
         return sum(c * x for c, x in zip((*self.prefill, *self.decode), f, strict=True))
 
     def decode_step_seconds(self, batch: int, context_tokens: int) -> float:
-        """One decode step for ``batch`` sequences holding ``context_tokens`` tokens in all."""
-        return self.step_seconds(StepShape(batch=batch, context_tokens=context_tokens))
+        """One decode step for ``batch`` sequences holding ``context_tokens`` tokens in all (what
+        ``step_seconds`` gives for that shape, to the bit, without building it: the router asks this
+        for every route of every request it ranks)."""
+        fixed, per_seq, per_token = self.decode
+        return (fixed if batch > 0 else 0.0) + per_seq * batch + per_token * context_tokens
 
     def decode_seconds_per_token(self, batch: int, context_each: float) -> float:
         """One sequence's share of a decode step of ``batch`` sequences holding ``context_each``

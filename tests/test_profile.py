@@ -59,6 +59,18 @@ def test_prefill_seconds_matches_summed_chunk_steps() -> None:
     assert queued_attention(1000, 1) > queued_attention(1000, 4) > 0 == queued_attention(0, 3)
 
 
+def test_decode_step_seconds_is_the_decode_shapes_step_to_the_bit() -> None:
+    """The router's shortcut gives what the general formula gives, so a prediction does not depend
+    on which one it took."""
+    rng = random.Random(5)
+    for _ in range(2000):
+        prefill, decode = (tuple(rng.random() * scale for _ in range(3)) for scale in (1e-3, 1e-2))
+        p = WorkerProfile(prefill, decode)
+        batch, context = rng.randrange(0, 300), rng.randrange(0, 500_000)
+        shape = StepShape(batch=batch, context_tokens=context)
+        assert p.decode_step_seconds(batch, context) == p.step_seconds(shape)
+
+
 def test_fit_recovers_known_coefficients() -> None:
     builder = ProfileBuilder()
     feed_plan(builder, TRUE, noise=0.01)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import replace
 
 from pdfabric.control import COLOCATED, PREFILL
 from pdfabric.router.routing.admission import AdmissionQueue, Ticket
@@ -29,11 +28,12 @@ from pdfabric.router.routing.routes import Budgets, Candidate, Choice, Ranking, 
 from pdfabric.routing_config import AdmissionConfig, PredictorConfig
 
 
-def worker_load(info: WorkerInfo) -> WorkerLoad:
-    """A worker's load as of its last heartbeat (an idle worker before its first one)."""
+def worker_load(info: WorkerInfo, prompt_rate: float = 0.0) -> WorkerLoad:
+    """A worker's load as of its last heartbeat (an idle worker before its first one), with the
+    ``prompt_rate`` (tokens/s) recently sent to it."""
     reg, hb = info.reg, info.load
     if hb is None:
-        return WorkerLoad(free_kv_tokens=reg.num_blocks * reg.block_size)
+        return WorkerLoad(free_kv_tokens=reg.num_blocks * reg.block_size, prompt_tokens_per_s=prompt_rate)
     return WorkerLoad(
         queued_tokens=hb.queued_tokens,
         running=hb.running,
@@ -42,6 +42,7 @@ def worker_load(info: WorkerInfo) -> WorkerLoad:
         free_kv_tokens=hb.free_blocks * reg.block_size,
         kv_bytes_per_s=hb.kv_bytes_per_s,
         speculation=hb.speculation,
+        prompt_tokens_per_s=prompt_rate,
     )
 
 
@@ -50,10 +51,7 @@ def with_pending(load: WorkerLoad, kind: str, prompt_len: int, requests: int = 1
     tokens in all) has been sent to a ``kind`` worker."""
     if kind == PREFILL:
         return load.with_prefill(prompt_len, requests)
-    decoded = load.with_decode(prompt_len, requests)
-    if kind == COLOCATED:  # it also queues the prompt for its own prefill
-        return replace(decoded, queued_tokens=decoded.queued_tokens + prompt_len)
-    return decoded
+    return load.with_decode(prompt_len, requests, prefill=kind == COLOCATED)
 
 
 def candidate(
@@ -74,7 +72,7 @@ def candidate(
     reg = info.reg
     pool = config.pool(reg.kind, reg.pool)
     max_batch, chunk_tokens = pool.limits(reg.max_running, reg.max_batch_tokens)
-    load = replace(worker_load(info), prompt_tokens_per_s=prompt_rate)
+    load = worker_load(info, prompt_rate)
     lengths = list(pending)
     if lengths:  # the pending load adds up: one step for all of it
         load = with_pending(load, reg.kind, sum(lengths), len(lengths))

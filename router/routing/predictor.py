@@ -101,8 +101,7 @@ def rank(
                 misses.append(miss)
             else:
                 cost = (p.worker.cost + d.worker.cost) / 2
-                choice = _choice(d.worker, p.worker, p, d.itl_ms, transfer_ms, cost, budgets)
-                fits.append(replace(choice, foreground_itl_ms=d.foreground_itl_ms))
+                fits.append(_choice(d.worker, p.worker, p, d, transfer_ms, cost, budgets))
     for c in candidates:
         if c.kind == COLOCATED or _prefills_locally(c, prompt_len, config):
             side, idle_ms = _colocated_side(c, prompt_len, budgets, config)
@@ -112,10 +111,7 @@ def rank(
             if miss is not None:
                 misses.append(miss)
             else:
-                choice = _choice(c, c, side, side.itl_ms, 0.0, c.cost, budgets)
-                fits.append(
-                    replace(choice, local_prefill=c.kind == DECODE, foreground_itl_ms=side.foreground_itl_ms)
-                )
+                fits.append(_choice(c, c, side, side, 0.0, c.cost, budgets))
     if fits:
         return Ranking(_order(fits, config, turn))
     counts = tuple(sorted(Counter(r for _, _, r in misses).items()))
@@ -180,26 +176,30 @@ def _choice(
     decode: Candidate,
     prefill: Candidate,
     side: _Side,
-    itl_ms: float,
+    batch: _Side,
     transfer_ms: float,
     cost: float,
     budgets: Budgets,
 ) -> Choice:
+    """The route through ``prefill`` (whose TTFT ``side`` holds) and ``decode`` (whose ITL ``batch``
+    holds; on a colocated route, or a decode worker prefilling the rest itself, the same side)."""
     ttft = side.queue_ms + side.compute_ms + transfer_ms
-    load = max(ttft / budgets.ttft_ms, itl_ms / budgets.itl_ms)
+    load = max(ttft / budgets.ttft_ms, batch.itl_ms / budgets.itl_ms)
     colocated = decode is prefill
     return Choice(
         decode=decode.worker_id,
         prefill=prefill.worker_id,
         colocated=colocated,
         ttft_ms=ttft,
-        itl_ms=itl_ms,
+        itl_ms=batch.itl_ms,
         queue_ms=side.queue_ms,
         prefill_ms=side.compute_ms,
         transfer_ms=transfer_ms,
         cost=cost,
         load=load,
         cached_tokens=prefill.cached_tokens + (0 if colocated else decode.cached_tokens),
+        local_prefill=colocated and decode.kind == DECODE,
+        foreground_itl_ms=batch.foreground_itl_ms,
     )
 
 
@@ -297,29 +297,43 @@ def _batch_side(
     now_itl = itl(held + 1, load.context_tokens + prompt_len)
     foreground = held - min(c.background, held)
     alone = itl(foreground, load.context_tokens * foreground / held) if foreground else 0.0
-    side = replace(side, itl_ms=now_itl, foreground_itl_ms=alone)
+    drain_ms = 0.0
     if itl(1, prompt_len) > budgets.itl_ms:
-        return replace(side, reason=ITL_UNREACHABLE, drain_ms=math.inf)
-    if held + 1 > c.max_batch:
+        reason, drain_ms = ITL_UNREACHABLE, math.inf
+    elif held + 1 > c.max_batch:
         reason = BATCH_FULL
     elif load.free_kv_tokens < prompt_len:
         reason = KV_FULL
     elif now_itl > budgets.itl_ms:
         reason = ITL
     else:
-        return side
-    # Which k of the held sequences must finish first, then how long that takes: with remaining
-    # lengths spread evenly up to twice their mean, k of n running sequences finish in
-    # 2 * mean * k / n steps.
+        reason = ""
+    if reason and not drain_ms:
+        drain_ms = _drain_ms(c, prompt_len, budgets, config, itl)
+    return replace(side, itl_ms=now_itl, foreground_itl_ms=alone, reason=reason, drain_ms=drain_ms)
+
+
+def _drain_ms(
+    c: Candidate,
+    prompt_len: int,
+    budgets: Budgets,
+    config: PredictorConfig,
+    itl: Callable[[int, float], float],
+) -> float:
+    """How long until enough of the worker's held sequences have finished for the new one to fit its
+    batch, KV and ITL budget (``math.inf``: never). Which k of them must finish first, then how long
+    that takes: with remaining lengths spread evenly up to twice their mean, k of n running
+    sequences finish in 2 * mean * k / n steps."""
+    load = c.load
+    held = load.running + load.waiting
     per_seq = load.context_tokens / held if held else 0.0
     step_ms = c.profile.decode_step_seconds(max(1, held), load.context_tokens) * 1e3
     for k in range(1, held + 1):
         batch, context = held - k + 1, load.context_tokens - k * per_seq + prompt_len
         room = load.free_kv_tokens + k * per_seq >= prompt_len
         if batch <= c.max_batch and room and itl(batch, context) <= budgets.itl_ms:
-            steps = 2 * config.mean_remaining_tokens * k / max(1, load.running)
-            return replace(side, reason=reason, drain_ms=steps * step_ms)
-    return replace(side, reason=reason, drain_ms=math.inf)
+            return 2 * config.mean_remaining_tokens * k / max(1, load.running) * step_ms
+    return math.inf
 
 
 def _link_rate(p: Candidate, d: Candidate, config: PredictorConfig) -> float:

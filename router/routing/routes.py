@@ -51,11 +51,13 @@ class WorkerLoad:
         all) is queued for prefill here."""
         return replace(self, queued_tokens=self.queued_tokens + prompt_len, waiting=self.waiting + requests)
 
-    def with_decode(self, prompt_len: int, requests: int = 1) -> WorkerLoad:
+    def with_decode(self, prompt_len: int, requests: int = 1, prefill: bool = False) -> WorkerLoad:
         """This load once a sequence of ``prompt_len`` tokens (or ``requests`` sequences of that many
-        in all) has reserved its KV here."""
+        in all) has reserved its KV here; with ``prefill`` its prompt is also queued for prefill here
+        (a colocated worker's)."""
         return replace(
             self,
+            queued_tokens=self.queued_tokens + (prompt_len if prefill else 0),
             waiting=self.waiting + requests,
             context_tokens=self.context_tokens + prompt_len,
             free_kv_tokens=max(0, self.free_kv_tokens - prompt_len),
