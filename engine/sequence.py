@@ -31,7 +31,7 @@ class Sequence:
     prompt_logprobs: list[tuple[float, TopLogprobs]] = field(default_factory=list)
     num_cached: int = 0  # leading tokens of all_ids whose KV is in the cache
     prefix_hit: int | None = None  # prompt tokens taken from the prefix cache as it was first prefilled
-    from_cache: int = 0  # leading tokens of its table taken from the prefix cache since it was attached
+    from_cache: int = 0  # tokens of its table taken from the prefix cache, not computed, since attached
     block_hashes: list[bytes] = field(default_factory=list)  # prefix hashes of its full blocks so far
     recorded: int = 0  # leading blocks of its table that are in the prefix cache
     state: SeqState = SeqState.WAITING
