@@ -95,10 +95,13 @@ class PrefixCache:
             seq.prefix_hit = 0
 
     def extend(self, seq: Sequence) -> None:
-        """A waiting sequence computed to the end of its table's last block continues from the cache
-        where it can: the pool's blocks of the prefix that follows (another prompt computed them
-        meanwhile), then the tier's (``attach`` takes at most the blocks the pool has free then, so a
-        long prompt's hit may have been cut short)."""
+        """A waiting sequence without blocks: ``attach``. One computed to the end of its table's last
+        block continues from the cache where it can: the pool's blocks of the prefix that follows
+        (another prompt computed them meanwhile), then the tier's (``attach`` takes at most the blocks
+        the pool has free then, so a long prompt's hit may have been cut short)."""
+        if seq.request_id not in self.tables:
+            self.attach(seq)
+            return
         if self.salt is None or seq.runs_whole or seq.request_id in self._deferred:
             return
         have = len(self.tables.table(seq.request_id))

@@ -185,10 +185,7 @@ class Scheduler:
             room = min(budget, background) if seq.params.background else budget
             if room == 0:
                 continue  # the background share of the step is spent; a foreground prompt may come later
-            if seq.request_id not in self.tables:
-                self.prefix.attach(seq)
-            else:  # a prompt part way through: the cache may hold what follows by now
-                self.prefix.extend(seq)
+            self.prefix.extend(seq)  # its cached prefix, or what follows its chunks so far if cached by now
             stop = min(seq.num_tokens, seq.num_cached + room)
             if not self.tables.can_grow(seq.request_id, stop):
                 self._reclaim_partial(keep={c.seq for c in chunks} | {seq})

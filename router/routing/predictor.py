@@ -297,9 +297,8 @@ def _batch_side(
     now_itl = itl(held + 1, load.context_tokens + prompt_len)
     foreground = held - min(c.background, held)
     alone = itl(foreground, load.context_tokens * foreground / held) if foreground else 0.0
-    drain_ms = 0.0
     if itl(1, prompt_len) > budgets.itl_ms:
-        reason, drain_ms = ITL_UNREACHABLE, math.inf
+        reason = ITL_UNREACHABLE
     elif held + 1 > c.max_batch:
         reason = BATCH_FULL
     elif load.free_kv_tokens < prompt_len:
@@ -308,32 +307,20 @@ def _batch_side(
         reason = ITL
     else:
         reason = ""
-    if reason and not drain_ms:
-        drain_ms = _drain_ms(c, prompt_len, budgets, config, itl)
+    drain_ms = 0.0 if not reason else math.inf
+    if reason and reason != ITL_UNREACHABLE:
+        # Which k of the held sequences must finish first, then how long that takes: with remaining
+        # lengths spread evenly up to twice their mean, k of n running sequences finish in
+        # 2 * mean * k / n steps.
+        per_seq = load.context_tokens / held if held else 0.0
+        step_ms = c.profile.decode_step_seconds(max(1, held), load.context_tokens) * 1e3
+        for k in range(1, held + 1):
+            batch, context = held - k + 1, load.context_tokens - k * per_seq + prompt_len
+            room = load.free_kv_tokens + k * per_seq >= prompt_len
+            if batch <= c.max_batch and room and itl(batch, context) <= budgets.itl_ms:
+                drain_ms = 2 * config.mean_remaining_tokens * k / max(1, load.running) * step_ms
+                break
     return replace(side, itl_ms=now_itl, foreground_itl_ms=alone, reason=reason, drain_ms=drain_ms)
-
-
-def _drain_ms(
-    c: Candidate,
-    prompt_len: int,
-    budgets: Budgets,
-    config: PredictorConfig,
-    itl: Callable[[int, float], float],
-) -> float:
-    """How long until enough of the worker's held sequences have finished for the new one to fit its
-    batch, KV and ITL budget (``math.inf``: never). Which k of them must finish first, then how long
-    that takes: with remaining lengths spread evenly up to twice their mean, k of n running
-    sequences finish in 2 * mean * k / n steps."""
-    load = c.load
-    held = load.running + load.waiting
-    per_seq = load.context_tokens / held if held else 0.0
-    step_ms = c.profile.decode_step_seconds(max(1, held), load.context_tokens) * 1e3
-    for k in range(1, held + 1):
-        batch, context = held - k + 1, load.context_tokens - k * per_seq + prompt_len
-        room = load.free_kv_tokens + k * per_seq >= prompt_len
-        if batch <= c.max_batch and room and itl(batch, context) <= budgets.itl_ms:
-            return 2 * config.mean_remaining_tokens * k / max(1, load.running) * step_ms
-    return math.inf
 
 
 def _link_rate(p: Candidate, d: Candidate, config: PredictorConfig) -> float:
