@@ -475,6 +475,18 @@ def test_a_prefix_served_again_is_in_the_store_for_the_hosts_other_workers_with_
         b_store.close()
 
 
+def _restarted_after(path: Path, tmp_path: Path, num_blocks: int, prompt: tuple[int, ...]) -> tuple:
+    """A worker that served ``prompt`` and stopped (its pool saved to the store), started again: an
+    empty pool beside the store that holds the prompt's blocks."""
+    core, stepper, store = _worker(path, tmp_path, num_blocks)
+    try:
+        _serve(core, stepper, {"first": prompt})
+        store.flush(*core.tables.pool.cached_blocks())  # the worker stops
+    finally:
+        store.close()
+    return _worker(path, tmp_path, num_blocks)
+
+
 def test_a_queued_prompts_store_hit_is_read_ahead_while_the_worker_steps(tiny: tuple, tmp_path: Path) -> None:
     """A prompt queued behind a step: the store's reader reads its blocks then, and the scheduling
     pass only copies them into the cache; token-exact."""
@@ -482,13 +494,7 @@ def test_a_queued_prompts_store_hit_is_read_ahead_while_the_worker_steps(tiny: t
     prompt = tuple(range(40, 140))  # 6 full blocks
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     want = reference.generate(list(prompt), params).token_ids
-    core, stepper, store = _worker(path, tmp_path, 32)
-    try:
-        _serve(core, stepper, {"first": prompt})
-        store.flush(*core.tables.pool.cached_blocks())  # the worker stops
-    finally:
-        store.close()
-    core, stepper, store = _worker(path, tmp_path, 32)  # started again: an empty pool
+    core, stepper, store = _restarted_after(path, tmp_path, 32, prompt)
     try:
         core.handle(Generate("again", prompt, params, ()))
         deadline = time.monotonic() + 10
@@ -511,13 +517,7 @@ def test_a_store_hit_cut_short_by_a_full_pool_continues_from_the_store(tiny: tup
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     want = {"p": reference.generate(list(prompt), params).token_ids,
             "hog": reference.generate(list(hog), params).token_ids}  # fmt: skip
-    core, stepper, store = _worker(path, tmp_path, 12)
-    try:
-        _serve(core, stepper, {"first": prompt})
-        store.flush(*core.tables.pool.cached_blocks())  # the worker stops
-    finally:
-        store.close()
-    core, stepper, store = _worker(path, tmp_path, 12)  # started again: an empty pool
+    core, stepper, store = _restarted_after(path, tmp_path, 12, prompt)
     try:
         got = _serve(core, stepper, {"hog": hog, "p": prompt})  # p is scheduled with 4 blocks free
         assert _tokens(got, "hog") == want["hog"] and _tokens(got, "p") == want["p"]
