@@ -108,14 +108,11 @@ class TierDir:
         self.stats.hits += 1
         self.stats.bytes_read += payload_bytes
 
-    def take(self, path: Path, key: bytes, payload_bytes: int) -> tuple[bytes, bytes, bytes] | None:
-        """The prefix hash, owner and checked payload of the block file at ``path``, or ``None``; no
-        recency or hit is counted (a tier moving its blocks down reads so)."""
-        buf = bytearray(HEADER.size + payload_bytes)
-        if not self._load_into(path, key, memoryview(buf)):
-            return None
-        _, _, prefix, owner, _, _, _ = HEADER.unpack_from(buf)
-        return prefix, owner, bytes(memoryview(buf)[HEADER.size :])
+    def take(self, path: Path, key: bytes, buf: memoryview) -> bool:
+        """Reads the block file of ``key`` at ``path`` whole into ``buf`` (as long as the file must be)
+        and checks it, counting no recency or hit (a tier moving its blocks down reads so); ``False``:
+        gone, or failed its checks (deleted)."""
+        return self._load_into(path, key, buf)
 
     def _load_into(self, path: Path, key: bytes, buf: memoryview) -> bool:
         """Reads the file at ``path`` into ``buf`` and checks it; a file that fails is deleted."""
@@ -149,7 +146,23 @@ class TierDir:
         write failed (the tier then makes room, so that the next one may succeed)."""
         payload = memoryview(payload).cast("B")
         fields = _FIELDS.pack(MAGIC, key, prefix, owner, len(payload), zlib.crc32(payload))
-        header = fields + struct.pack("<I", zlib.crc32(fields))
+        return self._publish(key, fields + struct.pack("<I", zlib.crc32(fields)), payload)
+
+    def adopt(self, key: bytes, data: memoryview) -> bool:
+        """Keeps a block file that another tier's ``take`` read and checked (``data``: the whole file,
+        header included) as it is, as ``write`` keeps a payload; ``False`` if the write failed."""
+        return self._publish(key, data[: HEADER.size], data[HEADER.size :])
+
+    def touch(self, key: bytes) -> bool:
+        """Refreshes the recency of ``key``'s file; ``False`` if the tier has none."""
+        try:
+            os.utime(self.file(key))
+        except OSError:
+            return False
+        return True
+
+    def _publish(self, key: bytes, header: bytes | memoryview, payload: memoryview) -> bool:
+        """Writes a block file under a temporary name, then renames it into place (``write``)."""
         self._counter += 1
         tmp = self.path / f"{TMP_PREFIX}{os.getpid()}-{self._tag}-{self._counter}"
         try:

@@ -23,7 +23,7 @@ from collections import OrderedDict
 
 import torch
 
-from pdfabric.kvtransfer.store_tier import TierDir
+from pdfabric.kvtransfer.store_tier import HEADER, TierDir
 
 log = logging.getLogger("pdfabric.kvtransfer.host_store")
 
@@ -51,6 +51,7 @@ class StoreWriter:
         self._made = 0  # staging buffers allocated so far
         self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()  # written, ready for reuse
         self._ghosts: OrderedDict[bytes, None] = OrderedDict()  # writer thread only
+        self._file: memoryview | None = None  # the writer's buffer for a block file moving down
         self._hot: OrderedDict[bytes, None] = OrderedDict()  # read back (the loop adds, the writer reads)
         # blocks to write: their keys, their prefix hashes, their KV in a staging buffer
         self._queue: queue.SimpleQueue[tuple[list[bytes], list[bytes], torch.Tensor] | None]
@@ -112,17 +113,21 @@ class StoreWriter:
                 self.disk.evict()
 
     def _spill(self) -> None:
-        """The RAM tier's least recently used blocks go down to the disk tier (those admitted)."""
+        """The RAM tier's least recently used blocks go down to the disk tier (those admitted): each
+        file read and checked, then written as it is; one the disk holds already (a disk hit copied up)
+        only has its recency refreshed there."""
         assert self.ram is not None
-        payload_bytes = math.prod(self.block_shape)
+        if self._file is None:
+            self._file = memoryview(bytearray(HEADER.size + math.prod(self.block_shape)))
         for path in self.ram.oldest():
             key = TierDir.key_of(path)
             moved = False
             if self.disk is not None and key is not None and self._admit(key):
-                block = self.ram.take(path, key, payload_bytes)
-                moved = block is not None and self.disk.write(key, block[2], block[0], block[1])
-                if moved and self.disk.over():
-                    self.disk.evict()
+                moved = self.disk.touch(key)
+                if not moved and self.ram.take(path, key, self._file):
+                    moved = self.disk.adopt(key, self._file)
+                    if moved and self.disk.over():
+                        self.disk.evict()
             self.ram.remove(path, moved)
 
     def _admit(self, key: bytes) -> bool:

@@ -252,6 +252,41 @@ def test_the_disk_takes_what_ram_lets_go_by_the_admission_rule(tmp_path: Path) -
         restarted.close()
 
 
+def test_a_block_moves_down_as_it_was_and_one_the_disk_holds_is_not_written_again(tmp_path: Path) -> None:
+    """RAM's oldest block goes to the disk as RAM held it, header and all; a disk hit copied up to RAM
+    that leaves RAM again only has its disk file's recency refreshed, not written a second time."""
+    caches = _caches(64)
+    one = (2 * 3 * 4 * 2 * 8 * 2) + HEADER.size
+    hashes = [bytes([i + 1]) * 16 for i in range(40)]
+    store = _store(caches, tmp_path, kv_store_disk_dir=str(tmp_path / "disk"), kv_store_disk_mb=1,
+                   kv_store_disk_admission="all")  # fmt: skip
+    assert store.ram is not None and store.disk is not None
+    store.ram.capacity = 10 * one
+    try:
+        store.save([0], hashes[:1])
+        _settle(store)
+        in_ram = store.ram.file(store.key(hashes[0])).read_bytes()
+        store.save(list(range(1, 20)), hashes[1:20])  # the first block goes down
+        _settle(store)
+        on_disk = store.disk.file(store.key(hashes[0]))
+        assert not store.ram.has(store.key(hashes[0])) and on_disk.read_bytes() == in_ram
+        assert store.load(hashes[:1], [40]) == 1  # a disk hit: copied up to RAM
+        _settle(store)
+        assert store.ram.has(store.key(hashes[0]))
+        inode = on_disk.stat().st_ino
+        os.utime(on_disk, (1, 1))
+        store.save(list(range(20, 40)), hashes[20:40])  # pushes it out of RAM again
+        _settle(store)
+        assert not store.ram.has(store.key(hashes[0]))
+        assert on_disk.stat().st_ino == inode and on_disk.stat().st_mtime > 1  # kept, refreshed
+        assert store.disk.stats.writes == len(_files(tmp_path / "disk"))  # each block written once
+        assert store.load(hashes[:1], [41]) == 1
+        for cache in caches:
+            assert torch.equal(cache[:, 41], cache[:, 0])
+    finally:
+        store.close()
+
+
 def test_a_store_reports_the_prefixes_of_the_blocks_it_deleted_by_their_owner(tmp_path: Path) -> None:
     """What the writer deletes to make room (not what RAM moves down to disk) comes back as prefix
     hashes: its own model's blocks for its own view of the store, another model's by the identity of
