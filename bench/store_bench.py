@@ -63,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
             for tier, where in dirs.items():
                 rows += _tier_rows(name, tier, where / name, args.blocks, args.repeats)
                 print(_table(rows[-5:]), flush=True)
+            rows.append(_moving_down_row(name, dirs, args.blocks, args.repeats))
+            print(_moving_down_line(rows[-1]), flush=True)
     finally:
         for where in dirs.values():
             if not (args.ram_dir if where == dirs["ram"] else args.disk_dir):
@@ -132,6 +134,70 @@ def _one_repeat(store: Any, plain: Path, blocks: int, r: int) -> dict[str, float
         raise RuntimeError(f"loaded {loaded} of {blocks} blocks")
     ops = ("memcpy", "file write", "save", "file read", "load")
     return {op: marks[i + 1] - marks[i] for i, op in enumerate(ops)}
+
+
+def _moving_down_row(layout: str, dirs: dict[str, Path], blocks: int, repeats: int) -> dict[str, Any]:
+    """Saves through a RAM tier a quarter of ``blocks`` in size, the rest moving down to disk."""
+    import torch
+
+    from pdfabric.kvtransfer.host_store import HostKVStore
+    from pdfabric.kvtransfer.store_tier import HEADER
+    from pdfabric.worker_config import WorkerConfig
+
+    layers, heads, dim = LAYOUTS[layout]
+    caches = [torch.randn(2, blocks, BLOCK, heads, dim).to(torch.bfloat16) for _ in range(layers)]
+    ram, disk = dirs["ram"] / layout / "down", dirs["disk"] / layout / "down"
+    mb = layers * 2 * blocks * BLOCK * heads * dim * 2 // 2**20 + 16  # every block, headers included
+    seconds: list[float] = []
+    cpu: list[float] = []
+    for r in range(repeats):
+        for where in (ram, disk):
+            shutil.rmtree(where, ignore_errors=True)
+        cfg = WorkerConfig(
+            kind="colocated", kv_store_ram_dir=str(ram), kv_store_ram_mb=mb, kv_store_disk_dir=str(disk),
+            kv_store_disk_mb=mb, kv_store_disk_admission="all",
+        )  # fmt: skip
+        store = HostKVStore(cfg, b"bench", lambda: caches)
+        try:
+            assert store.ram is not None and store.disk is not None
+            store.ram.capacity = max(1, blocks // 4) * (HEADER.size + store.payload_bytes)
+            before, start = _thread_cpu(store.writer.native_id), time.perf_counter()
+            ids = list(range(blocks))
+            store.flush(ids, [(r * blocks + i).to_bytes(16, "little") for i in ids], timeout_s=600)
+            seconds.append(time.perf_counter() - start)
+            after = _thread_cpu(store.writer.native_id)
+            if before is not None and after is not None:
+                cpu.append((after - before) / blocks)
+            if store.disk.stats.writes == 0:
+                raise RuntimeError("moving down: RAM let nothing go to the disk")
+        finally:
+            store.close()
+            for where in (ram, disk):
+                shutil.rmtree(where, ignore_errors=True)
+    nbytes = store.payload_bytes * blocks
+    return {
+        "layout": layout, "tier": "ram>disk", "op": "save, RAM full", "bytes": nbytes,
+        "seconds": statistics.median(seconds), "gb_per_s": nbytes / statistics.median(seconds) / 1e9,
+        "writer_cpu_ms_per_block": statistics.median(cpu) * 1e3 if cpu else None,
+    }  # fmt: skip
+
+
+def _thread_cpu(tid: int | None) -> float | None:
+    """CPU seconds (user and kernel) thread ``tid`` of this process has used, or ``None`` (no ``/proc``)."""
+    try:
+        fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _moving_down_line(row: dict[str, Any]) -> str:
+    cpu = row["writer_cpu_ms_per_block"]
+    per_block = f", the writer thread's CPU {cpu:.2f} ms a block" if cpu is not None else ""
+    return (
+        f"{row['layout']}: saved through a full RAM tier onto disk, {row['bytes'] / 2**20:.1f} MiB in "
+        f"{row['seconds'] * 1e3:.1f} ms, {row['gb_per_s']:.2f} GB/s{per_block}\n"
+    )
 
 
 def _table(rows: list[dict[str, Any]]) -> str:

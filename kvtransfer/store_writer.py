@@ -81,6 +81,11 @@ class StoreWriter:
         """A block was read from the store: the disk admits it when it leaves RAM."""
         remember(self._hot, key, HOT)
 
+    @property
+    def native_id(self) -> int | None:
+        """The writer thread's id in the operating system (its CPU time is in ``/proc`` under it)."""
+        return self._thread.native_id
+
     def wait_idle(self, deadline: float) -> None:
         """Waits until everything queued is written (or ``deadline``, on the monotonic clock)."""
         while self._free.qsize() < self._made and time.monotonic() < deadline and self._thread.is_alive():
