@@ -81,9 +81,8 @@ def _tier_rows(layout: str, tier: str, where: Path, blocks: int, repeats: int) -
     from pdfabric.kvtransfer.host_store import HostKVStore
     from pdfabric.worker_config import WorkerConfig
 
-    layers, heads, dim = LAYOUTS[layout]
-    caches = [torch.randn(2, 2 * blocks, BLOCK, heads, dim).to(torch.bfloat16) for _ in range(layers)]
-    mb = (repeats + 1) * layers * 2 * blocks * BLOCK * heads * dim * 2 // 2**20 + 16  # every repeat's blocks
+    caches = _caches(layout, 2 * blocks)
+    mb = _store_mb(layout, (repeats + 1) * blocks)  # every repeat's blocks
     settings = {"kv_store_ram_mb": mb, "kv_store_ram_dir": str(where / "store")} if tier == "ram" else {
         "kv_store_disk_dir": str(where / "store"), "kv_store_disk_mb": mb, "kv_store_disk_admission": "all",
     }  # fmt: skip
@@ -136,18 +135,30 @@ def _one_repeat(store: Any, plain: Path, blocks: int, r: int) -> dict[str, float
     return {op: marks[i + 1] - marks[i] for i, op in enumerate(ops)}
 
 
+def _caches(layout: str, num_blocks: int) -> list[Any]:
+    """A cache of ``num_blocks`` blocks of random bfloat16 KV per layer of ``layout``."""
+    import torch
+
+    layers, heads, dim = LAYOUTS[layout]
+    return [torch.randn(2, num_blocks, BLOCK, heads, dim).to(torch.bfloat16) for _ in range(layers)]
+
+
+def _store_mb(layout: str, blocks: int) -> int:
+    """MiB a tier needs for ``blocks`` blocks of ``layout``, headers and slack included."""
+    layers, heads, dim = LAYOUTS[layout]
+    return layers * 2 * blocks * BLOCK * heads * dim * 2 // 2**20 + 16
+
+
 def _moving_down_row(layout: str, dirs: dict[str, Path], blocks: int, repeats: int) -> dict[str, Any]:
     """Saves through a RAM tier a quarter of ``blocks`` in size, the rest moving down to disk."""
-    import torch
 
     from pdfabric.kvtransfer.host_store import HostKVStore
     from pdfabric.kvtransfer.store_tier import HEADER
     from pdfabric.worker_config import WorkerConfig
 
-    layers, heads, dim = LAYOUTS[layout]
-    caches = [torch.randn(2, blocks, BLOCK, heads, dim).to(torch.bfloat16) for _ in range(layers)]
+    caches = _caches(layout, blocks)
     ram, disk = dirs["ram"] / layout / "down", dirs["disk"] / layout / "down"
-    mb = layers * 2 * blocks * BLOCK * heads * dim * 2 // 2**20 + 16  # every block, headers included
+    mb = _store_mb(layout, blocks)
     seconds: list[float] = []
     cpu: list[float] = []
     for r in range(repeats):
