@@ -253,6 +253,9 @@ class HostKVStore:
     def close(self) -> None:
         self.writer.close()
         self.ahead.close()
+        for tier in (self.ram, self.disk):
+            if tier is not None:
+                tier.close()
 
     def counters(self) -> dict[str, float]:
         out: dict[str, float] = {

@@ -6,11 +6,14 @@ crc32, and a crc32 of the header itself), then the payload. It is written under 
 name and renamed into place, so a reader sees a whole file or none: a process killed mid-write
 leaves only a temporary file, which the next store opened on the directory removes. A file that
 fails its checks on reading (another key, another length, a wrong crc32: a torn write after a power
-loss, a corrupted disk) is deleted and reported as a miss, never served.
+loss, a corrupted disk) is deleted and reported as a miss, never served. A reader holds a shared
+``flock`` on the file while it reads it, so that a file the tier recycles is never overwritten under
+it (``store_spares``: an evicted file is kept and overwritten by a later write).
 
 Several processes may share a directory (every worker on a host): each keeps a running estimate of
 the bytes in it, and when its estimate passes the capacity it lists the directory and deletes the
-least recently used files (by modification time, which a read refreshes) down to ``LOW_WATER`` of it.
+least recently used files (by modification time, which a read refreshes) down to ``LOW_WATER`` of it;
+another process's temporaries (its writes under way, its spare files) count against the capacity too.
 What it deletes is recorded (``removed``: key, prefix hash and owner, read from the file's header),
 so that the worker can tell the router which prefixes its host's store no longer holds, its own
 model's and, by their owners, other models'; so is a file deleted for a payload that failed its
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import secrets
 import struct
@@ -30,6 +34,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdfabric.kvtransfer.store_spares import Spares
 from pdfabric.proc import alive
 
 MAGIC = b"PDKVBLK4"
@@ -67,10 +72,13 @@ class TierDir:
         self.capacity = capacity
         self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.stats = TierStats()
-        self._remove_dead_temporaries()
-        self.used = sum(size for _, size, _ in self._listing())
         self._counter = 0
         self._tag = secrets.token_hex(4)  # two tiers on one directory in one process never share a name
+        self._mine = f"{TMP_PREFIX}{os.getpid()}-{self._tag}-"  # this tier's temporaries' names start so
+        self._remove_dead_temporaries()
+        listing, foreign = self._scan()
+        self.used = sum(size for _, size, _ in listing) + foreign  # the blocks', and others' temporaries
+        self.spares = Spares(capacity - int(capacity * LOW_WATER))  # evicted files, to write over
         # (key, prefix hash, owner) of the blocks this process deleted to make room, or for a payload
         # that failed its check under an intact header, oldest first; the worker's loop takes them
         # (HostKVStore.take_dropped) while the writer thread adds more (a deque's appends and pops
@@ -118,8 +126,11 @@ class TierDir:
         """Reads the file at ``path`` into ``buf`` and checks it; a file that fails is deleted."""
         try:
             with open(path, "rb", buffering=0) as f:
+                with contextlib.suppress(OSError):  # a file system without locks: read unlocked
+                    fcntl.flock(f, fcntl.LOCK_SH)  # a writer recycling the file waits (store_spares)
                 n = f.readinto(buf)
                 whole = n == len(buf) and not f.read(1)
+                inode = os.fstat(f.fileno()).st_ino
         except FileNotFoundError:
             return False
         except OSError:
@@ -127,6 +138,8 @@ class TierDir:
             return False
         if not (whole and _valid(buf, key, len(buf) - HEADER.size)):
             try:
+                if os.stat(path).st_ino != inode:
+                    return False  # recycled since it was opened: another block's file, not a bad one
                 path.unlink()
             except OSError:
                 return False  # another reader found it bad first and deleted it: counted there
@@ -162,22 +175,26 @@ class TierDir:
         return True
 
     def _publish(self, key: bytes, header: bytes | memoryview, payload: memoryview) -> bool:
-        """Writes a block file under a temporary name, then renames it into place (``write``)."""
-        self._counter += 1
-        tmp = self.path / f"{TMP_PREFIX}{os.getpid()}-{self._tag}-{self._counter}"
+        """Writes a block file under a temporary name (over a spare file where there is one), then
+        renames it into place (``write``)."""
+        size = len(header) + len(payload)
+        spare = self.spares.take()
+        tmp = spare[0] if spare is not None else self._temporary()
         try:
-            with open(tmp, "wb") as f:
+            with spare[1] if spare is not None else open(tmp, "wb") as f:
                 f.write(header)
                 f.write(payload)
+                if spare is not None and spare[2] > size:
+                    f.truncate()
             os.replace(tmp, self.file(key))
         except OSError as exc:
             with contextlib.suppress(OSError):
                 tmp.unlink()
             self.stats.write_errors += 1
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                self.evict(int(self.capacity * (1 - LOW_WATER)))
+                self.spares.clear()
+                self.evict(int(self.capacity * (1 - LOW_WATER)), free=True)
             return False
-        size = len(header) + len(payload)
         self.stats.writes += 1
         self.stats.bytes_written += len(payload)
         self.used += size
@@ -190,8 +207,9 @@ class TierDir:
         """The files to remove to come down to ``LOW_WATER`` of capacity (and to free ``at_least``
         bytes), least recently used first; the directory is listed afresh, since other processes
         write to it too."""
-        listing = sorted(self._listing())
-        self.used = sum(size for _, size, _ in listing)
+        listing, foreign = self._scan()
+        listing.sort()
+        self.used = sum(size for _, size, _ in listing) + foreign
         excess = max(self.used - int(self.capacity * LOW_WATER), at_least)
         out: list[Path] = []
         for _, size, path in listing:
@@ -201,14 +219,16 @@ class TierDir:
             excess -= size
         return out
 
-    def remove(self, path: Path, moved: bool = False) -> None:
-        """Deletes one of ``oldest``'s files (gone already: another process took it); unless ``moved``
-        (its block went to another tier), records its key, prefix hash and owner in ``removed``."""
+    def remove(self, path: Path, moved: bool = False, free: bool = False) -> None:
+        """Deletes one of ``oldest``'s files (gone already: another process took it), or keeps it as
+        a spare for a later write unless ``free`` (the space must come back); unless ``moved`` (its
+        block went to another tier), records its key, prefix hash and owner in ``removed``."""
         try:
             with open(path, "rb") as f:
                 header = f.read(HEADER.size)
-            size = path.stat().st_size
-            path.unlink()
+                size = os.fstat(f.fileno()).st_size
+            if free or not self.spares.keep(path, size, self._temporary()):
+                path.unlink()
         except OSError:
             return
         self.used -= size
@@ -217,11 +237,15 @@ class TierDir:
         if fields is not None and fields[2] != NO_PREFIX:
             self.removed.append(fields[1:4])
 
-    def evict(self, at_least: int = 0) -> None:
+    def evict(self, at_least: int = 0, free: bool = False) -> None:
         """Removes least recently used files down to ``LOW_WATER`` of capacity (and at least
-        ``at_least`` bytes)."""
+        ``at_least`` bytes), keeping them as spares unless ``free``."""
         for path in self.oldest(at_least):
-            self.remove(path)
+            self.remove(path, free=free)
+
+    def close(self) -> None:
+        """Deletes this tier's spare files (its blocks stay)."""
+        self.spares.clear()
 
     @staticmethod
     def key_of(path: Path) -> bytes | None:
@@ -234,18 +258,29 @@ class TierDir:
         except ValueError:
             return None
 
-    def _listing(self) -> list[tuple[float, int, Path]]:
-        """(modification time, size, path) of every block file."""
-        out = []
+    def _temporary(self) -> Path:
+        """A new name for one of this tier's temporaries (a write under way, a spare file)."""
+        self._counter += 1
+        return self.path / f"{self._mine}{self._counter}"
+
+    def _scan(self) -> tuple[list[tuple[float, int, Path]], int]:
+        """(modification time, size, path) of every block file, and the bytes of other processes' and
+        tiers' temporaries."""
+        out, foreign = [], 0
         with os.scandir(self.path) as entries:
             for e in entries:
-                if e.name.endswith(SUFFIX):
-                    try:
-                        st = e.stat()
-                    except OSError:
-                        continue
+                block = e.name.endswith(SUFFIX)
+                if not block and not (e.name.startswith(TMP_PREFIX) and not e.name.startswith(self._mine)):
+                    continue
+                try:
+                    st = e.stat()
+                except OSError:
+                    continue
+                if block:
                     out.append((st.st_mtime, st.st_size, Path(e.path)))
-        return out
+                else:
+                    foreign += st.st_size
+        return out, foreign
 
     def _remove_dead_temporaries(self) -> None:
         """Deletes the temporary files of writers that are gone (killed mid-write)."""

@@ -78,6 +78,81 @@ def test_a_tier_stays_within_its_capacity_dropping_the_least_recently_used(tmp_p
     assert TierDir("disk", tmp_path, tier.capacity).used == tier.used  # a new process counts the same
 
 
+def _footprint(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.iterdir())
+
+
+def test_a_full_tier_writes_its_next_blocks_over_the_files_it_evicted(tmp_path: Path) -> None:
+    block = HEADER.size + 1000
+    tier = TierDir("disk", tmp_path, 20 * block)
+    payloads = {bytes([i]) * 16: bytes([i]) * 1000 for i in range(60)}
+    for n, (key, payload) in enumerate(payloads.items()):
+        assert tier.write(key, payload)
+        if tier.over():
+            tier.evict()  # two blocks down to the low-water mark: kept as spares, not deleted
+            spares = {p.stat().st_ino for p in tmp_path.glob(f"{TMP_PREFIX}*")}
+            assert spares and tier.spares.bytes == len(spares) * block
+        elif n > 20:
+            assert tier.file(key).stat().st_ino in spares  # written over an evicted file
+        assert _footprint(tmp_path) <= tier.capacity  # blocks and spares within the capacity
+    held = _files(tmp_path)
+    assert len(held) >= 18 and tier.stats.evictions == 60 - len(held)
+    for path in held:
+        key = TierDir.key_of(path)
+        assert key is not None and tier.read(key, 1000) == payloads[key]
+    assert TierDir("disk", tmp_path, tier.capacity).used == tier.used + tier.spares.bytes  # others' count
+    tier.close()
+    assert not list(tmp_path.glob(f"{TMP_PREFIX}*")) and len(_files(tmp_path)) == len(held)
+
+
+def test_a_spare_file_a_reader_holds_is_not_written_over(tmp_path: Path) -> None:
+    import fcntl
+
+    tier = TierDir("ram", tmp_path, 10 * (HEADER.size + 1000))
+    first, second = b"\x01" * 16, b"\x02" * 16
+    tier.write(first, b"a" * 1000)
+    data = tier.file(first).read_bytes()
+    with open(tier.file(first), "rb") as reader:  # a reader mid-read holds its shared lock
+        fcntl.flock(reader, fcntl.LOCK_SH)
+        tier.remove(tier.file(first))  # evicted: a spare now
+        assert tier.spares.bytes and tier.write(second, b"b" * 1000)
+        assert tier.file(second).stat().st_ino != os.fstat(reader.fileno()).st_ino  # a new file
+        assert reader.read() == data  # the reader's bytes are the block it opened, whole
+    assert tier.read(second, 1000) == b"b" * 1000 and tier.read(first, 1000) is None
+    assert tier.stats.bad == 0
+
+
+def test_readers_beside_a_recycling_writer_get_whole_blocks_or_misses(tmp_path: Path) -> None:
+    tier = TierDir("ram", tmp_path, 8 * (HEADER.size + 20_000))
+    keys = [i.to_bytes(16, "little") for i in range(64)]
+    stop = threading.Event()
+    reads: list[int] = []
+
+    def read() -> None:
+        buf = memoryview(bytearray(HEADER.size + 20_000))
+        while not stop.is_set():
+            for i, key in enumerate(keys):
+                if tier.read_into(key, buf, used=False):
+                    assert bytes(buf[HEADER.size :]) == bytes([i]) * 20_000
+                    reads.append(i)
+
+    readers = [threading.Thread(target=read) for _ in range(2)]
+    for t in readers:
+        t.start()
+    try:
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            for i, key in enumerate(keys):
+                tier.write(key, bytes([i]) * 20_000)
+                if tier.over():
+                    tier.evict()
+    finally:
+        stop.set()
+        for t in readers:
+            t.join(timeout=10)
+    assert reads and tier.stats.bad == 0 and tier.stats.evictions > 64
+
+
 def test_a_failed_write_keeps_nothing_and_makes_room(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     tier = TierDir("disk", tmp_path, 4 * (HEADER.size + 100))
     for i in range(4):
@@ -99,17 +174,21 @@ def test_a_failed_write_keeps_nothing_and_makes_room(tmp_path: Path, monkeypatch
 _WRITER = """
 import os, sys
 from pdfabric.kvtransfer.store_tier import TierDir
-tier = TierDir("disk", sys.argv[1], 1 << 30)
+tier = TierDir("disk", sys.argv[1], int(sys.argv[2]))
 print("ready", flush=True)
 i = 0
 while True:
-    tier.write(i.to_bytes(16, "little"), bytes([i % 251]) * 200_000)
+    if tier.write(i.to_bytes(16, "little"), bytes([i % 251]) * 200_000) and tier.over():
+        tier.evict()
     i += 1
 """
 
 
-def test_a_writer_killed_mid_write_leaves_no_block_that_reads_as_valid(tmp_path: Path) -> None:
-    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path)], stdout=subprocess.PIPE)
+@pytest.mark.parametrize("capacity", [1 << 30, 8 * 200_100], ids=["room", "full"])
+def test_a_writer_killed_mid_write_leaves_no_block_that_reads_as_valid(tmp_path: Path, capacity: int) -> None:
+    # full: the writer evicts as it goes and writes over the files it evicted
+    cmd = [sys.executable, "-c", _WRITER, str(tmp_path), str(capacity)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
         time.sleep(0.3)
