@@ -63,8 +63,9 @@ def run(args: argparse.Namespace) -> int:
             for tier, where in dirs.items():
                 rows += _tier_rows(name, tier, where / name, args.blocks, args.repeats)
                 print(_table(rows[-5:]), flush=True)
-            rows.append(_moving_down_row(name, dirs, args.blocks, args.repeats))
-            print(_moving_down_line(rows[-1]), flush=True)
+            for disk_full in (False, True):
+                rows.append(_moving_down_row(name, dirs, args.blocks, args.repeats, disk_full))
+                print(_moving_down_line(rows[-1]), flush=True)
     finally:
         for where in dirs.values():
             if not (args.ram_dir if where == dirs["ram"] else args.disk_dir):
@@ -149,8 +150,12 @@ def _store_mb(layout: str, blocks: int) -> int:
     return layers * 2 * blocks * BLOCK * heads * dim * 2 // 2**20 + 16
 
 
-def _moving_down_row(layout: str, dirs: dict[str, Path], blocks: int, repeats: int) -> dict[str, Any]:
-    """Saves through a RAM tier a quarter of ``blocks`` in size, the rest moving down to disk."""
+def _moving_down_row(
+    layout: str, dirs: dict[str, Path], blocks: int, repeats: int, disk_full: bool
+) -> dict[str, Any]:
+    """Saves through a RAM tier a quarter of ``blocks`` in size, the rest moving down to disk; a disk
+    tier half of ``blocks`` in size if ``disk_full`` (both tiers evict, as on a host that has run a
+    while), else one that holds them all."""
 
     from pdfabric.kvtransfer.host_store import HostKVStore
     from pdfabric.kvtransfer.store_tier import HEADER
@@ -171,7 +176,10 @@ def _moving_down_row(layout: str, dirs: dict[str, Path], blocks: int, repeats: i
         store = HostKVStore(cfg, b"bench", lambda: caches)
         try:
             assert store.ram is not None and store.disk is not None
-            store.ram.capacity = max(1, blocks // 4) * (HEADER.size + store.payload_bytes)
+            block = HEADER.size + store.payload_bytes
+            store.ram.capacity = max(1, blocks // 4) * block
+            if disk_full:
+                store.disk.capacity = max(1, blocks // 2) * block
             before, start = _thread_cpu(store.writer.native_id), time.perf_counter()
             ids = list(range(blocks))
             store.flush(ids, [(r * blocks + i).to_bytes(16, "little") for i in ids], timeout_s=600)
@@ -187,7 +195,8 @@ def _moving_down_row(layout: str, dirs: dict[str, Path], blocks: int, repeats: i
                 shutil.rmtree(where, ignore_errors=True)
     nbytes = store.payload_bytes * blocks
     return {
-        "layout": layout, "tier": "ram>disk", "op": "save, RAM full", "bytes": nbytes,
+        "layout": layout, "tier": "ram>disk", "op": "save, both full" if disk_full else "save, RAM full",
+        "bytes": nbytes,
         "seconds": statistics.median(seconds), "gb_per_s": nbytes / statistics.median(seconds) / 1e9,
         "writer_cpu_ms_per_block": statistics.median(cpu) * 1e3 if cpu else None,
     }  # fmt: skip
@@ -205,8 +214,9 @@ def _thread_cpu(tid: int | None) -> float | None:
 def _moving_down_line(row: dict[str, Any]) -> str:
     cpu = row["writer_cpu_ms_per_block"]
     per_block = f", the writer thread's CPU {cpu:.2f} ms a block" if cpu is not None else ""
+    onto = "a full disk tier" if row["op"] == "save, both full" else "disk"
     return (
-        f"{row['layout']}: saved through a full RAM tier onto disk, {row['bytes'] / 2**20:.1f} MiB in "
+        f"{row['layout']}: saved through a full RAM tier onto {onto}, {row['bytes'] / 2**20:.1f} MiB in "
         f"{row['seconds'] * 1e3:.1f} ms, {row['gb_per_s']:.2f} GB/s{per_block}\n"
     )
 
