@@ -8,7 +8,9 @@ read back through ``find`` and ``load`` (each file read and checked, then writte
 blocks). Beside them, the same bytes as one memcpy, written as plain files (one per block, no header
 or check) and read back as plain files. The disk tier's reads come from the page cache when the
 files are still in it (they are, right after writing, unless memory is short): the row measures the
-store's own cost, not the device.
+store's own cost, not the device. Then the write-back: the same blocks saved through a RAM tier a
+quarter of their size onto a disk tier that holds them all (``save, RAM full``) and onto one half of
+their size (``save, both full``), with the writer thread's CPU time per block.
 """
 
 from __future__ import annotations
