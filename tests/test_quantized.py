@@ -142,6 +142,28 @@ def test_w4a8_linear_equals_its_torch_twin_to_the_bit_and_is_batch_invariant(
     assert lin.packed_weight.numel() == -(-n // 64) * 64 * (k // 2 + 8 * (k // 32))
 
 
+
+def test_integer_tiles_hold_a_groups_largest_sums_exactly() -> None:
+    """Every input at the quantizer's bound against every weight at its own: the largest sums a group's
+    integer lanes hold (on AVX2, 16-bit pairs summed: 30480 for 4 bits, 32258 a pair for 8), each sign."""
+    n, k = 64, 128
+    sign = torch.ones(n, k)
+    sign[1::2] = -1.0  # odd columns negative
+    x = torch.ones(4, k)
+    x[1] = -1.0
+    x[2, 64:] = -1.0  # a row of each sign, and one whose later groups turn
+    x[3] = torch.where(torch.arange(k) % 2 == 0, 1.0, -1.0)
+    q, scale = torch.full((n, k), 127, dtype=torch.int8) * sign.to(torch.int8), torch.full((n,), 0.5)
+    eight = InvariantLinear(q.float() * 0.5, None, "w8a8", int8=(q, scale))
+    assert torch.equal(eight(x), w8a8_reference(x, q, scale, None))
+    assert eight(x)[0, 0].item() == 127 * 127 * k * 0.5 / 127  # x's scale 1 / 127: the whole sum, exact
+    top = GroupedWeight(torch.full((n, k), 15, dtype=torch.uint8), torch.full((n, k // 32), 0.25),
+                        torch.full((n, k // 32), -2.0), bits=4)  # fmt: skip
+    four = InvariantLinear(dequantize(top), None, "w4a8", top)
+    assert torch.equal(four(x), w4a8_reference(x, top, None))
+    with pytest.raises(ValueError, match="rejected"):  # -128 is no symmetric int8 weight
+        InvariantLinear(q.float(), None, "w8a8", int8=(torch.full((n, k), -128, dtype=torch.int8), scale))
+
 def test_int4_groups_span_their_range_within_half_a_step() -> None:
     torch.manual_seed(0)
     w = torch.randn(37, 96) * torch.linspace(0.01, 3.0, 37)[:, None]

@@ -38,8 +38,6 @@ static inline void transpose16(__m512i r[16]) {
 }
 
 #if defined(__AVX512VNNI__)
-typedef int32_t __attribute__((may_alias)) quad_t; /* four int8 values read as one word */
-
 /* acc + the products of a's unsigned and b's signed bytes, four a lane (VPDPBUSD). In assembly: GCC 12
  * wraps the intrinsic in register copies that doubled the loops' instructions. */
 static inline __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {

@@ -11,6 +11,8 @@
 #include <stdint.h>
 #include <string.h>
 
+typedef int32_t __attribute__((may_alias)) quad_t; /* four int8 values read as one word */
+
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t bits = (uint32_t)x << 16;
     float f;

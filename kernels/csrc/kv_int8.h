@@ -23,6 +23,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include "cpu_scalar.h" /* quad_t */
 
 #define INT8_SCALE_BYTES 4    /* a float32 scale a row: head_dim + 4 bytes a row */
 #define INT8_MAX_HEAD_DIM 256

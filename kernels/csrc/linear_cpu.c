@@ -63,16 +63,18 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h> /* AVX2 alone: the integer tiles (linear_w8a8.h, linear_w4a8.h) */
+#endif
 #if defined(__AVX512F__)
-#include <immintrin.h>
 #define HAVE_AVX512 1
 #if defined(__AVX512BF16__)
 #define HAVE_AVX512_BF16 1
 #endif
 #endif
 
-#include "cpu_avx512.h" /* widen_bf16x16; quad_t and dpbusd for linear_w8a8.h */
-#include "cpu_scalar.h"
+#include "cpu_avx512.h" /* widen_bf16x16; dpbusd for linear_w8a8.h */
+#include "cpu_scalar.h"   /* quad_t */
 
 #define COLS 64          /* output columns per panel: four 16-lane vectors */
 #define ROWS 6           /* rows per register tile: 6 x 4 accumulators */

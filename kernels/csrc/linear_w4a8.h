@@ -20,6 +20,13 @@
  * runs two VPDPBUSD per column vector: 64 multiply-adds an instruction where int4's bfloat16 path does
  * 32, from the same 4 bits a weight.
  *
+ * With AVX2 alone (no VNNI), VPMADDUBSW does the same products in pairs, summed in 16 bits: a group's
+ * 32 products of a column fall in 16-bit lanes two by two, each lane at most 16 * 15 * 127 = 30480 in
+ * magnitude (the inputs are clamped to -127..127), so the sums are exact without saturating, and
+ * VPMADDWD with ones widens each column's two lanes to its group's int32 sum once a group: the same
+ * integers, hence the same bits, as VPDPBUSD's path and plain C. A tile takes eight columns a vector,
+ * all four octets of a group, then the next eight columns.
+ *
  * Packed layout (bytes): d [panels][groups][64] float32, o the same, then each panel's octets of inputs,
  * panel[k / 8][64][4] uint8 (columns past n hold zero weights and zero d and o).
  * Included by linear_cpu.c after linear_w8a8.h (its quantize_rows, W8_GROUP, W8_ROWS, QUAD_CHUNK and
@@ -115,6 +122,36 @@ static inline __attribute__((always_inline)) void w4_tile_rows(const w4_job_t *j
             }
         }
         SUMS_IN_MEMORY(); /* as W8A8's tile */
+    }
+#elif defined(__AVX2__)
+    const quad_t *x[W8_ROWS];
+    for (int r = 0; r < rows; r++) x[r] = (const quad_t *)(j->xq + (m0 + r) * j->k);
+    const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int64_t g = i0 / W4_OCTETS; g < i1 / W4_OCTETS; g++) {
+        const int64_t first = g * W4_OCTETS;
+        for (int64_t i = first; i < first + W4_OCTETS; i++) prefetch_step(panel + i * COLS * 4, COLS * 4);
+        for (int c = 0; c < COLS / 8; c++) { /* eight columns a vector */
+            __m256i part[W8_ROWS];
+            for (int r = 0; r < rows; r++) part[r] = _mm256_setzero_si256();
+            for (int64_t i = first; i < first + W4_OCTETS; i++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(panel + i * COLS * 4 + 32 * c));
+                const __m256i lo = _mm256_and_si256(raw, nibble);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+                for (int r = 0; r < rows; r++) {
+                    const __m256i a = _mm256_set1_epi32(x[r][2 * i]), b = _mm256_set1_epi32(x[r][2 * i + 1]);
+                    part[r] = _mm256_add_epi16(part[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, a),
+                                                                         _mm256_maddubs_epi16(hi, b)));
+                }
+            }
+            for (int r = 0; r < rows; r++) {
+                const float sx = j->xs[(m0 + r) * groups + g];
+                float *a = acc + r * COLS + 8 * c;
+                const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(part[r], ones)), _mm256_set1_ps(sx));
+                const __m256 t = _mm256_fmadd_ps(_mm256_loadu_ps(d + g * COLS + 8 * c), u, _mm256_loadu_ps(a));
+                _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_loadu_ps(o + g * COLS + 8 * c),
+                                                    _mm256_set1_ps(group_sum(j, m0 + r, g, sx)), t));
+            }
+        }
     }
 #else
     for (int r = 0; r < rows; r++) {

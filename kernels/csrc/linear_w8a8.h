@@ -20,6 +20,12 @@
  * rate on the 2-core Zen 5 this was measured on, so steps bound by arithmetic (prompts, large batches)
  * run faster than in bfloat16.
  *
+ * With AVX2 alone (no VNNI), VPMADDUBSW multiplies the same bytes in pairs summed in 16 bits, which
+ * qw + 128 would overflow (2 * 255 * 127): the tile takes qw back (the top bit flipped) and multiplies
+ * |qx| by qw with qx's sign (VPSIGNB), each pair at most 2 * 127 * 127 = 32258, then widens the pairs to
+ * int32 (VPMADDWD with ones). The group's sum is the same integer, without the starting -128 sum qx,
+ * hence the same bits.
+ *
  * Packed layout (bytes): scales [panels][64] float32, then each panel's quads of inputs,
  * panel[k / 4][64][4] uint8 (qw + 128; columns past n hold 128, a zero weight).
  * Included by linear_cpu.c (COLS, ROW_BLOCK, the prefetch distance, the rounding helpers, w8a8(), the
@@ -42,10 +48,13 @@
  * 512 rows on the 2-core Zen 5, the same bits. */
 #define SUMS_IN_MEMORY() __asm__ volatile("" ::: "memory")
 
-/* Packs int8 weights q [n, k] (row stride q_stride) and their per-output scales [n] for dtypes 8 and 9.
- * Returns 0, or 1 on bad arguments (K not a multiple of 32 among them). */
+/* Packs int8 weights q [n, k] (row stride q_stride; symmetric, -127..127) and their per-output scales [n]
+ * for dtypes 8 and 9. Returns 0, or 1 on bad arguments (K not a multiple of 32, a weight of -128). */
 int pd_linear_pack_w8a8(const int8_t *q, int64_t q_stride, const float *scales, int64_t n, int64_t k, void *packed) {
     if (n <= 0 || k <= 0 || k % W8_GROUP || q_stride < k) return 1;
+    for (int64_t row = 0; row < n; row++)
+        for (int64_t i = 0; i < k; i++)
+            if (q[row * q_stride + i] == -128) return 1; /* beyond the AVX2 tile's 16-bit pairs */
     const int64_t panels = (n + COLS - 1) / COLS, k4 = k / 4;
     float *scale = (float *)packed;
     uint8_t *dst = (uint8_t *)(scale + panels * COLS);
@@ -182,6 +191,33 @@ static inline __attribute__((always_inline)) void w8_tile_rows(const w8_job_t *j
             }
         }
         SUMS_IN_MEMORY();
+    }
+#elif defined(__AVX2__)
+    const quad_t *x[W8_ROWS];
+    for (int r = 0; r < rows; r++) x[r] = (const quad_t *)(j->xq + (m0 + r) * j->k);
+    if (!i0) memset(acc, 0, (size_t)rows * COLS * sizeof(float));
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    for (int64_t g = i0 / W8_QUADS; g < i1 / W8_QUADS; g++) {
+        const int64_t first = g * W8_QUADS;
+        for (int64_t i = first; i < first + W8_QUADS; i++) prefetch_step(panel + i * COLS * 4, COLS * 4);
+        for (int c = 0; c < COLS / 8; c++) { /* eight columns a vector */
+            __m256i part[W8_ROWS];
+            for (int r = 0; r < rows; r++) part[r] = _mm256_setzero_si256();
+            for (int64_t i = first; i < first + W8_QUADS; i++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(panel + i * COLS * 4 + 32 * c));
+                const __m256i w = _mm256_xor_si256(raw, flip); /* qw + 128 back to qw */
+                for (int r = 0; r < rows; r++) {
+                    const __m256i a = _mm256_set1_epi32(x[r][i]);
+                    const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(a), _mm256_sign_epi8(w, a));
+                    part[r] = _mm256_add_epi32(part[r], _mm256_madd_epi16(pairs, ones));
+                }
+            }
+            for (int r = 0; r < rows; r++) {
+                float *a = acc + r * COLS + 8 * c;
+                const __m256 s = _mm256_set1_ps(j->xs[(m0 + r) * groups + g]);
+                _mm256_storeu_ps(a, _mm256_add_ps(_mm256_loadu_ps(a), _mm256_mul_ps(_mm256_cvtepi32_ps(part[r]), s)));
+            }
+        }
     }
 #else
     for (int r = 0; r < rows; r++) {
