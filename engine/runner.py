@@ -183,6 +183,11 @@ class ModelRunner:
         order. ``after_layer(i)``: called as each layer finishes."""
         return self.run(entries, after_layer)[0]
 
+    def _decoder_tokens(self) -> int:
+        """The most new tokens a sequence may have in a step that the C decoder serves: one where its
+        decode rows are not a prompt chunk's to the bit (``Decoder.rows_only``)."""
+        return min(1, self.decoder_chunk_tokens) if self.decoder.rows_only else self.decoder_chunk_tokens
+
     @torch.inference_mode()
     def run(
         self, entries: list[StepEntry], after_layer: Callable[[int], None] | None = None
@@ -190,7 +195,7 @@ class ModelRunner:
         """``step``'s logits, and the final hidden states ``[T, hidden]`` (after the last norm) of every
         token of the batch, the entries' tokens end to end: what embeddings are pooled from."""
         prepared = self.prepare(entries)
-        if self.decoder is not None and prepared.meta.max_query_len <= self.decoder_chunk_tokens:
+        if self.decoder is not None and prepared.meta.max_query_len <= self._decoder_tokens():
             model = self.model
             cos, sin = model.rotary(prepared.positions)
             x = model.model.embed_tokens(prepared.input_ids)  # [T, hidden], updated in place

@@ -10,8 +10,11 @@ and every invariance the kernels give holds on both paths (``tests/test_decoder_
 It serves decode steps (and the steps of short chunks the runner gives it) when every piece of a
 layer is a C kernel here: float32 or bfloat16 CPU tensors, batch-invariant linear layers
 (``linear_cpu``), the layer ops (``layer_ops_cpu``) and decode rows on the prompt kernel
-(``paged_attention_cpu.decodes_as_prefill``). ``Decoder.build`` returns None otherwise, and the
-model's own forward serves every step.
+(``paged_attention_cpu.decodes_as_prefill``). Float32 on a CPU without AVX-512 (decode rows on the
+decode kernel, ``csrc/paged_decode_cpu.c``, whose last bits differ from a prompt chunk's) is served
+too, but only steps whose every sequence has one new token (``rows_only``): a short chunk there takes
+the forward and the prompt kernel, as it does in any batch. ``Decoder.build`` returns None otherwise,
+and the model's own forward serves every step.
 """
 
 from __future__ import annotations
@@ -101,10 +104,17 @@ class Decoder:
         self.dtype = dtype = model.model.norm.weight.dtype
         ops = layer_ops_cpu.kernel_addresses()
         int8 = kv_caches[0].dtype == torch.int8  # an int8 cache is tiled, written by pd_store_kv_int8
+        # True: decode rows take the decode kernel (their bits are not a prompt chunk's), so this serves
+        # steps of one new token a sequence only; the runner gives it no others
+        self.rows_only = not (tiled or paged_attention_cpu.decodes_as_prefill(dtype))
+        rows = (
+            paged_attention_cpu.decode_kernel_rows_address()
+            if self.rows_only
+            else paged_attention_cpu.decode_rows_address(dtype, tiled, int8)
+        )
         self._kernels = _Kernels(
             ops["rms_norm"], linear_cpu.kernel_address(), ops["rope"], ops["silu_mul"], ops["store_kv"],
-            tiled_kv_cpu.store_kv_tiled_address(int8) if tiled else None,
-            paged_attention_cpu.decode_rows_address(dtype, tiled, int8),
+            tiled_kv_cpu.store_kv_tiled_address(int8) if tiled else None, rows,
         )  # fmt: skip
         _, num_blocks, block_size, _, _ = kv_caches[0].shape
         self._shape = _Shape(
@@ -145,7 +155,7 @@ class Decoder:
             or not weight.is_cpu
             or not layer_ops_cpu.supports(weight)
             or _library() is None
-            or not paged_attention_cpu.decodes_as_prefill(weight.dtype)
+            or not (paged_attention_cpu.decodes_as_prefill(weight.dtype) or weight.dtype == torch.float32)
         ):
             return None
         for layer in model.model.layers:  # each linear in a format of its own (quantized or not)

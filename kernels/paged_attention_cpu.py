@@ -244,6 +244,13 @@ def decode_rows_address(dtype: torch.dtype, tiled: bool = False, int8: bool = Fa
     return ctypes.cast(_decode_rows_kernel(dtype, tiled, int8), ctypes.c_void_p).value
 
 
+def decode_kernel_rows_address() -> int:
+    """The address of ``csrc/paged_decode_cpu.c``'s ``pd_paged_decode_rows_f32``: float32 decode rows on
+    the decode kernel with ``pd_paged_decode_rows``'s arguments, for C code that calls it where
+    ``decodes_as_prefill(torch.float32)`` does not hold (``decoder_cpu``: what ``decode_rows`` runs)."""
+    return ctypes.cast(_library().pd_paged_decode_rows_f32, ctypes.c_void_p).value
+
+
 def _decode_rows_kernel(dtype: torch.dtype, tiled: bool, int8: bool) -> ctypes._CFuncPtr:
     lib = prefill_library(dtype)
     if int8:

@@ -25,9 +25,14 @@
 #pragma GCC optimize("finite-math-only", "no-signed-zeros")
 #include <float.h>
 #include <math.h>
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define HAVE_AVX512_BF16 1 /* bfloat16 rows with head_dim % 32 == 0 take the intrinsics below */
+#endif
+#if defined(__AVX2__)
+#define HAVE_AVX2 1 /* float32 rows take the 8-lane intrinsics below, in plain C's order of every sum */
 #endif
 #include <stdint.h>
 #include <stdlib.h>
@@ -104,6 +109,16 @@ static inline int bf16_fast(int dtype, int d) {
 #else
     (void)dtype;
     (void)d;
+    return 0;
+#endif
+}
+
+/* Whether float32 rows take the AVX2 functions below (head_dim is a multiple of LANES). */
+static inline int f32_fast(int dtype) {
+#ifdef HAVE_AVX2
+    return dtype == 0;
+#else
+    (void)dtype;
     return 0;
 #endif
 }
@@ -240,6 +255,98 @@ static int values_in_registers(const job_t *j, const int32_t *table, int n, int 
 }
 #endif
 
+#ifdef HAVE_AVX2
+/* dot_key's lane tree for eight keys at once: s[u] holds key u's 16 partial sums folded once (lanes j
+ * and j + 8 added, as dot_key's first step), and lane u of the result is the rest of the tree,
+ * (s_0 + s_4) + (s_2 + s_6) + ((s_1 + s_5) + (s_3 + s_7)) of s[u]'s lanes: the same adds, so the same bits. */
+static inline __m256 sum_lanes8(const __m256 s[8]) {
+    __m256 t[4], r[2];
+    for (int i = 0; i < 4; i++) /* lanes j + 4 onto j: key 2i in the low half, 2i + 1 in the high one */
+        t[i] = _mm256_add_ps(_mm256_permute2f128_ps(s[2 * i], s[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(s[2 * i], s[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; i++) /* lanes j + 2 onto j: keys 4i, 4i + 2 low; 4i + 1, 4i + 3 high */
+        r[i] = _mm256_add_ps(_mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44),
+                             _mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0xee));
+    /* lane 1 onto lane 0: keys 0, 2, 4, 6 low, 1, 3, 5, 7 high; then into key order */
+    const __m256 f = _mm256_add_ps(_mm256_shuffle_ps(r[0], r[1], 0x88), _mm256_shuffle_ps(r[0], r[1], 0xdd));
+    return _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* Step 1 for float32 rows, the cnt <= 8 tokens from t0: dot_key's products and sums, each key's kept in
+ * a vector until sum_lanes8 finishes eight of them together. Writes scores[i * n + t]. */
+static void scores8_f32(const job_t *j, const int32_t *table, const float *q, int t0, int cnt, int n, int h0,
+                        int heads, float *scores) {
+    const int d = j->head_dim, group = j->q_heads / j->kv_heads;
+    const float *rows[8];
+    for (int u = 0; u < 8; u++) /* past cnt: token t0 again, its sums unused */
+        rows[u] = (const float *)j->k + (token_row(j, table, t0 + (u < cnt ? u : 0)) + h0) * d;
+    const __m256 scale = _mm256_set1_ps(j->scale);
+    const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(cnt), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    for (int i = 0; i < heads; i++) {
+        const float *qi = q + (int64_t)i * d;
+        __m256 s[8];
+        for (int u = 0; u < 8; u++) {
+            const float *kr = rows[u] + (int64_t)(i / group) * d;
+            __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps(); /* dot_key's lanes 0-7 and 8-15 */
+            for (int x = 0; x < d; x += LANES) {
+                a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_loadu_ps(qi + x), _mm256_loadu_ps(kr + x)));
+                b = _mm256_add_ps(b, _mm256_mul_ps(_mm256_loadu_ps(qi + x + 8), _mm256_loadu_ps(kr + x + 8)));
+            }
+            s[u] = _mm256_add_ps(a, b);
+        }
+        _mm256_maskstore_ps(scores + (int64_t)i * n + t0, live, _mm256_mul_ps(sum_lanes8(s), scale));
+    }
+}
+
+/* Step 3 for float32 rows of kv head h: G query heads (scores p, sums acc, rows of n and head_dim) over
+ * the V 8-float vectors of dimensions from x0, the sums in registers; add_value's multiplies and adds in
+ * its token order, so the same bits. `ask`: prefetch the values ahead (the head's first pass). */
+static inline __attribute__((always_inline)) void values_f32(const job_t *j, const int32_t *table, int n, int h,
+                                                             const float *p, float *acc, int x0, int ask,
+                                                             const int G, const int V) {
+    const int d = j->head_dim;
+    __m256 sum[12];
+    for (int x = 0; x < G * V; x++) sum[x] = _mm256_setzero_ps();
+    for (int t = 0; t < n; t++) {
+        if (ask) prefetch_token(j, j->v, table, t + PREFETCH_TOKENS, n, h, h + 1);
+        const float *vr = (const float *)j->v + (token_row(j, table, t) + h) * d + x0;
+        __m256 w[3];
+        for (int g = 0; g < G; g++) w[g] = _mm256_set1_ps(p[(int64_t)g * n + t]);
+        for (int c = 0; c < V; c++) {
+            const __m256 x = _mm256_loadu_ps(vr + 8 * c);
+            for (int g = 0; g < G; g++) sum[g * V + c] = _mm256_add_ps(sum[g * V + c], _mm256_mul_ps(w[g], x));
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < V; c++) _mm256_storeu_ps(acc + (int64_t)g * d + x0 + 8 * c, sum[g * V + c]);
+}
+
+/* Step 3 for float32 rows, kv head by kv head: up to three of its query heads at a time, 32 dimensions
+ * at a time (16 where head_dim leaves them), twelve sums or fewer in registers. */
+static void values_f32_heads(const job_t *j, const int32_t *table, int n, int h0, int h1, const float *scores,
+                             float *acc) {
+    const int group = j->q_heads / j->kv_heads, d = j->head_dim;
+    for (int h = h0; h < h1; h++)
+        for (int g0 = 0; g0 < group; g0 += 3) {
+            const int64_t first = (int64_t)(h - h0) * group + g0; /* the pass's first query head in the item */
+            const float *p = scores + first * n;
+            float *a = acc + first * d;
+            const int heads = group - g0 < 3 ? group - g0 : 3;
+            for (int x0 = 0; x0 < d; x0 += 32) {
+                const int ask = g0 == 0 && x0 == 0, shape = heads * 10 + (d - x0 >= 32 ? 4 : 2);
+                switch (shape) {
+                case 14: values_f32(j, table, n, h, p, a, x0, ask, 1, 4); break;
+                case 12: values_f32(j, table, n, h, p, a, x0, ask, 1, 2); break;
+                case 24: values_f32(j, table, n, h, p, a, x0, ask, 2, 4); break;
+                case 22: values_f32(j, table, n, h, p, a, x0, ask, 2, 2); break;
+                case 34: values_f32(j, table, n, h, p, a, x0, ask, 3, 4); break;
+                default: values_f32(j, table, n, h, p, a, x0, ask, 3, 2); break;
+                }
+            }
+        }
+}
+#endif
+
 /* One work item: query heads [qh0, qh1) of one row, over the kv heads they share. Scratch holds
  * (qh1 - qh0) * (ctx + head_dim * 2) floats. Keys and values are read token by token, each token's
  * kv heads of the range being contiguous, so the reads stream through every block in order. */
@@ -267,6 +374,14 @@ static void attend_item(const job_t *j, int item, float *scratch) {
         }
     } else
 #endif
+#ifdef HAVE_AVX2
+    if (f32_fast(j->dtype)) {
+        for (int t0 = 0; t0 < n; t0 += 8) {
+            for (int u = 0; u < 8; u++) prefetch_token(j, j->k, table, t0 + PREFETCH_TOKENS + u, n, h0, h1);
+            scores8_f32(j, table, q, t0, n - t0 < 8 ? n - t0 : 8, n, h0, heads, scores);
+        }
+    } else
+#endif
         for (int t = 0; t < n; t++) {
             const int64_t base = token_row(j, table, t);
             prefetch_token(j, j->k, table, t + PREFETCH_TOKENS, n, h0, h1);
@@ -286,9 +401,15 @@ static void attend_item(const job_t *j, int item, float *scratch) {
     }
     /* 3. weighted sum of values */
 #ifdef HAVE_AVX512_BF16
-    const int done = bf16_fast(j->dtype, d) && values_in_registers(j, table, n, h0, h1, scores, acc);
+    int done = bf16_fast(j->dtype, d) && values_in_registers(j, table, n, h0, h1, scores, acc);
 #else
-    const int done = 0;
+    int done = 0;
+#endif
+#ifdef HAVE_AVX2
+    if (!done && f32_fast(j->dtype)) {
+        values_f32_heads(j, table, n, h0, h1, scores, acc);
+        done = 1;
+    }
 #endif
     for (int t = 0; t < n && !done; t++) {
         const int64_t base = token_row(j, table, t);
@@ -350,4 +471,14 @@ int pd_paged_decode_attention(const void *q, int64_t q_stride, const void *k, co
         free(scratch);
     }
     return status;
+}
+
+/* pd_paged_decode_attention for float32 rows with the arguments of the prompt kernels' pd_paged_decode_rows,
+ * for decoder_cpu.c on CPUs whose float32 decode rows take this kernel (no AVX-512: paged_attention_cpu.py). */
+int pd_paged_decode_rows_f32(const void *q, int64_t q_stride, const void *k, const void *v, const int32_t *tables,
+                             int64_t tables_stride, const int32_t *row_token, const int32_t *row_seq,
+                             const int32_t *ctx_lens, void *out, int rows, int q_heads, int kv_heads, int head_dim,
+                             int block_size, float scale, int threads) {
+    return pd_paged_decode_attention(q, q_stride, k, v, tables, tables_stride, row_token, row_seq, ctx_lens, out,
+                                     rows, q_heads, kv_heads, head_dim, block_size, scale, 0, threads);
 }
