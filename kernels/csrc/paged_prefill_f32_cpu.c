@@ -94,30 +94,45 @@ static void pack_head(const job_t *j, int h, float *kp, float *vp) {
     }
 }
 
-/* 16 floats as one value: one zmm with AVX-512, two ymm with AVX2 (GCC vector extensions); aligned(4)
- * lets it be loaded from and stored to any float address. */
-typedef float vec16 __attribute__((vector_size(64), aligned(4)));
+/* The CPU's own vector of floats: 16 (a zmm) with AVX-512, 8 (a ymm) elsewhere (GCC vector extensions;
+ * aligned(4) lets it be loaded from and stored to any float address). A 16-float panel row is NV of them:
+ * a 64-byte vector type on AVX2 was lowered through the stack (a 512-token prompt at 7 GFLOP/s). */
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+#define NV (PANEL / VW)
+typedef float vecw __attribute__((vector_size(VW * 4), aligned(4)));
 
 /* s[m][0:PANEL] = scale * q[m] . k for MR query rows against one key panel. */
 static inline void qk_block(const float *q, int d, const float *panel, float scale, float *s, int64_t lds) {
-    vec16 acc[MR];
-    for (int m = 0; m < MR; m++) acc[m] = (vec16){0};
+    vecw acc[MR][NV];
+    for (int m = 0; m < MR; m++)
+        for (int v = 0; v < NV; v++) acc[m][v] = (vecw){0};
     for (int c = 0; c < d; c++) {
-        const vec16 b = *(const vec16 *)(panel + c * PANEL);
-        for (int m = 0; m < MR; m++) acc[m] += q[m * d + c] * b;
+        vecw b[NV];
+        for (int v = 0; v < NV; v++) b[v] = *(const vecw *)(panel + c * PANEL + v * VW);
+        for (int m = 0; m < MR; m++)
+            for (int v = 0; v < NV; v++) acc[m][v] += q[m * d + c] * b[v];
     }
-    for (int m = 0; m < MR; m++) *(vec16 *)(s + m * lds) = acc[m] * scale;
+    for (int m = 0; m < MR; m++)
+        for (int v = 0; v < NV; v++) *(vecw *)(s + m * lds + v * VW) = acc[m][v] * scale;
 }
 
 /* o[m][c0:c0+PANEL] = sum over keys of p[m][t] * v[t][c0:c0+PANEL], for MR rows. */
 static inline void pv_block(const float *p, int64_t ldp, int keys, const float *vp, int d, int c0, float *o) {
-    vec16 acc[MR];
-    for (int m = 0; m < MR; m++) acc[m] = (vec16){0};
+    vecw acc[MR][NV];
+    for (int m = 0; m < MR; m++)
+        for (int v = 0; v < NV; v++) acc[m][v] = (vecw){0};
     for (int t = 0; t < keys; t++) {
-        const vec16 b = *(const vec16 *)(vp + (int64_t)t * d + c0);
-        for (int m = 0; m < MR; m++) acc[m] += p[m * ldp + t] * b;
+        vecw b[NV];
+        for (int v = 0; v < NV; v++) b[v] = *(const vecw *)(vp + (int64_t)t * d + c0 + v * VW);
+        for (int m = 0; m < MR; m++)
+            for (int v = 0; v < NV; v++) acc[m][v] += p[m * ldp + t] * b[v];
     }
-    for (int m = 0; m < MR; m++) *(vec16 *)(o + m * d + c0) = acc[m];
+    for (int m = 0; m < MR; m++)
+        for (int v = 0; v < NV; v++) *(vecw *)(o + m * d + c0 + v * VW) = acc[m][v];
 }
 
 /* Exact softmax weights of s[0:n] in place, zero from n to width; returns 1 / their sum. */
