@@ -219,9 +219,9 @@ int pd_paged_prefill_f32(const float *q, int64_t q_stride, const float *k, const
 #if defined(__AVX512F__)
 #include "cpu_decode_rows.h"
 
-/* Decode rows run through this kernel only with AVX-512: on AVX2 the 16-float vectors of its blocks
- * spill (a decode row took 7 times the decode kernel's time), so there decode rows stay on
- * paged_decode_cpu.c and the library has no pd_paged_decode_rows. */
+/* Decode rows run through this kernel only with AVX-512: on AVX2 a decode row here took 1.5-1.8x the
+ * decode kernel's time from 8 rows on (7 times before the blocks took the native width), so there
+ * decode rows stay on paged_decode_cpu.c and the library has no pd_paged_decode_rows. */
 
 /* Decode rows with this kernel's arithmetic, as pd_paged_decode_rows in paged_prefill_cpu.c: row r is
  * token row_token[r] of q, the last of the ctx_lens[r] cached tokens of sequence row_seq[r] (block
