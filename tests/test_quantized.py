@@ -142,7 +142,6 @@ def test_w4a8_linear_equals_its_torch_twin_to_the_bit_and_is_batch_invariant(
     assert lin.packed_weight.numel() == -(-n // 64) * 64 * (k // 2 + 8 * (k // 32))
 
 
-
 def test_integer_tiles_hold_a_groups_largest_sums_exactly() -> None:
     """Every input at the quantizer's bound against every weight at its own: the largest sums a group's
     integer lanes hold (on AVX2, 16-bit pairs summed: 30480 for 4 bits, 32258 a pair for 8), each sign."""
@@ -163,6 +162,7 @@ def test_integer_tiles_hold_a_groups_largest_sums_exactly() -> None:
     assert torch.equal(four(x), w4a8_reference(x, top, None))
     with pytest.raises(ValueError, match="rejected"):  # -128 is no symmetric int8 weight
         InvariantLinear(q.float(), None, "w8a8", int8=(torch.full((n, k), -128, dtype=torch.int8), scale))
+
 
 def test_int4_groups_span_their_range_within_half_a_step() -> None:
     torch.manual_seed(0)

@@ -257,8 +257,8 @@ static int values_in_registers(const job_t *j, const int32_t *table, int n, int 
 
 #ifdef HAVE_AVX2
 /* dot_key's lane tree for eight keys at once: s[u] holds key u's 16 partial sums folded once (lanes j
- * and j + 8 added, as dot_key's first step), and lane u of the result is the rest of the tree,
- * (s_0 + s_4) + (s_2 + s_6) + ((s_1 + s_5) + (s_3 + s_7)) of s[u]'s lanes: the same adds, so the same bits. */
+ * and j + 8 added, as dot_key's first step), and lane u of the result is the rest of the tree over
+ * s[u]'s lanes, ((s_0 + s_4) + (s_2 + s_6)) + ((s_1 + s_5) + (s_3 + s_7)): the same adds, the same bits. */
 static inline __m256 sum_lanes8(const __m256 s[8]) {
     __m256 t[4], r[2];
     for (int i = 0; i < 4; i++) /* lanes j + 4 onto j: key 2i in the low half, 2i + 1 in the high one */
